@@ -1,0 +1,58 @@
+"""Pure-torch reference attention over the paged cache: runs on any device, one sequence at a time.
+
+It gathers each sequence's context through its page table and applies a causal mask at the span's
+offset. Fast kernels are checked against this backend.
+"""
+from __future__ import annotations
+
+import torch
+
+from dserve.attention.backend import AttentionBackend, ForwardBatch
+
+
+class TorchBackend(AttentionBackend):
+    def plan(self, batch: ForwardBatch) -> None:
+        ps = self.pool.layout.page_size
+        self.batch = batch
+        self.ctx_slots, self.masks, self.q_starts = [], [], []
+        start = 0
+        for i, (q_len, seq_len) in enumerate(zip(batch.q_lens, batch.seq_lens)):
+            pos = torch.arange(seq_len, device=batch.page_table.device)
+            self.ctx_slots.append(batch.page_table[i, pos // ps] * ps + pos % ps)
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=pos.device)
+            self.masks.append(pos[None, :] <= q_pos[:, None])  # [q_len, seq_len]
+            self.q_starts.append(start)
+            start += q_len
+
+    def _spans(self):
+        for i, q_len in enumerate(self.batch.q_lens):
+            s = self.q_starts[i]
+            yield slice(s, s + q_len), self.ctx_slots[i], self.masks[i]
+
+    def forward_mha(self, layer, q, k, v, scale):
+        k_cache, v_cache = self.pool.slots(layer, 0), self.pool.slots(layer, 1)
+        k_cache[self.batch.out_slots] = k.to(k_cache.dtype)
+        v_cache[self.batch.out_slots] = v.to(v_cache.dtype)
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+        group = q.shape[1] // k.shape[1]
+        for rows, slots, mask in self._spans():
+            keys = k_cache[slots].to(q.dtype).repeat_interleave(group, dim=1)  # [S, Hq, D]
+            values = v_cache[slots].to(q.dtype).repeat_interleave(group, dim=1)
+            scores = torch.einsum("qhd,khd->hqk", q[rows], keys) * scale
+            probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+            out[rows] = torch.einsum("hqk,khd->qhd", probs, values)
+        return out
+
+    def forward_mla(self, layer, q_latent, q_rope, latent, scale):
+        cache = self.pool.slots(layer, 0)
+        cache[self.batch.out_slots] = latent.to(cache.dtype)
+        rank = q_latent.shape[-1]
+        out = q_latent.new_empty(q_latent.shape)
+        for rows, slots, mask in self._spans():
+            ctx = cache[slots].to(q_latent.dtype)  # [S, R + P]
+            c_kv, k_rope = ctx[:, :rank], ctx[:, rank:]
+            scores = (torch.einsum("qhr,kr->hqk", q_latent[rows], c_kv)
+                      + torch.einsum("qhp,kp->hqk", q_rope[rows], k_rope)) * scale
+            probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1, dtype=torch.float32).to(q_latent.dtype)
+            out[rows] = torch.einsum("hqk,kr->qhr", probs, c_kv)
+        return out

@@ -1,0 +1,97 @@
+"""What every served model shares: decoder layer, causal LM skeleton and checkpoint key mapping.
+
+A family supplies only its attention module (`attention_cls`); the rest (norms, dense MLP or MoE
+per layer, embedding, final norm, LM head) is common to DeepSeek-V2/V3 and GLM-4.5.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from dserve.attention.backend import AttentionBackend, ForwardBatch
+from dserve.models.config import ModelConfig
+from dserve.models.layers.linear import ParallelLMHead, VocabParallelEmbedding
+from dserve.models.layers.mlp import GatedMLP
+from dserve.models.layers.moe import MoE
+from dserve.models.layers.norm import RMSNorm
+from dserve.models.layers.rotary import RotaryEmbedding
+from dserve.models.parallel import SINGLE, ParallelContext
+from dserve.models.weights import SKIP
+
+_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, attention_cls: type, ctx: ParallelContext):
+        super().__init__()
+        self.layer_id = layer_id
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = attention_cls(cfg, layer_id, ctx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoE(cfg, ctx) if cfg.is_moe_layer(layer_id) else GatedMLP(cfg.hidden_size, cfg.intermediate_size, ctx)
+
+    def forward(self, hidden: torch.Tensor, cos_sin, backend: AttentionBackend) -> torch.Tensor:
+        residual = hidden
+        hidden = residual + self.self_attn(self.input_layernorm(hidden), cos_sin, backend)
+        residual = hidden
+        return residual + self.mlp(self.post_attention_layernorm(hidden))
+
+    def map_key(self, suffix: str) -> tuple[str, object] | None:
+        if suffix in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+            return suffix, None
+        if suffix.startswith("self_attn."):
+            mapped = self.self_attn.map_key(suffix[len("self_attn."):])
+            return (f"self_attn.{mapped[0]}", mapped[1]) if mapped else None
+        if suffix.startswith("mlp."):
+            mapped = self.mlp.map_key(suffix[len("mlp."):])
+            return (f"mlp.{mapped[0]}", mapped[1]) if mapped else None
+        return None
+
+
+class CausalLM(nn.Module):
+    attention_cls: type = None
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext = SINGLE):
+        super().__init__()
+        self.cfg, self.ctx = cfg, ctx
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx)
+        self.rotary = RotaryEmbedding(cfg.rope)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.attention_cls, ctx) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx)
+
+    def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
+        """Hidden states after the final norm for every new token of the batch, [T, hidden]."""
+        backend.plan(batch)
+        hidden = self.embed_tokens(batch.input_ids)
+        cos_sin = self.rotary.cos_sin(batch.positions, hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, cos_sin, backend)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.lm_head if self.lm_head is not None else self.embed_tokens
+        return ParallelLMHead.forward(head, hidden).float()
+
+    def map_checkpoint_key(self, key: str) -> tuple[str, object] | None:
+        if key.endswith("rotary_emb.inv_freq"):
+            return SKIP
+        if key == "model.embed_tokens.weight":
+            return "embed_tokens.weight", None
+        if key == "model.norm.weight":
+            return "norm.weight", None
+        if key == "lm_head.weight":
+            return ("lm_head.weight", None) if self.lm_head is not None else SKIP
+        match = _LAYER_KEY.match(key)
+        if match:
+            layer_id = int(match.group(1))
+            if layer_id >= self.cfg.num_hidden_layers:
+                return SKIP  # MTP (NextN) layers: loaded by the draft model, not the target
+            mapped = self.layers[layer_id].map_key(match.group(2))
+            return (f"layers.{layer_id}.{mapped[0]}", mapped[1]) if mapped else None
+        return None

@@ -1,0 +1,37 @@
+"""Build a served model from a checkpoint directory: resolve the architecture, create the modules on
+the target device and dtype, and load this rank's slice of every tensor."""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from dserve.models.config import ModelConfig
+from dserve.models.parallel import SINGLE, ParallelContext
+from dserve.models.registry import resolve
+from dserve.models.weights import load_weights
+
+log = logging.getLogger("dserve.models")
+
+
+def load_model(model_path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+               ctx: ParallelContext = SINGLE, progress: bool = True) -> tuple[ModelConfig, torch.nn.Module]:
+    cfg, model_cls = resolve(model_path)
+    start = time.perf_counter()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = model_cls(cfg, ctx)
+    finally:
+        torch.set_default_dtype(previous)
+    load_weights(model, model_path, model.map_checkpoint_key, progress=progress)
+    model.eval()
+    log.info("loaded %s (%s) in %.1fs: %.1f MB of parameters on %s", model_path, cfg.architecture,
+             time.perf_counter() - start, parameter_bytes(model) / 1e6, device)
+    return cfg, model
+
+
+def parameter_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())

@@ -1,0 +1,144 @@
+"""Tiny random checkpoints written through `transformers` (`save_pretrained`, sharded safetensors,
+published key layout) plus a small byte-level BPE tokenizer, so tests and the demo need no download.
+
+`--mtp` appends one NextN layer as DeepSeek/GLM publish it: `model.layers.{num_hidden_layers}.`
+`{enorm,hnorm,eh_proj,shared_head.norm,shared_head.head,embed_tokens,self_attn.*,mlp.*,...}`.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+ARCHES = ("deepseek_v3", "deepseek_v2", "glm4_moe")
+SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|system|>", "<|user|>", "<|assistant|>", "<|pad|>"]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+CORPUS = """The quick brown fox jumps over the lazy dog. A serving engine splits prefill and decode.
+Prefill computes the key value cache of the prompt; decode generates one token at a time.
+Pages of sixteen tokens hold the cache, and a page table maps each request to its pages.
+Mixture of experts layers route every token to a few experts chosen by a small router.
+Latent attention stores one compressed vector per token instead of keys and values per head.
+Speculative decoding drafts several tokens and verifies them with one pass of the target model.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Punctuation: , . ; : ! ? ( ) [ ] { } " ' - + = / *
+Hello world! How are you today? Tell me a story about a robot who learns to paint.
+Once upon a time there was a small model that wanted to be exactly like its reference.
+"""
+
+
+def train_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([CORPUS] * 4, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>",
+        pad_token="<|pad|>", chat_template=CHAT_TEMPLATE, model_max_length=4096)
+
+
+def _hf_config(arch: str, vocab_size: int, bos: int, eos: int, num_layers: int):
+    import transformers as tf
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                  num_hidden_layers=num_layers, num_attention_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+                  n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=1024,
+                  bos_token_id=bos, eos_token_id=eos, pad_token_id=None, initializer_range=0.1,
+                  tie_word_embeddings=False)
+    if arch == "deepseek_v3":
+        return tf.DeepseekV3Config(
+            **common, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16,
+            qk_nope_head_dim=16, v_head_dim=24, n_group=4, topk_group=2, norm_topk_prob=True,
+            routed_scaling_factor=2.5, num_nextn_predict_layers=0,
+            rope_scaling={"type": "yarn", "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
+                          "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
+    if arch == "deepseek_v2":
+        return tf.DeepseekV2Config(
+            **common, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16,
+            qk_nope_head_dim=16, v_head_dim=24, n_group=4, topk_group=2, topk_method="group_limited_greedy",
+            routed_scaling_factor=1.5)
+    if arch == "glm4_moe":
+        return tf.Glm4MoeConfig(
+            **common, num_key_value_heads=2, head_dim=32, attention_bias=True, use_qk_norm=True,
+            partial_rotary_factor=0.5, n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.0,
+            num_nextn_predict_layers=0)
+    raise ValueError(f"unknown tiny architecture {arch!r}; choose from {', '.join(ARCHES)}")
+
+
+def _model_class(arch: str):
+    import transformers as tf
+
+    return {"deepseek_v3": tf.DeepseekV3ForCausalLM, "deepseek_v2": tf.DeepseekV2ForCausalLM,
+            "glm4_moe": tf.Glm4MoeForCausalLM}[arch]
+
+
+def make_tiny(arch: str, out: str, mtp: bool = False, seed: int = 0, vocab_size: int = 512,
+              num_layers: int = 3) -> str:
+    """Write a tiny random checkpoint of `arch` into `out`; returns `out`."""
+    torch.manual_seed(seed)
+    tokenizer = train_tokenizer(vocab_size)
+    cfg = _hf_config(arch, vocab_size, tokenizer.bos_token_id, tokenizer.eos_token_id, num_layers)
+    model = _model_class(arch)(cfg).eval()
+    with torch.no_grad():  # make the routing bias matter: the published checkpoints' is far from zero
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.rand_like(buf) * 0.1)
+    os.makedirs(out, exist_ok=True)
+    model.save_pretrained(out, max_shard_size="300KB")
+    tokenizer.save_pretrained(out)
+    if mtp:
+        _append_mtp_layer(arch, cfg, out, seed)
+    return out
+
+
+def _append_mtp_layer(arch: str, cfg, out: str, seed: int) -> None:
+    """One more decoder layer (from a deeper random model) plus the NextN projection tensors."""
+    from safetensors.torch import save_file
+
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    torch.manual_seed(seed + 1)
+    n, h, v = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size
+    deeper = type(cfg)(**{**cfg.to_dict(), "num_hidden_layers": n + 1})
+    prefix = f"model.layers.{n}."
+    tensors = {}
+    with tempfile.TemporaryDirectory() as tmp:  # save_pretrained writes the published per-expert layout
+        _model_class(arch)(deeper).save_pretrained(tmp)
+        for name in sorted(os.listdir(tmp)):
+            if name.endswith(".safetensors"):
+                tensors.update({k: t for k, t in load_file(os.path.join(tmp, name)).items() if k.startswith(prefix)})
+    std = cfg.initializer_range
+    tensors.update({
+        f"model.layers.{n}.enorm.weight": 1 + 0.1 * torch.randn(h),
+        f"model.layers.{n}.hnorm.weight": 1 + 0.1 * torch.randn(h),
+        f"model.layers.{n}.eh_proj.weight": std * torch.randn(h, 2 * h),
+        f"model.layers.{n}.shared_head.norm.weight": 1 + 0.1 * torch.randn(h),
+        f"model.layers.{n}.shared_head.head.weight": std * torch.randn(v, h),
+        f"model.layers.{n}.embed_tokens.weight": std * torch.randn(v, h),
+    })
+    for name, t in tensors.items():
+        if name.endswith("e_score_correction_bias"):
+            tensors[name] = torch.rand_like(t) * 0.1
+    shard = "model-mtp.safetensors"
+    save_file(tensors, os.path.join(out, shard), metadata={"format": "pt"})
+    index_path = os.path.join(out, "model.safetensors.index.json")
+    with open(index_path) as f:
+        index = json.load(f)
+    index["weight_map"].update({name: shard for name in tensors})
+    with open(index_path, "w") as f:
+        json.dump(index, f, indent=2)
+    config_path = os.path.join(out, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["num_nextn_predict_layers"] = 1
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2)

@@ -1,0 +1,96 @@
+"""The `dserve` command line. Engine flags are generated from `EngineConfig`, so every Engine keyword
+argument is a flag of the same name in kebab case."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import typing
+
+from dserve.runtime.config import EngineConfig
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field (`model_path` is `--model`)."""
+    hints = typing.get_type_hints(EngineConfig)
+    group = parser.add_argument_group("engine")
+    for field in dataclasses.fields(EngineConfig):
+        if field.name == "model_path":
+            group.add_argument("--model", "--model-path", dest="model_path", required=True,
+                               help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer)")
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        hint = hints[field.name]
+        if hint is bool:
+            group.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=field.default)
+        else:
+            base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
+            group.add_argument(flag, dest=field.name, type=base, default=field.default,
+                               help=f"(default: {field.default})")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name != "model_path"}
+
+
+def _cmd_make_tiny(args: argparse.Namespace) -> None:
+    from dserve.models.tiny import make_tiny
+
+    out = make_tiny(args.arch, args.out, mtp=args.mtp, seed=args.seed)
+    print(f"wrote a tiny {args.arch} checkpoint{' with an MTP layer' if args.mtp else ''} to {out}")
+
+
+def _cmd_generate(args: argparse.Namespace) -> None:
+    from dserve.runtime.engine import Engine
+    from dserve.scheduler.request import SamplingParams
+
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+    with Engine(args.model_path, **engine_kwargs(args)) as engine:
+        for result in engine.generate(list(args.prompt), sampling_params=params):
+            print(json.dumps({"text": result.text, "output_ids": result.output_ids,
+                              "finish_reason": result.finish_reason, "meta": result.meta}))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dserve", description="Disaggregated LLM inference for DeepSeek-V3/R1 and GLM-4.5 class MoE models.")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    tiny = sub.add_parser("make-tiny", help="write a tiny random checkpoint (for tests and demos)",
+                          description="Write a tiny random checkpoint through transformers' save_pretrained.")
+    tiny.add_argument("--arch", required=True, choices=["deepseek_v3", "deepseek_v2", "glm4_moe"])
+    tiny.add_argument("--out", required=True, help="output directory")
+    tiny.add_argument("--mtp", action="store_true", help="append one MTP (NextN) layer in the public key layout")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=_cmd_make_tiny)
+
+    gen = sub.add_parser("generate", help="generate offline for prompts given on the command line",
+                         description="Run the engine in this process on the given prompts; one JSON line each.")
+    gen.add_argument("prompt", nargs="+", help="prompt text (several allowed)")
+    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    add_engine_flags(gen)
+    gen.set_defaults(func=_cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        args.func(args)
+    except ValueError as e:
+        print(f"dserve {args.command}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

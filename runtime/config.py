@@ -1,0 +1,52 @@
+"""Engine configuration: one typed dataclass whose fields are the `Engine` keyword arguments and, in
+kebab case, the CLI flags of `dserve serve|prefill|decode`."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class EngineConfig:
+    model_path: str
+    device: str = "auto"  # "cpu", "cuda", "cuda:1", or "auto" (cuda when available)
+    dtype: str = "auto"  # float32 | bfloat16 | float16 | auto (float32 on CPU, bfloat16 on GPU)
+    page_size: int | None = None  # tokens per KV page; default 16 on CPU, 64 on GPU
+    max_total_tokens: int | None = None  # KV pool size in tokens; default from memory
+    mem_fraction_static: float = 0.85  # GPU: fraction of device memory for weights + KV pool
+    chunked_prefill_size: int = 2048  # most prompt tokens one request computes in one step
+    max_num_batched_tokens: int = 8192  # token budget of one step
+    max_running_requests: int = 256
+    enable_prefix_caching: bool = True
+    attention_backend: str = "torch"
+    random_seed: int = 0  # seeds unseeded sampling
+    load_progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.dtype == "auto":
+            self.dtype = "float32" if self.device == "cpu" else "bfloat16"
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.page_size is None:
+            self.page_size = 16 if self.device == "cpu" else 64
+        for name in ("page_size", "chunked_prefill_size", "max_num_batched_tokens", "max_running_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise ValueError(f"max_total_tokens ({self.max_total_tokens}) must hold at least one page "
+                             f"({self.page_size} tokens)")
+        if not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

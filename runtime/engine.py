@@ -1,0 +1,196 @@
+"""The programmatic engine: `Engine(model_path, **EngineConfig fields)`, `generate`, `generate_stream`.
+
+One process, one rank: the scheduler picks spans, the model runner computes them, the sampler picks
+next tokens, and finished requests give their pages back at once. `add_request` / `step` / `abort`
+are the lower-level loop that the HTTP server and the parallel ranks drive.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Iterator
+
+import torch
+
+from dserve.runtime.config import EngineConfig
+from dserve.runtime.model_runner import ModelRunner
+from dserve.runtime.output import GenerateResult, StreamChunk, TextTracker, make_result
+from dserve.runtime.sampler import sample
+from dserve.scheduler.request import Request, SamplingParams
+from dserve.scheduler.scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger("dserve.runtime")
+
+
+class Engine:
+    def __init__(self, model_path: str, **kwargs):
+        self.config = EngineConfig(model_path, **kwargs)
+        torch.manual_seed(self.config.random_seed)
+        self.runner = ModelRunner(self.config)
+        self.model_config = self.runner.model_config
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.max_context = self.model_config.max_position_embeddings
+        self.scheduler = Scheduler(SchedulerConfig(self.config.max_num_batched_tokens, self.config.chunked_prefill_size,
+                                                   self.config.max_running_requests), self.runner.kv)
+        self.requests: dict[str, Request] = {}
+        self.trackers: dict[str, TextTracker] = {}
+
+    # ---- request lifecycle -------------------------------------------------------------------
+    def tokenize(self, prompt: str | None, input_ids: list[int] | None) -> list[int]:
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of a text prompt or input_ids")
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise ValueError(f"a prompt must be a string, got {type(prompt).__name__}")
+            input_ids = self.tokenizer.encode(prompt)
+        ids = list(input_ids)
+        vocab = self.model_config.vocab_size
+        if not ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"unknown token ids {bad[:5]}: ids must be integers in [0, {vocab})")
+        if len(ids) >= self.max_context:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the model's context is {self.max_context} "
+                             f"tokens and at least one must be left to generate")
+        if len(ids) >= self.runner.pool.num_tokens:
+            raise ValueError(f"the prompt has {len(ids)} tokens but the KV cache holds only "
+                             f"{self.runner.pool.num_tokens}")
+        return ids
+
+    def make_request(self, prompt=None, input_ids=None, sampling_params=None, rid: str | None = None) -> Request:
+        params = _as_params(sampling_params)
+        params.validate(self.model_config.vocab_size)
+        req = Request(rid or uuid.uuid4().hex, self.tokenize(prompt, input_ids), params)
+        if req.rid in self.requests:
+            raise ValueError(f"request id {req.rid!r} is already in use")
+        seed = params.seed
+        if seed is not None:
+            req.generator = torch.Generator(device=self.runner.device).manual_seed(seed)
+        return req
+
+    def add_request(self, prompt=None, input_ids=None, sampling_params=None, rid: str | None = None) -> str:
+        return self.submit(self.make_request(prompt, input_ids, sampling_params, rid))
+
+    def submit(self, req: Request) -> str:
+        self.requests[req.rid] = req
+        self.trackers[req.rid] = TextTracker(self.tokenizer, req)
+        self.scheduler.add(req)
+        return req.rid
+
+    def abort(self, rid: str) -> None:
+        """End a request wherever it is; its pages are free when this returns."""
+        req = self.requests.get(rid)
+        if req is not None and not req.finished:
+            self.scheduler.finish(req, "abort", error="aborted")
+
+    def pop_result(self, rid: str) -> GenerateResult:
+        req = self.requests.pop(rid)
+        tracker = self.trackers.pop(rid)
+        return make_result(req, tracker.text)
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """One forward pass over the scheduled spans; returns the requests that got a new token or ended."""
+        spans = self.scheduler.schedule()
+        if not spans:
+            return [r for r in self.requests.values() if r.finished]
+        logits = self.runner.forward(spans)
+        self.scheduler.advance(spans)
+        done = [s.req for s in spans if s.completes]
+        out = sample(logits, done)
+        now = time.perf_counter()
+        for i, req in enumerate(done):
+            token = out.token_ids[i]
+            req.output_ids.append(token)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if out.logprobs is not None and req.params.return_logprob:
+                req.token_logprobs.append(out.logprobs[i])
+                req.top_logprobs.append(out.top_logprobs[i])
+            self._check_finish(req, token)
+        return done + [r for r in self.requests.values() if r.finished and r not in done]
+
+    def _check_finish(self, req: Request, token: int) -> None:
+        p = req.params
+        matched = self.trackers[req.rid].update()
+        if p.stop_token_ids and token in p.stop_token_ids:
+            self.scheduler.finish(req, "stop", token)
+        elif not p.ignore_eos and token in self.eos_token_ids:
+            self.scheduler.finish(req, "stop", token)
+        elif matched is not None:
+            self.scheduler.finish(req, "stop", matched)
+        elif len(req.output_ids) >= p.max_new_tokens or req.num_tokens >= self.max_context:
+            self.scheduler.finish(req, "length")
+
+    # ---- convenience -----------------------------------------------------------------------------
+    def generate(self, prompts=None, input_ids=None, sampling_params=None):
+        """One result per prompt (a list for a list, a single result for a single prompt)."""
+        single = isinstance(prompts, str) or (input_ids is not None and input_ids and isinstance(input_ids[0], int))
+        texts = [prompts] if isinstance(prompts, str) else prompts
+        ids = [input_ids] if single and input_ids is not None else input_ids
+        n = len(texts) if texts is not None else len(ids or [])
+        if texts is not None and ids is not None:
+            raise ValueError("give prompts or input_ids, not both")
+        if n == 0:
+            raise ValueError("no prompts given")
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
+        if len(params) != n:
+            raise ValueError(f"{len(params)} sampling_params for {n} prompts")
+        reqs = [self.make_request(texts[i] if texts else None, ids[i] if ids else None, params[i]) for i in range(n)]
+        for req in reqs:
+            self.submit(req)
+        while not all(r.finished for r in reqs):
+            self.step()
+        results = [self.pop_result(r.rid) for r in reqs]
+        return results[0] if single else results
+
+    def generate_stream(self, prompt=None, input_ids=None, sampling_params=None) -> Iterator[StreamChunk]:
+        rid = self.add_request(prompt, input_ids, sampling_params)
+        req, tracker = self.requests[rid], self.trackers[rid]
+        try:
+            while not req.finished:
+                self.step()
+                if req.finished:
+                    break
+                text, tokens = tracker.delta()
+                if text or tokens:
+                    yield StreamChunk(rid, text, tokens, False)
+            text, tokens = tracker.delta()
+            yield StreamChunk(rid, text, tokens, True, self.pop_result(rid))
+        finally:
+            if rid in self.requests:  # the consumer stopped early: abort and release
+                self.abort(rid)
+                self.requests.pop(rid, None)
+                self.trackers.pop(rid, None)
+
+    def check_invariants(self) -> None:
+        live = {rid for rid, r in self.requests.items() if not r.finished}
+        self.runner.kv.check_invariants(live)
+        assert self.scheduler.live_rids() <= live
+
+    def shutdown(self) -> None:
+        for rid in list(self.requests):
+            self.abort(rid)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _as_params(value) -> SamplingParams:
+    if value is None:
+        return SamplingParams()
+    if isinstance(value, SamplingParams):
+        return value
+    if isinstance(value, dict):
+        return SamplingParams.from_dict(value)
+    raise ValueError(f"sampling_params must be a SamplingParams or a dict, got {type(value).__name__}")

@@ -1,0 +1,89 @@
+"""What a finished or streaming request hands back, and incremental detokenisation with stop strings.
+
+Streamed text never shows a character that a stop string could still take back, nor half of a
+multi-byte character: such a tail is held until the next token decides it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dserve.scheduler.request import Request
+
+
+@dataclass
+class GenerateResult:
+    rid: str
+    text: str
+    output_ids: list[int]
+    finish_reason: str | None  # "stop", "length", "abort"
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass
+class StreamChunk:
+    rid: str
+    text: str  # new text since the previous chunk
+    token_ids: list[int]  # new tokens since the previous chunk
+    finished: bool
+    result: GenerateResult | None = None  # set on the last chunk
+
+
+class TextTracker:
+    def __init__(self, tokenizer, req: Request):
+        self.tokenizer, self.req = tokenizer, req
+        self.stops = req.params.stop_strings
+        self.text = ""
+        self.sent_chars = 0
+        self.sent_tokens = 0
+
+    def update(self) -> str | None:
+        """Re-decode the output; returns the stop string matched, if any (the text is cut before it)."""
+        text = self.tokenizer.decode(self.req.output_ids, skip_special_tokens=self.req.params.skip_special_tokens)
+        matched = None
+        if self.stops:
+            hits = [(text.find(s), s) for s in self.stops if s in text]
+            if hits:
+                index, matched = min(hits)
+                text = text[:index]
+        self.text = text
+        return matched
+
+    def _safe_end(self, finished: bool) -> int:
+        end = len(self.text)
+        if finished:
+            return end
+        while end > 0 and self.text[end - 1] == "\ufffd":
+            end -= 1
+        for stop in self.stops:  # hold back a tail that may grow into a stop string
+            for k in range(min(len(stop) - 1, end), 0, -1):
+                if self.text[:end].endswith(stop[:k]):
+                    end -= k
+                    break
+        return max(end, self.sent_chars)
+
+    def delta(self) -> tuple[str, list[int]]:
+        end = self._safe_end(self.req.finished)
+        text, self.sent_chars = self.text[self.sent_chars:end], end
+        tokens = self.req.output_ids[self.sent_tokens:]
+        self.sent_tokens = len(self.req.output_ids)
+        return text, tokens
+
+
+def make_result(req: Request, text: str) -> GenerateResult:
+    meta = {
+        "prompt_tokens": len(req.prompt_ids),
+        "cached_tokens": req.num_cached_tokens,
+        "completion_tokens": len(req.output_ids),
+        "finish_reason": req.finish_reason,
+        "matched_stop": req.matched_stop,
+        "num_preemptions": req.num_preemptions,
+        "e2e_latency": (req.finish_time or 0) - req.arrival_time,
+        "ttft": (req.first_token_time - req.arrival_time) if req.first_token_time else None,
+    }
+    if req.error:
+        meta["error"] = req.error
+    if req.params.return_logprob:
+        meta["output_token_logprobs"] = list(zip(req.token_logprobs, req.output_ids))
+        if req.params.top_logprobs_num:
+            meta["output_top_logprobs"] = req.top_logprobs
+    return GenerateResult(req.rid, text, list(req.output_ids), req.finish_reason, meta)

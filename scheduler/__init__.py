@@ -1,0 +1,1 @@
+"""Scheduling: requests and their sampling parameters, the page-table KV manager, continuous batching."""

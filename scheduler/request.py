@@ -1,0 +1,123 @@
+"""A request's parameters and state: the tokens it has, how many are computed, why it ended.
+
+Fields of `SamplingParams` are named as SGLang names them. A request catches its
+`num_computed_tokens` up to `num_tokens` (prompt, then each sampled token); the scheduler only ever
+hands out spans of tokens to compute.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field, fields
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    skip_special_tokens: bool = True
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "SamplingParams":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        return cls(**values)
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    def validate(self, vocab_size: int) -> None:
+        def check(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
+              f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        check(_number(self.temperature) and self.temperature >= 0, f"temperature must be >= 0, got {self.temperature!r}")
+        check(_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+        check(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
+              f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
+        check(_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
+        check(_number(self.repetition_penalty) and self.repetition_penalty > 0,
+              f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            check(_number(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}")
+        check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+        check(isinstance(self.top_logprobs_num, int) and 0 <= self.top_logprobs_num <= 20,
+              f"top_logprobs_num must be in [0, 20], got {self.top_logprobs_num!r}")
+        stops = self.stop_strings
+        check(all(isinstance(s, str) and s for s in stops), "stop must be a non-empty string or a list of them")
+        ids = self.stop_token_ids or []
+        check(all(isinstance(t, int) and 0 <= t < vocab_size for t in ids),
+              f"stop_token_ids must be token ids in [0, {vocab_size})")
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    num_preemptions: int = 0
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    matched_stop: int | str | None = None
+    error: str | None = None
+    generator: torch.Generator | None = None
+    token_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def finish(self, reason: str, matched: int | str | None = None, error: str | None = None) -> None:
+        self.status, self.finish_reason, self.matched_stop, self.error = Status.FINISHED, reason, matched, error
+        self.finish_time = time.perf_counter()

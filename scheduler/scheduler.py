@@ -1,0 +1,124 @@
+"""Continuous batching: which spans of which requests the next forward pass computes.
+
+Each step has a token budget. Running requests go first (one decode token each, or the next chunk
+of a long prompt, at most `chunked_prefill_size` tokens), then waiting requests join in arrival
+order while budget and pages last. When a running request cannot get a page, the most recently
+admitted running request is preempted: its pages go back and it returns to the front of the queue,
+to be recomputed later (with the prefix cache it mostly finds its own pages again).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from dserve.scheduler.kv_manager import KVCacheManager
+from dserve.scheduler.request import Request, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 4096
+    chunked_prefill_size: int = 2048
+    max_running_requests: int = 256
+
+
+@dataclass
+class Span:
+    """Compute tokens [start, start + length) of `req` in this step."""
+
+    req: Request
+    start: int
+    length: int
+
+    @property
+    def completes(self) -> bool:
+        """True when the span reaches the request's last token, so a next token is sampled after it."""
+        return self.start + self.length == self.req.num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        self.config, self.kv = config, kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.preempted_total = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[Span]:
+        budget = self.config.max_num_batched_tokens
+        spans: list[Span] = []
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req.status is not Status.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, self.config.chunked_prefill_size, budget)
+            if not self._grow(req, n):
+                continue
+            spans.append(Span(req, req.num_computed_tokens, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
+            req = self.waiting[0]
+            if req.num_computed_tokens == 0 and req.rid not in self.kv.tables:
+                cached = self.kv.match_prefix(req.rid, req.all_ids)
+                req.num_computed_tokens = cached
+                if req.num_preemptions == 0:
+                    req.num_cached_tokens = cached
+            n = min(req.num_tokens - req.num_computed_tokens, self.config.chunked_prefill_size, budget)
+            if not self.kv.allocate_slots(req.rid, req.num_computed_tokens + n):
+                self.kv.free(req.rid)  # hold nothing while waiting
+                req.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            spans.append(Span(req, req.num_computed_tokens, n))
+            budget -= n
+        return spans
+
+    def _grow(self, req: Request, n: int) -> bool:
+        """Pages for `n` more tokens of a running request, preempting from the back when short.
+        A request alone that still cannot grow has outgrown the whole pool and is ended."""
+        while not self.kv.allocate_slots(req.rid, req.num_computed_tokens + n):
+            victim = self.running[-1]
+            if victim is req and len(self.running) == 1:
+                self.finish(req, "abort", error="the KV cache is too small for this request")
+                return False
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req.rid)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+        self.preempted_total += 1
+
+    def advance(self, spans: list[Span]) -> None:
+        """Record that the spans' tokens are computed (their KV is in the pages)."""
+        for span in spans:
+            span.req.num_computed_tokens = span.start + span.length
+            self.kv.commit(span.req.rid, span.req.all_ids, span.req.num_computed_tokens)
+
+    def finish(self, req: Request, reason: str, matched=None, error: str | None = None) -> None:
+        """End a request wherever it is (running, waiting or not yet added) and free its pages."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req.rid)
+        if not req.finished:
+            req.finish(reason, matched, error)
+
+    def live_rids(self) -> set[str]:
+        return {r.rid for r in self.running} | {r.rid for r in self.waiting}

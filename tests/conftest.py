@@ -1,0 +1,62 @@
+"""Shared fixtures: tiny random checkpoints of each architecture (written once per test session and
+worker through `dserve.models.tiny`, i.e. transformers' save_pretrained) and engine factories."""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+ARCHES = ("deepseek_v3", "deepseek_v2", "glm4_moe")
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    made: dict[tuple[str, bool], str] = {}
+
+    def get(arch: str, mtp: bool = False) -> str:
+        key = (arch, mtp)
+        if key not in made:
+            from dserve.models.tiny import make_tiny
+
+            out = str(tmp_path_factory.mktemp(f"{arch}{'_mtp' if mtp else ''}"))
+            made[key] = make_tiny(arch, out, mtp=mtp)
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(params=ARCHES)
+def arch(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def make_engine():
+    """Engine factory; every engine made is checked for leaked pages and shut down after the test."""
+    from dserve.runtime import Engine
+
+    engines = []
+
+    def make(path: str, **kwargs):
+        kwargs.setdefault("device", "cpu")
+        kwargs.setdefault("load_progress", False)
+        engine = Engine(path, **kwargs)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.check_invariants()  # ended requests hold no pages; refcounts match the tables
+        engine.shutdown()
+        engine.check_invariants()
+        assert not engine.runner.kv.tables, "pages still held after shutdown"
+
+
+def random_prompts(n: int, vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    # skip the special tokens (ids 0..5) so the prompts look like text
+    return [[rng.randrange(6, vocab) for _ in range(lengths[i % len(lengths)])] for i in range(n)]
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
