@@ -27,10 +27,19 @@ class ForwardBatch:
     page_table: torch.Tensor  # [B, max_pages] page ids of each sequence (padding beyond its pages)
     out_slots: torch.Tensor  # [T] slot (page * page_size + offset) each new token's KV is written to
     logits_indices: torch.Tensor  # [N] rows of the flattened tokens whose logits are wanted
+    dp_num_tokens: list[int] | None = None  # with DP attention: every DP group's token count this step
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    def to(self, device: torch.device) -> "ForwardBatch":
+        if self.input_ids.device == device:
+            return self
+        move = lambda t: t.to(device, non_blocking=True)
+        return ForwardBatch(move(self.input_ids), move(self.positions), self.q_lens, self.seq_lens,
+                            move(self.page_table), move(self.out_slots), move(self.logits_indices),
+                            self.dp_num_tokens)
 
 
 class AttentionBackend(ABC):

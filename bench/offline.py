@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> dict:
             "elapsed_s": elapsed, "requests_per_s": args.num_prompts / elapsed,
             "input_tokens_per_s": in_tokens / elapsed, "output_tokens_per_s": out_tokens / elapsed,
             "total_tokens_per_s": (in_tokens + out_tokens) / elapsed,
-            "ttft_median_s": statistics.median(ttfts), "preemptions": engine.scheduler.preempted_total,
+            "ttft_median_s": statistics.median(ttfts), "preemptions": engine.preempted_total,
             "host": platform.node(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         }
 

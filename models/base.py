@@ -18,7 +18,7 @@ from dserve.models.layers.moe import MoE
 from dserve.models.layers.norm import RMSNorm
 from dserve.models.layers.rotary import RotaryEmbedding
 from dserve.models.parallel import SINGLE, ParallelContext
-from dserve.models.weights import SKIP
+from dserve.models.weights import SKIP, prefixed
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -30,23 +30,24 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = attention_cls(cfg, layer_id, ctx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MoE(cfg, ctx) if cfg.is_moe_layer(layer_id) else GatedMLP(cfg.hidden_size, cfg.intermediate_size, ctx)
+        self.ctx = ctx
+        self.mlp = (MoE(cfg, ctx) if cfg.is_moe_layer(layer_id)
+                    else GatedMLP(cfg.hidden_size, cfg.intermediate_size, ctx.mlp))
 
-    def forward(self, hidden: torch.Tensor, cos_sin, backend: AttentionBackend) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, cos_sin, backend: AttentionBackend, dp_num_tokens=None) -> torch.Tensor:
         residual = hidden
         hidden = residual + self.self_attn(self.input_layernorm(hidden), cos_sin, backend)
         residual = hidden
-        return residual + self.mlp(self.post_attention_layernorm(hidden))
+        # MLP/MoE span every rank: with DP attention, gather all groups' tokens, keep ours after
+        mlp_in = self.ctx.gather_tokens(self.post_attention_layernorm(hidden), dp_num_tokens)
+        return residual + self.ctx.own_tokens(self.mlp(mlp_in), dp_num_tokens)
 
     def map_key(self, suffix: str) -> tuple[str, object] | None:
         if suffix in ("input_layernorm.weight", "post_attention_layernorm.weight"):
             return suffix, None
-        if suffix.startswith("self_attn."):
-            mapped = self.self_attn.map_key(suffix[len("self_attn."):])
-            return (f"self_attn.{mapped[0]}", mapped[1]) if mapped else None
-        if suffix.startswith("mlp."):
-            mapped = self.mlp.map_key(suffix[len("mlp."):])
-            return (f"mlp.{mapped[0]}", mapped[1]) if mapped else None
+        for name in ("self_attn", "mlp"):
+            if suffix.startswith(name + "."):
+                return prefixed(name + ".", getattr(self, name).map_key(suffix[len(name) + 1:]))
         return None
 
 
@@ -56,14 +57,14 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext = SINGLE):
         super().__init__()
         self.cfg, self.ctx = cfg, ctx
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.attn)
         self.rotary = RotaryEmbedding(cfg.rope)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.attention_cls, ctx) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx)
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx.attn)
 
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         """Hidden states after the final norm for every new token of the batch, [T, hidden]."""
@@ -71,7 +72,7 @@ class CausalLM(nn.Module):
         hidden = self.embed_tokens(batch.input_ids)
         cos_sin = self.rotary.cos_sin(batch.positions, hidden.dtype)
         for layer in self.layers:
-            hidden = layer(hidden, cos_sin, backend)
+            hidden = layer(hidden, cos_sin, backend, batch.dp_num_tokens)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -92,6 +93,5 @@ class CausalLM(nn.Module):
             layer_id = int(match.group(1))
             if layer_id >= self.cfg.num_hidden_layers:
                 return SKIP  # MTP (NextN) layers: loaded by the draft model, not the target
-            mapped = self.layers[layer_id].map_key(match.group(2))
-            return (f"layers.{layer_id}.{mapped[0]}", mapped[1]) if mapped else None
+            return prefixed(f"layers.{layer_id}.", self.layers[layer_id].map_key(match.group(2)))
         return None

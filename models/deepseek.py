@@ -21,7 +21,8 @@ class MLAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, ctx: ParallelContext):
         super().__init__()
         self.cfg, self.layer_id = cfg, layer_id
-        h0, h1 = ctx.shard_range(cfg.num_attention_heads, "num_attention_heads")
+        tp = ctx.attn
+        h0, h1 = tp.shard_range(cfg.num_attention_heads, "num_attention_heads")
         self.num_heads = h1 - h0
         latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim
         qk = cfg.qk_head_dim
@@ -31,15 +32,15 @@ class MLAttention(nn.Module):
                 Part("q_a", 0, cfg.q_lora_rank, 0, cfg.q_lora_rank),
                 Part("kv_a", cfg.q_lora_rank, latent, 0, latent)], bias=cfg.attention_bias)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)
-            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, cfg.num_attention_heads * qk, ctx=ctx)
+            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, cfg.num_attention_heads * qk, tp=tp)
         else:
-            self.q_proj = ColumnParallelLinear(cfg.hidden_size, cfg.num_attention_heads * qk, ctx=ctx)
+            self.q_proj = ColumnParallelLinear(cfg.hidden_size, cfg.num_attention_heads * qk, tp=tp)
             self.kv_a_proj_with_mqa = ReplicatedLinear(cfg.hidden_size, latent, bias=cfg.attention_bias)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)
         self.kv_b_proj = ColumnParallelLinear(
-            cfg.kv_lora_rank, cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), ctx=ctx)
+            cfg.kv_lora_rank, cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), tp=tp)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.v_head_dim, cfg.hidden_size,
-                                        bias=cfg.attention_bias, ctx=ctx)
+                                        bias=cfg.attention_bias, tp=tp)
         self.scale = cfg.softmax_scale
 
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,13 +16,13 @@ class GQAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, ctx: ParallelContext):
         super().__init__()
         self.cfg, self.layer_id = cfg, layer_id
-        parts = qkv_parts(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, ctx)
+        parts = qkv_parts(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, ctx.attn)
         self.qkv_proj = MergedColumnLinear(cfg.hidden_size, parts, bias=cfg.attention_bias)
         self.q_size, self.kv_size = parts[0].local_size, parts[1].local_size
         if cfg.use_qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, ctx=ctx)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, tp=ctx.attn)
         self.scale = cfg.softmax_scale
 
     def forward(self, x: torch.Tensor, cos_sin, backend) -> torch.Tensor:

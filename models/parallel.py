@@ -1,36 +1,85 @@
-"""Which slice of the model this process holds: tensor-parallel rank and size, and the collective to combine.
+"""Which slice of the model this process holds, and the collectives that combine slices.
 
-A single-process engine uses `ParallelContext()` (rank 0 of 1), where every collective is a no-op.
-The parallel-ranks issue fills in the process group; layers and weight loaders only read this object.
+A rank sees three groups:
+- `attn`: the ranks of its attention group (attention heads, KV heads, embedding and LM head split here);
+  with DP attention there are `dp_size` such groups, each serving its own requests.
+- `mlp`: every rank of the instance; dense MLPs and MoE layers are split over all of them.
+- `dp`: the ranks with the same attention-TP rank across DP groups, used to gather every group's
+  tokens before the MLP/MoE and hand each group its rows back after.
+MoE experts are split over `ep_size` slots of the `mlp` group (expert parallelism); within a slot
+each expert's intermediate dimension is split over the remaining `mlp.size // ep_size` ranks.
+A single-process engine uses `ParallelContext()`, where every collective is a no-op.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 
 @dataclass(frozen=True)
-class ParallelContext:
-    tp_rank: int = 0
-    tp_size: int = 1
-    tp_group: Any = None  # torch.distributed ProcessGroup when tp_size > 1
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
-            return x
-        import torch.distributed as dist
-
-        dist.all_reduce(x, group=self.tp_group)
-        return x
+class TPGroup:
+    rank: int = 0
+    size: int = 1
+    group: Any = None  # torch.distributed ProcessGroup when size > 1
 
     def shard_range(self, total: int, what: str) -> tuple[int, int]:
         """[start, end) of this rank's equal share of `total` items; `what` names them in the error."""
-        if total % self.tp_size:
-            raise ValueError(f"{what} = {total} does not divide by tp_size = {self.tp_size}")
-        n = total // self.tp_size
-        return self.tp_rank * n, (self.tp_rank + 1) * n
+        if total % self.size:
+            raise ValueError(f"{what} = {total} does not divide by {self.size} ranks")
+        n = total // self.size
+        return self.rank * n, (self.rank + 1) * n
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if self.size == 1:
+            return [x]
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return parts
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    attn: TPGroup = field(default_factory=TPGroup)
+    mlp: TPGroup = field(default_factory=TPGroup)
+    dp: TPGroup = field(default_factory=TPGroup)
+    ep_size: int = 1
+
+    @property
+    def moe_tp(self) -> TPGroup:
+        """This rank's share of each local expert (no collective: the MoE reduces over `mlp`)."""
+        size = self.mlp.size // self.ep_size
+        return TPGroup(self.mlp.rank % size, size)
+
+    @property
+    def ep_rank(self) -> int:
+        return self.mlp.rank // (self.mlp.size // self.ep_size)
+
+    def gather_tokens(self, x: torch.Tensor, dp_num_tokens: list[int] | None) -> torch.Tensor:
+        """Every DP group's rows, group after group (identity without DP attention)."""
+        if self.dp.size == 1:
+            return x
+        width = max(dp_num_tokens)
+        padded = x.new_zeros(width, *x.shape[1:])
+        padded[: x.shape[0]] = x
+        parts = self.dp.all_gather(padded)
+        return torch.cat([p[:n] for p, n in zip(parts, dp_num_tokens)])
+
+    def own_tokens(self, x: torch.Tensor, dp_num_tokens: list[int] | None) -> torch.Tensor:
+        if self.dp.size == 1:
+            return x
+        start = sum(dp_num_tokens[: self.dp.rank])
+        return x[start: start + dp_num_tokens[self.dp.rank]]
 
 
 SINGLE = ParallelContext()

@@ -84,6 +84,13 @@ SKIP = ("", "skip")
 KeyMapper = Callable[[str], "tuple[str, object] | None"]
 
 
+def prefixed(prefix: str, mapped: "tuple[str, object] | None") -> "tuple[str, object] | None":
+    """A submodule's mapping seen from its parent: its parameter name under `prefix`."""
+    if mapped is None or mapped is SKIP:
+        return mapped
+    return prefix + mapped[0], mapped[1]
+
+
 def load_weights(model: torch.nn.Module, model_path: str, map_key: KeyMapper, progress: bool = True) -> None:
     """Load every checkpoint tensor into `model` through the parameters' own loaders."""
     params = dict(model.named_parameters())

@@ -12,6 +12,9 @@ import typing
 from dserve.runtime.config import EngineConfig
 
 
+SHORT_FLAGS = {"tp_size": ["--tp"], "dp_size": ["--dp"], "ep_size": ["--ep"]}
+
+
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per EngineConfig field (`model_path` is `--model`)."""
     hints = typing.get_type_hints(EngineConfig)
@@ -21,13 +24,13 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
             group.add_argument("--model", "--model-path", dest="model_path", required=True,
                                help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer)")
             continue
-        flag = "--" + field.name.replace("_", "-")
+        flags = ["--" + field.name.replace("_", "-")] + SHORT_FLAGS.get(field.name, [])
         hint = hints[field.name]
         if hint is bool:
-            group.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=field.default)
+            group.add_argument(*flags, dest=field.name, action=argparse.BooleanOptionalAction, default=field.default)
         else:
             base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
-            group.add_argument(flag, dest=field.name, type=base, default=field.default,
+            group.add_argument(*flags, dest=field.name, type=base, default=field.default,
                                help=f"(default: {field.default})")
 
 

@@ -24,6 +24,11 @@ class EngineConfig:
     attention_backend: str = "torch"
     random_seed: int = 0  # seeds unseeded sampling
     load_progress: bool = True
+    tp_size: int = 1  # ranks of the instance; attention groups of tp_size // dp_size ranks
+    dp_size: int = 1  # DP attention: groups with their own requests and KV pages
+    ep_size: int = 1  # MoE experts split over ep_size slots of all ranks
+    collective_timeout_s: float = 120.0  # a collective waiting longer fails its rank
+    step_timeout_s: float = 600.0  # the front gives up on ranks that return no step result in this time
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -40,8 +45,23 @@ class EngineConfig:
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError(f"max_total_tokens ({self.max_total_tokens}) must hold at least one page "
                              f"({self.page_size} tokens)")
+        for name in ("tp_size", "dp_size", "ep_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.tp_size % self.dp_size:
+            raise ValueError(f"tp_size = {self.tp_size} does not divide by dp_size = {self.dp_size}")
+        if self.tp_size % self.ep_size:
+            raise ValueError(f"tp_size = {self.tp_size} does not divide by ep_size = {self.ep_size}")
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size
+
+    @property
+    def attn_tp_size(self) -> int:
+        return self.tp_size // self.dp_size
 
     @property
     def torch_dtype(self) -> torch.dtype:

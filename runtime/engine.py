@@ -1,6 +1,6 @@
 """The programmatic engine: `Engine(model_path, **EngineConfig fields)`, `generate`, `generate_stream`.
 
-One process, one rank: the scheduler picks spans, the model runner computes them, the sampler picks
+The front: per DP group a scheduler picks spans, the executor runs them on the rank(s), the sampler picks
 next tokens, and finished requests give their pages back at once. `add_request` / `step` / `abort`
 are the lower-level loop that the HTTP server and the parallel ranks drive.
 """
@@ -9,26 +9,41 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
+from dserve.runtime.batch import build_batch
 from dserve.runtime.config import EngineConfig
-from dserve.runtime.model_runner import ModelRunner
+from dserve.runtime.executor import RankFailure, make_executor
 from dserve.runtime.output import GenerateResult, StreamChunk, TextTracker, make_result
 from dserve.runtime.sampler import sample
 from dserve.scheduler.request import Request, SamplingParams
+from dserve.scheduler.kv_manager import KVCacheManager
 from dserve.scheduler.scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger("dserve.runtime")
+
+
+@dataclass
+class DPGroup:
+    """One attention group's requests and KV pages (one group without DP attention)."""
+
+    scheduler: Scheduler
+    kv: KVCacheManager
+
+    @property
+    def load(self) -> int:
+        return sum(r.num_tokens for r in self.scheduler.running) + sum(r.num_tokens for r in self.scheduler.waiting)
 
 
 class Engine:
     def __init__(self, model_path: str, **kwargs):
         self.config = EngineConfig(model_path, **kwargs)
         torch.manual_seed(self.config.random_seed)
-        self.runner = ModelRunner(self.config)
-        self.model_config = self.runner.model_config
+        self.executor = make_executor(self.config)
+        self.model_config = self.executor.model_config
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -36,10 +51,15 @@ class Engine:
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.max_context = self.model_config.max_position_embeddings
-        self.scheduler = Scheduler(SchedulerConfig(self.config.max_num_batched_tokens, self.config.chunked_prefill_size,
-                                                   self.config.max_running_requests), self.runner.kv)
+        sched = SchedulerConfig(self.config.max_num_batched_tokens, self.config.chunked_prefill_size,
+                                self.config.max_running_requests)
+        self.groups = [DPGroup(Scheduler(sched, kv), kv) for kv in (
+            KVCacheManager(pages, self.config.page_size, self.config.enable_prefix_caching)
+            for pages in self.executor.num_pages)]
+        self.pool_tokens = min(g.kv.num_pages for g in self.groups) * self.config.page_size
         self.requests: dict[str, Request] = {}
         self.trackers: dict[str, TextTracker] = {}
+        self.group_of: dict[str, int] = {}
 
     # ---- request lifecycle -------------------------------------------------------------------
     def tokenize(self, prompt: str | None, input_ids: list[int] | None) -> list[int]:
@@ -59,9 +79,8 @@ class Engine:
         if len(ids) >= self.max_context:
             raise ValueError(f"the prompt has {len(ids)} tokens; the model's context is {self.max_context} "
                              f"tokens and at least one must be left to generate")
-        if len(ids) >= self.runner.pool.num_tokens:
-            raise ValueError(f"the prompt has {len(ids)} tokens but the KV cache holds only "
-                             f"{self.runner.pool.num_tokens}")
+        if len(ids) >= self.pool_tokens:
+            raise ValueError(f"the prompt has {len(ids)} tokens but the KV cache holds only {self.pool_tokens}")
         return ids
 
     def make_request(self, prompt=None, input_ids=None, sampling_params=None, rid: str | None = None) -> Request:
@@ -72,7 +91,7 @@ class Engine:
             raise ValueError(f"request id {req.rid!r} is already in use")
         seed = params.seed
         if seed is not None:
-            req.generator = torch.Generator(device=self.runner.device).manual_seed(seed)
+            req.generator = torch.Generator().manual_seed(seed)  # sampling runs on the front, on the CPU
         return req
 
     def add_request(self, prompt=None, input_ids=None, sampling_params=None, rid: str | None = None) -> str:
@@ -81,30 +100,46 @@ class Engine:
     def submit(self, req: Request) -> str:
         self.requests[req.rid] = req
         self.trackers[req.rid] = TextTracker(self.tokenizer, req)
-        self.scheduler.add(req)
+        group = min(range(len(self.groups)), key=lambda g: self.groups[g].load)  # DP attention: least loaded
+        self.group_of[req.rid] = group
+        self.groups[group].scheduler.add(req)
         return req.rid
 
     def abort(self, rid: str) -> None:
         """End a request wherever it is; its pages are free when this returns."""
         req = self.requests.get(rid)
         if req is not None and not req.finished:
-            self.scheduler.finish(req, "abort", error="aborted")
+            self._scheduler(req).finish(req, "abort", error="aborted")
 
     def pop_result(self, rid: str) -> GenerateResult:
         req = self.requests.pop(rid)
         tracker = self.trackers.pop(rid)
+        self.group_of.pop(rid, None)
         return make_result(req, tracker.text)
 
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """One forward pass over the scheduled spans; returns the requests that got a new token or ended."""
-        spans = self.scheduler.schedule()
-        if not spans:
+        """One forward pass over the scheduled spans of every DP group; returns the requests that got
+        a new token or ended."""
+        plans = [g.scheduler.schedule() for g in self.groups]
+        if not any(plans):
             return [r for r in self.requests.values() if r.finished]
-        logits = self.runner.forward(spans)
-        self.scheduler.advance(spans)
-        done = [s.req for s in spans if s.completes]
-        out = sample(logits, done)
+        batches = [build_batch(spans, g.kv) for spans, g in zip(plans, self.groups)]
+        if len(batches) > 1:
+            counts = [b.num_tokens for b in batches]
+            for b in batches:
+                b.dp_num_tokens = counts
+        try:
+            group_logits = self.executor.execute(batches)
+        except RankFailure as e:
+            self._fail_all(str(e))
+            raise
+        done, rows = [], []
+        for spans, group, logits in zip(plans, self.groups, group_logits):
+            group.scheduler.advance(spans)
+            done += [s.req for s in spans if s.completes]
+            rows.append(logits)
+        out = sample(torch.cat(rows), done)
         now = time.perf_counter()
         for i, req in enumerate(done):
             token = out.token_ids[i]
@@ -117,17 +152,26 @@ class Engine:
             self._check_finish(req, token)
         return done + [r for r in self.requests.values() if r.finished and r not in done]
 
+    def _fail_all(self, message: str) -> None:
+        for req in self.requests.values():
+            if not req.finished:
+                self._scheduler(req).finish(req, "abort", error=message)
+
+    def _scheduler(self, req: Request) -> Scheduler:
+        return self.groups[self.group_of[req.rid]].scheduler
+
     def _check_finish(self, req: Request, token: int) -> None:
         p = req.params
         matched = self.trackers[req.rid].update()
+        scheduler = self._scheduler(req)
         if p.stop_token_ids and token in p.stop_token_ids:
-            self.scheduler.finish(req, "stop", token)
+            scheduler.finish(req, "stop", token)
         elif not p.ignore_eos and token in self.eos_token_ids:
-            self.scheduler.finish(req, "stop", token)
+            scheduler.finish(req, "stop", token)
         elif matched is not None:
-            self.scheduler.finish(req, "stop", matched)
+            scheduler.finish(req, "stop", matched)
         elif len(req.output_ids) >= p.max_new_tokens or req.num_tokens >= self.max_context:
-            self.scheduler.finish(req, "length")
+            scheduler.finish(req, "length")
 
     # ---- convenience -----------------------------------------------------------------------------
     def generate(self, prompts=None, input_ids=None, sampling_params=None):
@@ -170,14 +214,21 @@ class Engine:
                 self.requests.pop(rid, None)
                 self.trackers.pop(rid, None)
 
+    @property
+    def preempted_total(self) -> int:
+        return sum(g.scheduler.preempted_total for g in self.groups)
+
     def check_invariants(self) -> None:
-        live = {rid for rid, r in self.requests.items() if not r.finished}
-        self.runner.kv.check_invariants(live)
-        assert self.scheduler.live_rids() <= live
+        """Page accounting of every DP group: ended requests hold nothing, ref counts match tables."""
+        for g, group in enumerate(self.groups):
+            live = {rid for rid, r in self.requests.items() if not r.finished and self.group_of.get(rid) == g}
+            group.kv.check_invariants(live)
+            assert group.scheduler.live_rids() <= live
 
     def shutdown(self) -> None:
         for rid in list(self.requests):
             self.abort(rid)
+        self.executor.shutdown()
 
     def __enter__(self) -> "Engine":
         return self

@@ -50,7 +50,18 @@ def make_engine():
         engine.check_invariants()  # ended requests hold no pages; refcounts match the tables
         engine.shutdown()
         engine.check_invariants()
-        assert not engine.runner.kv.tables, "pages still held after shutdown"
+        assert not any(g.kv.tables for g in engine.groups), "pages still held after shutdown"
+
+
+def forward_spans(engine, spans, group: int = 0):
+    """Logits of one forward pass over `spans` (whose pages are allocated) in DP group `group`."""
+    from dserve.runtime.batch import build_batch
+
+    batches = [build_batch(spans if g == group else [], grp.kv) for g, grp in enumerate(engine.groups)]
+    if len(batches) > 1:
+        for b in batches:
+            b.dp_num_tokens = [x.num_tokens for x in batches]
+    return engine.executor.execute(batches)[group]
 
 
 def random_prompts(n: int, vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:

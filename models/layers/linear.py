@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dserve.models.parallel import SINGLE, ParallelContext
+from dserve.models.parallel import TPGroup
 from dserve.models.weights import TensorSource, attach_loader, copy_checked, replicated_loader
 
 
@@ -68,25 +68,25 @@ class MergedColumnLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def column_parts(sizes: dict[str, int], ctx: ParallelContext) -> list[Part]:
+def column_parts(sizes: dict[str, int], tp: TPGroup) -> list[Part]:
     """Parts split evenly over ranks (gate/up, a plain column-parallel matrix)."""
     parts, offset = [], 0
     for name, total in sizes.items():
-        start, end = ctx.shard_range(total, f"{name} output size")
+        start, end = tp.shard_range(total, f"{name} output size")
         parts.append(Part(name, offset, end - start, start, total))
         offset += end - start
     return parts
 
 
-def qkv_parts(num_heads: int, num_kv_heads: int, head_dim: int, ctx: ParallelContext) -> list[Part]:
+def qkv_parts(num_heads: int, num_kv_heads: int, head_dim: int, tp: TPGroup) -> list[Part]:
     """q heads split over ranks; KV heads split too, or replicated when there are fewer than ranks."""
-    q0, q1 = ctx.shard_range(num_heads, "num_attention_heads")
-    if num_kv_heads >= ctx.tp_size:
-        k0, k1 = ctx.shard_range(num_kv_heads, "num_key_value_heads")
+    q0, q1 = tp.shard_range(num_heads, "num_attention_heads")
+    if num_kv_heads >= tp.size:
+        k0, k1 = tp.shard_range(num_kv_heads, "num_key_value_heads")
     else:
-        if ctx.tp_size % num_kv_heads:
-            raise ValueError(f"tp_size = {ctx.tp_size} is not a multiple of num_key_value_heads = {num_kv_heads}")
-        k0 = ctx.tp_rank // (ctx.tp_size // num_kv_heads)
+        if tp.size % num_kv_heads:
+            raise ValueError(f"{tp.size} attention ranks is not a multiple of num_key_value_heads = {num_kv_heads}")
+        k0 = tp.rank // (tp.size // num_kv_heads)
         k1 = k0 + 1
     q_rows, kv_rows = (q1 - q0) * head_dim, (k1 - k0) * head_dim
     return [
@@ -99,20 +99,20 @@ def qkv_parts(num_heads: int, num_kv_heads: int, head_dim: int, ctx: ParallelCon
 class ColumnParallelLinear(MergedColumnLinear):
     """Output features split over ranks; a single checkpoint tensor (shard id None)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, ctx: ParallelContext = SINGLE):
-        start, end = ctx.shard_range(out_features, "output features")
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = TPGroup()):
+        start, end = tp.shard_range(out_features, "output features")
         super().__init__(in_features, [Part(None, 0, end - start, start, out_features)], bias)
 
 
 class RowParallelLinear(nn.Module):
     """Input features split over ranks; partial products summed across ranks, bias added once."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, ctx: ParallelContext = SINGLE,
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = TPGroup(),
                  reduce: bool = True):
         super().__init__()
-        self.ctx = ctx
+        self.tp = tp
         self.reduce = reduce  # False: the caller sums this partial product with others, then reduces once
-        self.in_start, self.in_end = ctx.shard_range(in_features, "input features")
+        self.in_start, self.in_end = tp.shard_range(in_features, "input features")
         self.weight = attach_loader(_param(out_features, self.in_end - self.in_start), self._load)
         self.bias = attach_loader(_param(out_features), replicated_loader) if bias else None
 
@@ -122,39 +122,32 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
         if self.reduce:
-            y = self.ctx.all_reduce(y)
+            y = self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y
 
 
 class VocabParallelEmbedding(nn.Module):
     """Token embedding with the vocabulary split over ranks; rows outside this rank's range read zero."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, ctx: ParallelContext = SINGLE):
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup = TPGroup()):
         super().__init__()
-        self.ctx = ctx
-        self.start, self.end = ctx.shard_range(vocab_size, "vocab_size")
+        self.tp = tp
+        self.start, self.end = tp.shard_range(vocab_size, "vocab_size")
         self.weight = attach_loader(_param(self.end - self.start, hidden_size), self._load)
 
     def _load(self, param: torch.Tensor, source: TensorSource, shard: object = None) -> None:
         copy_checked(param, source.read(0, self.start, self.end), source)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.ctx.tp_size == 1:
+        if self.tp.size == 1:
             return F.embedding(ids, self.weight)
         inside = (ids >= self.start) & (ids < self.end)
         out = F.embedding(torch.where(inside, ids - self.start, 0), self.weight)
-        return self.ctx.all_reduce(out * inside.unsqueeze(-1).to(out.dtype))
+        return self.tp.all_reduce(out * inside.unsqueeze(-1).to(out.dtype))
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection over the vocabulary split by rank; logits gathered to the full vocabulary."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
-        if self.ctx.tp_size == 1:
-            return logits
-        import torch.distributed as dist
-
-        parts = [torch.empty_like(logits) for _ in range(self.ctx.tp_size)]
-        dist.all_gather(parts, logits.contiguous(), group=self.ctx.tp_group)
-        return torch.cat(parts, dim=-1)
+        return torch.cat(self.tp.all_gather(F.linear(hidden, self.weight)), dim=-1)

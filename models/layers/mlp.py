@@ -6,15 +6,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from dserve.models.layers.linear import MergedColumnLinear, RowParallelLinear, column_parts
-from dserve.models.parallel import SINGLE, ParallelContext
+from dserve.models.parallel import TPGroup
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, ctx: ParallelContext = SINGLE, reduce: bool = True):
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup = TPGroup(), reduce: bool = True):
         super().__init__()
         self.gate_up_proj = MergedColumnLinear(
-            hidden_size, column_parts({"gate": intermediate_size, "up": intermediate_size}, ctx))
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, ctx=ctx, reduce=reduce)
+            hidden_size, column_parts({"gate": intermediate_size, "up": intermediate_size}, tp))
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp=tp, reduce=reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

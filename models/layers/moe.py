@@ -14,7 +14,7 @@ from torch import nn
 from dserve.models.config import ModelConfig
 from dserve.models.layers.mlp import GatedMLP
 from dserve.models.parallel import SINGLE, ParallelContext
-from dserve.models.weights import TensorSource, attach_loader, copy_checked, replicated_loader
+from dserve.models.weights import SKIP, TensorSource, prefixed, attach_loader, copy_checked, replicated_loader
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor | None, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,23 +46,33 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, cfg: ModelConfig) -> 
 
 
 class Experts(nn.Module):
-    """Routed experts' weights stacked: w13 [E, 2*I, H] (gate then up), w2 [E, H, I]; I split over TP."""
+    """This rank's routed experts stacked: w13 [E_local, 2*I, H] (gate then up), w2 [E_local, H, I].
+    Experts [first, first + E_local) live here (expert parallelism); I is split over the ranks that
+    share them (`ctx.moe_tp`)."""
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext = SINGLE):
         super().__init__()
         self.num_experts = cfg.n_routed_experts
-        size = cfg.moe_intermediate_size
-        self.i_start, self.i_end = ctx.shard_range(size, "moe_intermediate_size")
+        if self.num_experts % ctx.ep_size:
+            raise ValueError(f"n_routed_experts = {self.num_experts} does not divide by ep_size = {ctx.ep_size}")
+        self.num_local = self.num_experts // ctx.ep_size
+        self.first = ctx.ep_rank * self.num_local
+        self.i_start, self.i_end = ctx.moe_tp.shard_range(cfg.moe_intermediate_size, "moe_intermediate_size")
         local = self.i_end - self.i_start
-        self.w13 = attach_loader(nn.Parameter(torch.empty(self.num_experts, 2 * local, cfg.hidden_size),
+        self.w13 = attach_loader(nn.Parameter(torch.empty(self.num_local, 2 * local, cfg.hidden_size),
                                               requires_grad=False), self._load)
-        self.w2 = attach_loader(nn.Parameter(torch.empty(self.num_experts, cfg.hidden_size, local),
+        self.w2 = attach_loader(nn.Parameter(torch.empty(self.num_local, cfg.hidden_size, local),
                                              requires_grad=False), self._load)
-        self.w13.expected_shards = [(e, p) for e in range(self.num_experts) for p in ("gate", "up")]
-        self.w2.expected_shards = [(e, "down") for e in range(self.num_experts)]
+        mine = range(self.first, self.first + self.num_local)
+        self.w13.expected_shards = [(e, p) for e in mine for p in ("gate", "up")]
+        self.w2.expected_shards = [(e, "down") for e in mine]
+
+    def owns(self, expert: int) -> bool:
+        return self.first <= expert < self.first + self.num_local
 
     def _load(self, param: torch.Tensor, source: TensorSource, shard: tuple[int, str]) -> None:
         expert, part = shard
+        expert -= self.first
         local = self.i_end - self.i_start
         if part == "down":
             copy_checked(param.data[expert], source.read(1, self.i_start, self.i_end), source)
@@ -73,9 +83,12 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
         for expert in torch.unique(ids).tolist():
+            if not self.owns(expert):
+                continue
             token_idx, slot = torch.where(ids == expert)
-            gate, up = F.linear(x[token_idx], self.w13[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.w2[expert]) * weights[token_idx, slot, None]
+            w13, w2 = self.w13[expert - self.first], self.w2[expert - self.first]
+            gate, up = F.linear(x[token_idx], w13).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, w2) * weights[token_idx, slot, None]
             out.index_add_(0, token_idx, y.to(out.dtype))
         return out
 
@@ -94,7 +107,7 @@ class MoE(nn.Module):
         self.shared_experts = None
         if cfg.n_shared_experts:
             self.shared_experts = GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
-                                           ctx, reduce=False)
+                                           ctx.mlp, reduce=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x.float(), self.gate_weight.float())
@@ -102,7 +115,7 @@ class MoE(nn.Module):
         out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return self.ctx.all_reduce(out)
+        return self.ctx.mlp.all_reduce(out)
 
     def map_key(self, suffix: str) -> tuple[str, object] | None:
         """Checkpoint suffix under `mlp.` -> (parameter suffix, shard id)."""
@@ -111,12 +124,13 @@ class MoE(nn.Module):
         if suffix == "gate.e_score_correction_bias":
             return "correction_bias", None
         if suffix.startswith("shared_experts."):
-            mapped = GatedMLP.map_key(suffix[len("shared_experts."):])
-            return (f"shared_experts.{mapped[0]}", mapped[1]) if mapped else None
+            return prefixed("shared_experts.", GatedMLP.map_key(suffix[len("shared_experts."):]))
         if suffix.startswith("experts."):
             expert, name = suffix[len("experts."):].split(".", 1)
             part = {"gate_proj.weight": "gate", "up_proj.weight": "up", "down_proj.weight": "down"}.get(name)
             if part is None:
                 return None
+            if not self.experts.owns(int(expert)):
+                return SKIP  # another expert-parallel rank's expert
             return ("experts.w2" if part == "down" else "experts.w13"), (int(expert), part)
         return None

@@ -8,7 +8,7 @@ import torch
 
 from dserve.runtime import SamplingParams
 from dserve.scheduler.scheduler import Span
-from tests.conftest import random_prompts
+from tests.conftest import forward_spans, random_prompts
 from tests.reference import hf_greedy, hf_last_logits, relative_error
 
 GREEDY32 = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
@@ -34,10 +34,10 @@ def test_last_position_logits_match(tiny_dir, arch, make_engine, page_size):
     engine = make_engine(path, page_size=page_size)
     prompts = random_prompts(4, engine.model_config.vocab_size, LENGTHS, seed=1)
     reqs = [engine.make_request(input_ids=p, sampling_params=GREEDY32) for p in prompts]
-    kv = engine.runner.kv
+    kv = engine.groups[0].kv
     for req in reqs:
         assert kv.allocate_slots(req.rid, req.num_tokens)
-    logits = engine.runner.forward([Span(r, 0, r.num_tokens) for r in reqs])
+    logits = forward_spans(engine, [Span(r, 0, r.num_tokens) for r in reqs])
     for row, prompt in enumerate(prompts):
         err = relative_error(logits[row], hf_last_logits(path, prompt))
         assert err < 1e-4, f"prompt {row}: relative error {err:.2e}"
@@ -108,8 +108,8 @@ def test_bfloat16_runs_and_mostly_agrees(tiny_dir, make_engine, dtype):
     engine = make_engine(path, dtype=dtype)
     prompt = random_prompts(1, engine.model_config.vocab_size, [20], seed=6)[0]
     req = engine.make_request(input_ids=prompt, sampling_params=GREEDY32)
-    engine.runner.kv.allocate_slots(req.rid, req.num_tokens)
-    logits = engine.runner.forward([Span(req, 0, req.num_tokens)])
-    engine.runner.kv.free(req.rid)
+    engine.groups[0].kv.allocate_slots(req.rid, req.num_tokens)
+    logits = forward_spans(engine, [Span(req, 0, req.num_tokens)])
+    engine.groups[0].kv.free(req.rid)
     assert relative_error(logits[0], hf_last_logits(path, prompt)) < 5e-2
     assert torch.isfinite(logits).all()

@@ -29,7 +29,7 @@ def test_consumer_that_stops_early_aborts_and_frees(tiny_dir, make_engine):
     next(stream)
     next(stream)
     stream.close()
-    assert engine.requests == {} and engine.runner.kv.tables == {}
+    assert engine.requests == {} and engine.groups[0].kv.tables == {}
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -71,3 +71,17 @@ def test_context_manager_and_unknown_architecture(tiny_dir, tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
     with pytest.raises(ValueError, match="unknown architecture.*LlamaForCausalLM.*DeepseekV3ForCausalLM"):
         Engine(str(tmp_path), device="cpu")
+
+
+def test_every_engine_keyword_is_a_cli_flag():
+    import dataclasses
+
+    from dserve.runtime.cli import build_parser, engine_kwargs
+    from dserve.runtime.config import EngineConfig
+
+    args = build_parser().parse_args(["generate", "hi", "--model", "/m", "--tp", "4", "--dp-size", "2",
+                                      "--page-size", "8", "--no-enable-prefix-caching", "--dtype", "bfloat16"])
+    kwargs = engine_kwargs(args)
+    assert set(kwargs) == {f.name for f in dataclasses.fields(EngineConfig)} - {"model_path"}
+    assert kwargs["tp_size"] == 4 and kwargs["dp_size"] == 2 and kwargs["page_size"] == 8
+    assert kwargs["enable_prefix_caching"] is False and kwargs["dtype"] == "bfloat16"

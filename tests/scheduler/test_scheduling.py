@@ -15,11 +15,11 @@ def test_preemption_under_tiny_page_budget_gives_identical_tokens(tiny_dir, make
     engine = make_engine(path, page_size=4, max_total_tokens=64)
     prompts = random_prompts(4, engine.model_config.vocab_size, [20, 14, 17, 9], seed=11)
     results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
-    assert engine.scheduler.preempted_total > 0, "the budget was meant to force preemption"
+    assert engine.preempted_total > 0, "the budget was meant to force preemption"
     assert any(r.meta["num_preemptions"] for r in results)
     for prompt, result in zip(prompts, results):
         assert result.output_ids == hf_greedy(path, prompt, 24)
-    assert engine.runner.kv.tables == {}
+    assert engine.groups[0].kv.tables == {}
 
 
 def test_preemption_with_glm_and_no_prefix_cache(tiny_dir, make_engine):
@@ -27,7 +27,7 @@ def test_preemption_with_glm_and_no_prefix_cache(tiny_dir, make_engine):
     engine = make_engine(path, page_size=2, max_total_tokens=48, enable_prefix_caching=False)
     prompts = random_prompts(3, engine.model_config.vocab_size, [15, 12, 10], seed=12)
     results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
-    assert engine.scheduler.preempted_total > 0
+    assert engine.preempted_total > 0
     for prompt, result in zip(prompts, results):
         assert result.output_ids == hf_greedy(path, prompt, 24)
 
@@ -41,9 +41,9 @@ def test_new_requests_join_a_running_batch(tiny_dir, make_engine):
         engine.step()
     second = engine.add_request(input_ids=prompts[1], sampling_params=GREEDY)
     engine.step()
-    running = {r.rid for r in engine.scheduler.running}
+    running = {r.rid for r in engine.groups[0].scheduler.running}
     assert {first, second} <= running  # decoding and prefilling in the same step
-    while engine.scheduler.has_work:
+    while engine.groups[0].scheduler.has_work:
         engine.step()
     for rid, prompt in zip((first, second), prompts):
         assert engine.pop_result(rid).output_ids == hf_greedy(path, prompt, 24)
@@ -56,9 +56,9 @@ def test_abort_of_a_running_request_frees_its_pages(tiny_dir, make_engine):
     for _ in range(3):
         engine.step()
     req = engine.requests[rid]
-    assert req.status is Status.RUNNING and len(engine.runner.kv.tables[rid]) >= 8
+    assert req.status is Status.RUNNING and len(engine.groups[0].kv.tables[rid]) >= 8
     engine.abort(rid)
-    assert rid not in engine.runner.kv.tables
+    assert rid not in engine.groups[0].kv.tables
     engine.check_invariants()
     result = engine.pop_result(rid)
     assert result.finish_reason == "abort" and 0 < len(result.output_ids) < 100

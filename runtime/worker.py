@@ -1,0 +1,85 @@
+"""A rank process: joins the instance's torch.distributed groups, loads its shard, then runs every
+batch the front sends until told to stop. It blocks on its pipe between steps (no busy-wait).
+
+Rank r of `tp_size` ranks is attention-TP rank `r % A` of DP group `r // A` (A = tp_size // dp_size).
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from dserve.models.parallel import ParallelContext, TPGroup
+from dserve.runtime.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    dp_rank: int
+    attn_tp_rank: int
+    num_pages: int
+    parameter_bytes: int
+    parameter_shapes: dict
+
+
+def build_context(rank: int, config: EngineConfig) -> ParallelContext:
+    """Create every process group (all ranks call new_group in the same order) and this rank's view."""
+    import torch.distributed as dist
+
+    world, dp, a = config.world_size, config.dp_size, config.attn_tp_size
+    attn_groups = [dist.new_group(list(range(g * a, (g + 1) * a))) for g in range(dp)]
+    dp_groups = [dist.new_group([g * a + i for g in range(dp)]) for i in range(a)]
+    dp_rank, attn_rank = divmod(rank, a)
+    return ParallelContext(
+        attn=TPGroup(attn_rank, a, attn_groups[dp_rank]),
+        mlp=TPGroup(rank, world, dist.group.WORLD),
+        dp=TPGroup(dp_rank, dp, dp_groups[attn_rank]),
+        ep_size=config.ep_size)
+
+
+def rank_device(config: EngineConfig, rank: int) -> str:
+    return f"cuda:{rank}" if config.device.startswith("cuda") else "cpu"
+
+
+def worker_main(rank: int, config: EngineConfig, init_method: str, conn) -> None:
+    import torch.distributed as dist
+
+    logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(name)s: %(message)s")
+    try:
+        device = rank_device(config, rank)
+        if device == "cpu":
+            torch.set_num_threads(1)
+        else:
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device != "cpu" else "gloo", init_method=init_method, rank=rank,
+                                world_size=config.world_size,
+                                timeout=datetime.timedelta(seconds=config.collective_timeout_s))
+        ctx = build_context(rank, config)
+        from dserve.runtime.model_runner import ModelRunner
+
+        runner = ModelRunner(config, ctx, device)
+        shapes = {name: tuple(p.shape) for name, p in runner.model.named_parameters()}
+        conn.send(("ready", RankInfo(rank, ctx.dp.rank, ctx.attn.rank, runner.pool.num_pages,
+                                     runner.parameter_bytes, shapes)))
+        leader = ctx.attn.rank == 0
+        while True:
+            batch = conn.recv()
+            if batch is None:
+                break
+            logits = runner.forward(batch)
+            conn.send(("ok", logits if leader else None))
+    except (EOFError, KeyboardInterrupt):
+        pass  # the front went away
+    except BaseException:
+        try:
+            conn.send(("error", f"rank {rank}: {traceback.format_exc()}"))
+        except (OSError, EOFError):
+            pass
+        raise SystemExit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
