@@ -33,6 +33,7 @@ def pool_pages(config: EngineConfig, layout: KVLayout, device: torch.device) -> 
     if config.max_total_tokens is not None:
         tokens = config.max_total_tokens
     elif device.type == "cuda":
+        torch.cuda.empty_cache()  # blocks cached by torch's allocator count as used in mem_get_info
         free, total = torch.cuda.mem_get_info(device)
         budget = total * config.mem_fraction_static - (total - free)
         if budget < layout.bytes_per_page:

@@ -2,6 +2,7 @@
 worker through `dserve.models.tiny`, i.e. transformers' save_pretrained) and engine factories."""
 from __future__ import annotations
 
+import gc
 import os
 import random
 
@@ -51,6 +52,8 @@ def make_engine():
         engine.shutdown()
         engine.check_invariants()
         assert not any(g.kv.tables for g in engine.groups), "pages still held after shutdown"
+    engines.clear()
+    gc.collect()  # free KV pools now: a GPU pool sized from free memory must not see the last test's
 
 
 def forward_spans(engine, spans, group: int = 0):

@@ -113,3 +113,22 @@ def test_bfloat16_runs_and_mostly_agrees(tiny_dir, make_engine, dtype):
     engine.groups[0].kv.free(req.rid)
     assert relative_error(logits[0], hf_last_logits(path, prompt)) < 5e-2
     assert torch.isfinite(logits).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_greedy_tokens_match_on_gpu(tiny_dir, arch, make_engine):
+    """float32 on the GPU is still token-exact; bf16 (the GPU default) runs and stays close."""
+    path = tiny_dir(arch)
+    engine = make_engine(path, device="cuda", dtype="float32", page_size=16, max_total_tokens=4096)
+    prompts = random_prompts(4, engine.model_config.vocab_size, LENGTHS, seed=7)
+    results = engine.generate(input_ids=prompts, sampling_params=GREEDY32)
+    for prompt, result in zip(prompts, results):
+        assert result.output_ids == hf_greedy(path, prompt, 32)
+    bf16 = make_engine(path, device="cuda")
+    assert bf16.config.dtype == "bfloat16" and bf16.config.page_size == 64
+    req = bf16.make_request(input_ids=prompts[1], sampling_params=GREEDY32)
+    bf16.groups[0].kv.allocate_slots(req.rid, req.num_tokens)
+    logits = forward_spans(bf16, [Span(req, 0, req.num_tokens)])
+    bf16.groups[0].kv.free(req.rid)
+    assert relative_error(logits[0], hf_last_logits(path, prompts[1])) < 5e-2

@@ -8,6 +8,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 from dserve.runtime import Engine, SamplingParams
 from dserve.runtime.executor import RankFailure
@@ -27,8 +28,20 @@ SHAPES = {
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("arch_name", ["deepseek_v3", "glm4_moe"])
 def test_parallel_greedy_matches_single_rank_and_transformers(tiny_dir, make_engine, arch_name, shape):
-    path = tiny_dir(arch_name)
-    engine = make_engine(path, **SHAPES[shape])
+    check_parallel_parity(tiny_dir(arch_name), make_engine, SHAPES[shape], device="cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
+@pytest.mark.parametrize("shape", ["tp2", "tp2-dp2", "ep2"])
+@pytest.mark.parametrize("arch_name", ["deepseek_v3", "glm4_moe"])
+def test_parallel_greedy_on_gpus_with_nccl(tiny_dir, make_engine, arch_name, shape):
+    check_parallel_parity(tiny_dir(arch_name), make_engine, SHAPES[shape], device="cuda")
+
+
+def check_parallel_parity(path: str, make_engine, shape: dict, device: str) -> None:
+    # explicit pools: two engines share a GPU here, and one sized from free memory would take it all
+    engine = make_engine(path, device=device, dtype="float32", max_total_tokens=8192, **shape)
     prompts = random_prompts(4, engine.model_config.vocab_size, [5, 23, 40, 17], seed=41)
     rids = [engine.add_request(input_ids=p, sampling_params=GREEDY) for p in prompts]
     if engine.config.dp_size > 1:
@@ -36,7 +49,8 @@ def test_parallel_greedy_matches_single_rank_and_transformers(tiny_dir, make_eng
     while engine.groups[0].scheduler.has_work or engine.groups[-1].scheduler.has_work:
         engine.step()
     outputs = [engine.pop_result(rid).output_ids for rid in rids]
-    single = make_engine(path).generate(input_ids=prompts, sampling_params=GREEDY)
+    single = make_engine(path, device=device, dtype="float32", max_total_tokens=8192).generate(
+        input_ids=prompts, sampling_params=GREEDY)
     for prompt, output, alone in zip(prompts, outputs, single):
         assert output == alone.output_ids == hf_greedy(path, prompt, 24)
 
