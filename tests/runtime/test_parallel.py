@@ -25,6 +25,19 @@ SHAPES = {
 
 
 @pytest.mark.slow
+def test_gqa_kv_heads_replicated_over_more_ranks(tiny_dir, make_engine):
+    """GLM tiny has 2 KV heads: with 4 attention ranks each pair of ranks shares (replicates) one."""
+    path = tiny_dir("glm4_moe")
+    engine = make_engine(path, tp_size=4)
+    shapes = [info.parameter_shapes["layers.0.self_attn.qkv_proj.weight"] for info in engine.executor.rank_info]
+    head_dim = engine.model_config.head_dim
+    assert all(shape[0] == 3 * head_dim for shape in shapes)  # one q head, one k head, one v head
+    prompts = random_prompts(2, engine.model_config.vocab_size, [21, 8], seed=43)
+    for prompt, result in zip(prompts, engine.generate(input_ids=prompts, sampling_params=GREEDY)):
+        assert result.output_ids == hf_greedy(path, prompt, 24)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("arch_name", ["deepseek_v3", "glm4_moe"])
 def test_parallel_greedy_matches_single_rank_and_transformers(tiny_dir, make_engine, arch_name, shape):
