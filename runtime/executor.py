@@ -15,6 +15,7 @@ import time
 import torch
 
 from dserve.attention.backend import ForwardBatch
+from dserve.models.config import ModelConfig
 from dserve.models.registry import resolve
 from dserve.runtime.config import EngineConfig
 
@@ -40,7 +41,7 @@ class LocalExecutor:
         pass
 
 
-def validate_parallel(config: EngineConfig) -> None:
+def validate_parallel(config: EngineConfig) -> ModelConfig:
     """Every size must divide before any weight is read; the message names the numbers."""
     cfg, _ = resolve(config.model_path)
     a, world = config.attn_tp_size, config.world_size
@@ -64,6 +65,7 @@ def validate_parallel(config: EngineConfig) -> None:
         count = torch.cuda.device_count()
         if count < world:
             raise ValueError(f"tp_size = {world} needs {world} GPUs; this host has {count}")
+    return cfg
 
 
 def _has_data(conn) -> bool:
@@ -81,9 +83,8 @@ def _free_port() -> int:
 
 class MultiprocessExecutor:
     def __init__(self, config: EngineConfig):
-        validate_parallel(config)
         self.config = config
-        self.model_config, _ = resolve(config.model_path)
+        self.model_config = validate_parallel(config)
         ctx = mp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self.conns, self.procs, self.closed = [], [], False
