@@ -60,6 +60,8 @@ class CausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.attn)
         self.rotary = RotaryEmbedding(cfg.rope)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.attention_cls, ctx) for i in range(cfg.num_hidden_layers))
+        for layer in self.layers:  # one rotary table shared by every attention layer, not a submodule of each
+            object.__setattr__(layer.self_attn, "_rotary", self.rotary)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.tie_word_embeddings:
             self.lm_head = None

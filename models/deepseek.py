@@ -83,8 +83,3 @@ class MLAttention(nn.Module):
 
 class DeepseekForCausalLM(CausalLM):
     attention_cls = MLAttention
-
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext):
-        super().__init__(cfg, ctx)
-        for layer in self.layers:
-            object.__setattr__(layer.self_attn, "_rotary", self.rotary)  # shared, not a submodule

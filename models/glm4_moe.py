@@ -47,8 +47,3 @@ class GQAttention(nn.Module):
 
 class Glm4MoeForCausalLM(CausalLM):
     attention_cls = GQAttention
-
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext):
-        super().__init__(cfg, ctx)
-        for layer in self.layers:
-            object.__setattr__(layer.self_attn, "_rotary", self.rotary)
