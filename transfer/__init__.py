@@ -1,0 +1,1 @@
+"""KV transfer between prefill and decode instances: layout descriptors, rank mapping, bootstrap, UCX."""
