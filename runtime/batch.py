@@ -8,6 +8,17 @@ from dserve.scheduler.kv_manager import KVCacheManager
 from dserve.scheduler.scheduler import Span
 
 
+def build_step_batches(plans: list[list[Span]], kvs: list[KVCacheManager]) -> list[ForwardBatch]:
+    """One batch per DP group (empty where a group has no work: its ranks still join the MoE
+    collectives); with several groups each batch carries every group's token count."""
+    batches = [build_batch(spans, kv) for spans, kv in zip(plans, kvs)]
+    if len(batches) > 1:
+        counts = [b.num_tokens for b in batches]
+        for b in batches:
+            b.dp_num_tokens = counts
+    return batches
+
+
 def build_batch(spans: list[Span], kv: KVCacheManager) -> ForwardBatch:
     ids, positions, slots, logits_rows = [], [], [], []
     max_pages = max([len(kv.tables[s.req.rid]) for s in spans], default=0)

@@ -14,7 +14,7 @@ from typing import Iterator
 
 import torch
 
-from dserve.runtime.batch import build_batch
+from dserve.runtime.batch import build_step_batches
 from dserve.runtime.config import EngineConfig
 from dserve.runtime.executor import RankFailure, make_executor
 from dserve.runtime.output import GenerateResult, StreamChunk, TextTracker, make_result
@@ -31,7 +31,10 @@ class DPGroup:
     """One attention group's requests and KV pages (one group without DP attention)."""
 
     scheduler: Scheduler
-    kv: KVCacheManager
+
+    @property
+    def kv(self) -> KVCacheManager:
+        return self.scheduler.kv
 
     @property
     def load(self) -> int:
@@ -53,9 +56,9 @@ class Engine:
         self.max_context = self.model_config.max_position_embeddings
         sched = SchedulerConfig(self.config.max_num_batched_tokens, self.config.chunked_prefill_size,
                                 self.config.max_running_requests)
-        self.groups = [DPGroup(Scheduler(sched, kv), kv) for kv in (
-            KVCacheManager(pages, self.config.page_size, self.config.enable_prefix_caching)
-            for pages in self.executor.num_pages)]
+        self.groups = [DPGroup(Scheduler(sched, KVCacheManager(pages, self.config.page_size,
+                                                               self.config.enable_prefix_caching)))
+                       for pages in self.executor.num_pages]
         self.pool_tokens = min(g.kv.num_pages for g in self.groups) * self.config.page_size
         self.requests: dict[str, Request] = {}
         self.trackers: dict[str, TextTracker] = {}
@@ -112,10 +115,14 @@ class Engine:
             self._scheduler(req).finish(req, "abort", error="aborted")
 
     def pop_result(self, rid: str) -> GenerateResult:
-        req = self.requests.pop(rid)
-        tracker = self.trackers.pop(rid)
+        result = make_result(self.requests[rid], self.trackers[rid].text)
+        self._forget(rid)
+        return result
+
+    def _forget(self, rid: str) -> None:
+        self.requests.pop(rid, None)
+        self.trackers.pop(rid, None)
         self.group_of.pop(rid, None)
-        return make_result(req, tracker.text)
 
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[Request]:
@@ -124,11 +131,7 @@ class Engine:
         plans = [g.scheduler.schedule() for g in self.groups]
         if not any(plans):
             return [r for r in self.requests.values() if r.finished]
-        batches = [build_batch(spans, g.kv) for spans, g in zip(plans, self.groups)]
-        if len(batches) > 1:
-            counts = [b.num_tokens for b in batches]
-            for b in batches:
-                b.dp_num_tokens = counts
+        batches = build_step_batches(plans, [g.kv for g in self.groups])
         try:
             group_logits = self.executor.execute(batches)
         except RankFailure as e:
@@ -211,8 +214,7 @@ class Engine:
         finally:
             if rid in self.requests:  # the consumer stopped early: abort and release
                 self.abort(rid)
-                self.requests.pop(rid, None)
-                self.trackers.pop(rid, None)
+                self._forget(rid)
 
     @property
     def preempted_total(self) -> int:

@@ -35,7 +35,7 @@ class LocalExecutor:
         self.num_pages = [self.runner.pool.num_pages]
 
     def execute(self, batches: list[ForwardBatch]) -> list[torch.Tensor]:
-        return [self.runner.forward(batches[0])]
+        return [self.runner.forward(batches[0]).cpu()]
 
     def shutdown(self) -> None:
         pass

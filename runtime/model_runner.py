@@ -64,7 +64,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [N, vocab] (float32, on the CPU) for the batch's `logits_indices` rows."""
+        """Logits [N, vocab] (float32, on the rank's device) for the batch's `logits_indices` rows."""
         batch = batch.to(self.device)
         hidden = self.model(batch, self.backend)
-        return self.model.compute_logits(hidden[batch.logits_indices]).cpu()
+        return self.model.compute_logits(hidden[batch.logits_indices])

@@ -70,8 +70,8 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, conn) -> None
             batch = conn.recv()
             if batch is None:
                 break
-            logits = runner.forward(batch)
-            conn.send(("ok", logits if leader else None))
+            logits = runner.forward(batch)  # every rank runs the LM head's collective
+            conn.send(("ok", logits.cpu() if leader else None))
     except (EOFError, KeyboardInterrupt):
         pass  # the front went away
     except BaseException:

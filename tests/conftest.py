@@ -58,13 +58,10 @@ def make_engine():
 
 def forward_spans(engine, spans, group: int = 0):
     """Logits of one forward pass over `spans` (whose pages are allocated) in DP group `group`."""
-    from dserve.runtime.batch import build_batch
+    from dserve.runtime.batch import build_step_batches
 
-    batches = [build_batch(spans if g == group else [], grp.kv) for g, grp in enumerate(engine.groups)]
-    if len(batches) > 1:
-        for b in batches:
-            b.dp_num_tokens = [x.num_tokens for x in batches]
-    return engine.executor.execute(batches)[group]
+    plans = [spans if g == group else [] for g in range(len(engine.groups))]
+    return engine.executor.execute(build_step_batches(plans, [g.kv for g in engine.groups]))[group]
 
 
 def random_prompts(n: int, vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:

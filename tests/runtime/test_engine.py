@@ -29,7 +29,7 @@ def test_consumer_that_stops_early_aborts_and_frees(tiny_dir, make_engine):
     next(stream)
     next(stream)
     stream.close()
-    assert engine.requests == {} and engine.groups[0].kv.tables == {}
+    assert engine.requests == {} and engine.group_of == {} and engine.groups[0].kv.tables == {}
 
 
 @pytest.mark.parametrize("kwargs, message", [
