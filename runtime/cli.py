@@ -17,14 +17,18 @@ SHORT_FLAGS = {"tp_size": ["--tp"], "dp_size": ["--dp"], "ep_size": ["--ep"]}
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per EngineConfig field (`model_path` is `--model`)."""
-    hints = typing.get_type_hints(EngineConfig)
     group = parser.add_argument_group("engine")
-    for field in dataclasses.fields(EngineConfig):
-        if field.name == "model_path":
-            group.add_argument("--model", "--model-path", dest="model_path", required=True,
-                               help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer)")
+    group.add_argument("--model", "--model-path", dest="model_path", required=True,
+                       help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer)")
+    _add_dataclass_flags(group, EngineConfig, {"model_path"}, SHORT_FLAGS)
+
+
+def _add_dataclass_flags(group, cls, skip=(), short=None) -> None:
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        if field.name in skip:
             continue
-        flags = ["--" + field.name.replace("_", "-")] + SHORT_FLAGS.get(field.name, [])
+        flags = ["--" + field.name.replace("_", "-")] + (short or {}).get(field.name, [])
         hint = hints[field.name]
         if hint is bool:
             group.add_argument(*flags, dest=field.name, action=argparse.BooleanOptionalAction, default=field.default)
@@ -32,6 +36,26 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
             base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
             group.add_argument(*flags, dest=field.name, type=base, default=field.default,
                                help=f"(default: {field.default})")
+
+
+def add_server_flags(parser: argparse.ArgumentParser, role: str) -> None:
+    from dserve.runtime.server_config import ServerConfig
+
+    skip = {"role"} | ({"bootstrap_port", "bootstrap_timeout_s"} if role == "colocated" else set())
+    if role == "decode":
+        skip.add("bootstrap_port")
+    if role != "decode":
+        skip |= {"transfer_timeout_s", "prealloc_timeout_s"}
+    if role == "colocated":
+        skip.add("transfer_fail_rate")
+    _add_dataclass_flags(parser.add_argument_group("server"), ServerConfig, skip)
+
+
+def server_config(args: argparse.Namespace, role: str):
+    from dserve.runtime.server_config import ServerConfig
+
+    names = [f.name for f in dataclasses.fields(ServerConfig) if f.name != "role" and hasattr(args, f.name)]
+    return ServerConfig(role=role, **{n: getattr(args, n) for n in names})
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -55,6 +79,45 @@ def _cmd_generate(args: argparse.Namespace) -> None:
         for result in engine.generate(list(args.prompt), sampling_params=params):
             print(json.dumps({"text": result.text, "output_ids": result.output_ids,
                               "finish_reason": result.finish_reason, "meta": result.meta}))
+
+
+def _cmd_serve(args: argparse.Namespace) -> None:
+    from dserve.runtime.http_server import serve
+
+    serve(args.model_path, server_config(args, args.role), **engine_kwargs(args))
+
+
+def _cmd_router(args: argparse.Namespace) -> None:
+    from dserve.runtime.router import run_router
+
+    split = lambda values: [u for v in values for u in v.split(",") if u]
+    run_router(split(args.prefill), split(args.decode), args.host, args.port, args.policy, args.health_interval_s)
+
+
+INSTANCE_HELP = {
+    "serve": ("serve the HTTP API from one colocated instance (prefill and decode together)", "colocated"),
+    "prefill": ("run a prefill instance: computes prompts and pushes their KV to decode instances", "prefill"),
+    "decode": ("run a decode instance: receives prompts' KV and generates", "decode"),
+}
+
+
+def _add_router(sub) -> None:
+    from dserve.runtime.router import POLICIES
+
+    router = sub.add_parser("router", help="route requests over prefill and decode instances",
+                            description="One OpenAI-compatible endpoint in front of prefill and decode instances. "
+                                        "Each request goes to one prefill and one decode instance at once.")
+    router.add_argument("--prefill", action="append", required=True, metavar="URL[,URL...]",
+                        help="prefill instance URL(s), e.g. http://127.0.0.1:30001 (repeatable)")
+    router.add_argument("--decode", action="append", required=True, metavar="URL[,URL...]",
+                        help="decode instance URL(s) (repeatable)")
+    router.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
+    router.add_argument("--port", type=int, default=30000, help="(default: 30000)")
+    router.add_argument("--policy", choices=POLICIES, default="round_robin",
+                        help="how to pick instances (default: round_robin)")
+    router.add_argument("--health-interval-s", type=float, default=2.0,
+                        help="seconds between health probes of each instance (default: 2)")
+    router.set_defaults(func=_cmd_router)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,6 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     add_engine_flags(gen)
     gen.set_defaults(func=_cmd_generate)
+
+    for name, (text, role) in INSTANCE_HELP.items():
+        cmd = sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ". Every Engine keyword "
+                             "argument is a flag of the same name.")
+        add_engine_flags(cmd)
+        add_server_flags(cmd, role)
+        cmd.set_defaults(func=_cmd_serve, role=role)
+    _add_router(sub)
     return parser
 
 

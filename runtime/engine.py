@@ -19,6 +19,7 @@ from dserve.runtime.config import EngineConfig
 from dserve.runtime.executor import RankFailure, make_executor
 from dserve.runtime.output import GenerateResult, StreamChunk, TextTracker, make_result
 from dserve.runtime.sampler import sample
+from dserve.transfer.agent import AgentConfig
 from dserve.scheduler.request import Request, SamplingParams
 from dserve.scheduler.kv_manager import KVCacheManager
 from dserve.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -42,10 +43,11 @@ class DPGroup:
 
 
 class Engine:
-    def __init__(self, model_path: str, **kwargs):
+    def __init__(self, model_path: str, transfer: "AgentConfig | None" = None, **kwargs):
+        """`transfer` starts a KV transfer agent on every rank (prefill and decode instances)."""
         self.config = EngineConfig(model_path, **kwargs)
         torch.manual_seed(self.config.random_seed)
-        self.executor = make_executor(self.config)
+        self.executor = make_executor(self.config, transfer)
         self.model_config = self.executor.model_config
         from transformers import AutoTokenizer
 
@@ -63,6 +65,8 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.trackers: dict[str, TextTracker] = {}
         self.group_of: dict[str, int] = {}
+        self.keep_pages: set[str] = set()  # prefill: requests whose pages outlive them, to be sent
+        self.held: dict[str, tuple[int, str]] = {}  # holder key -> (DP group, rid) of pages in flight
 
     # ---- request lifecycle -------------------------------------------------------------------
     def tokenize(self, prompt: str | None, input_ids: list[int] | None) -> list[int]:
@@ -119,6 +123,9 @@ class Engine:
         self._forget(rid)
         return result
 
+    def forget(self, rid: str) -> None:
+        self._forget(rid)
+
     def _forget(self, rid: str) -> None:
         self.requests.pop(rid, None)
         self.trackers.pop(rid, None)
@@ -166,15 +173,66 @@ class Engine:
     def _check_finish(self, req: Request, token: int) -> None:
         p = req.params
         matched = self.trackers[req.rid].update()
-        scheduler = self._scheduler(req)
-        if p.stop_token_ids and token in p.stop_token_ids:
-            scheduler.finish(req, "stop", token)
+        if req.rid in self.keep_pages:  # prefill: the first token ends it; its pages wait to be sent
+            self.keep_pages.discard(req.rid)
+            self.hold(req.rid, "send")
+            self._scheduler(req).finish(req, "length")
+        elif p.stop_token_ids and token in p.stop_token_ids:
+            self._scheduler(req).finish(req, "stop", token)
         elif not p.ignore_eos and token in self.eos_token_ids:
-            scheduler.finish(req, "stop", token)
+            self._scheduler(req).finish(req, "stop", token)
         elif matched is not None:
-            scheduler.finish(req, "stop", matched)
+            self._scheduler(req).finish(req, "stop", matched)
         elif len(req.output_ids) >= p.max_new_tokens or req.num_tokens >= self.max_context:
-            scheduler.finish(req, "length")
+            self._scheduler(req).finish(req, "length")
+
+    # ---- pages that outlive their request (disaggregation) ----------------------------------------
+    def hold(self, rid: str, why: str) -> str:
+        """Keep `rid`'s pages after it ends (KV being sent, or receives not yet settled); returns the key
+        to `release` them with."""
+        group = self.group_of[rid]
+        key = f"{rid}#{why}"
+        self.groups[group].kv.hold(rid, key)
+        self.held[key] = (group, rid)
+        return key
+
+    def held_pages(self, key: str) -> list[int]:
+        group, _ = self.held[key]
+        return list(self.groups[group].kv.tables[key])
+
+    def release(self, key: str) -> None:
+        group, _ = self.held.pop(key)
+        self.groups[group].kv.free(key)
+
+    def prealloc(self, req: Request) -> list[int] | None:
+        """Decode: pages for the whole prompt before its KV arrives; None while the pool is short."""
+        group = min(range(len(self.groups)), key=lambda g: self.groups[g].load)
+        kv = self.groups[group].kv
+        if not kv.allocate_slots(req.rid, len(req.prompt_ids)):
+            kv.free(req.rid)
+            return None
+        self.track(req)
+        self.group_of[req.rid] = group
+        return list(kv.tables[req.rid])
+
+    def track(self, req: Request) -> None:
+        """Know a request (its output can be read) before any DP group holds it."""
+        self.requests[req.rid] = req
+        self.trackers.setdefault(req.rid, TextTracker(self.tokenizer, req))
+
+    def join_prefilled(self, rid: str, first_token: int, logprob: float | None = None,
+                       top_logprobs: list | None = None) -> None:
+        """Decode: the prompt's KV is in the pages; the prefill's first token joins and decoding starts."""
+        req = self.requests[rid]
+        req.num_computed_tokens = len(req.prompt_ids)
+        req.output_ids.append(first_token)
+        req.first_token_time = time.perf_counter()
+        if req.params.return_logprob and logprob is not None:
+            req.token_logprobs.append(logprob)
+            req.top_logprobs.append([tuple(x) for x in top_logprobs or []])
+        self._check_finish(req, first_token)
+        if not req.finished:
+            self._scheduler(req).add(req)
 
     # ---- convenience -----------------------------------------------------------------------------
     def generate(self, prompts=None, input_ids=None, sampling_params=None):
@@ -224,6 +282,7 @@ class Engine:
         """Page accounting of every DP group: ended requests hold nothing, ref counts match tables."""
         for g, group in enumerate(self.groups):
             live = {rid for rid, r in self.requests.items() if not r.finished and self.group_of.get(rid) == g}
+            live |= {key for key, (group_index, _) in self.held.items() if group_index == g}
             group.kv.check_invariants(live)
             assert group.scheduler.live_rids() <= live
 

@@ -27,12 +27,17 @@ class RankFailure(RuntimeError):
 
 
 class LocalExecutor:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, transfer=None):
         from dserve.runtime.model_runner import ModelRunner
 
         self.runner = ModelRunner(config)
         self.model_config = self.runner.model_config
         self.num_pages = [self.runner.pool.num_pages]
+        self.agent = None
+        if transfer is not None:
+            from dserve.transfer.agent import start_agent
+
+            self.agent = start_agent(transfer, self.model_config, self.runner.pool, 0, 0, 1)
 
     def execute(self, batches: list[ForwardBatch]) -> list[torch.Tensor]:
         return [self.runner.forward(batches[0]).cpu()]
@@ -82,7 +87,7 @@ def _free_port() -> int:
 
 
 class MultiprocessExecutor:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, transfer=None):
         self.config = config
         self.model_config = validate_parallel(config)
         ctx = mp.get_context("spawn")
@@ -92,7 +97,7 @@ class MultiprocessExecutor:
 
         for rank in range(config.world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=worker_main, args=(rank, config, init_method, child), daemon=True,
+            proc = ctx.Process(target=worker_main, args=(rank, config, init_method, child, transfer), daemon=True,
                                name=f"dserve-rank-{rank}")
             proc.start()
             child.close()
@@ -184,5 +189,8 @@ class MultiprocessExecutor:
             conn.close()
 
 
-def make_executor(config: EngineConfig):
-    return LocalExecutor(config) if config.world_size == 1 else MultiprocessExecutor(config)
+def make_executor(config: EngineConfig, transfer=None):
+    """`transfer` (an AgentConfig) starts a KV transfer agent on every rank."""
+    if config.world_size == 1:
+        return LocalExecutor(config, transfer)
+    return MultiprocessExecutor(config, transfer)

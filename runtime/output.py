@@ -80,6 +80,7 @@ def make_result(req: Request, text: str) -> GenerateResult:
         "e2e_latency": (req.finish_time or 0) - req.arrival_time,
         "ttft": (req.first_token_time - req.arrival_time) if req.first_token_time else None,
     }
+    meta.update(req.extra_meta)
     if req.error:
         meta["error"] = req.error
     if req.params.return_logprob:

@@ -45,7 +45,7 @@ def rank_device(config: EngineConfig, rank: int) -> str:
     return f"cuda:{rank}" if config.device.startswith("cuda") else "cpu"
 
 
-def worker_main(rank: int, config: EngineConfig, init_method: str, conn) -> None:
+def worker_main(rank: int, config: EngineConfig, init_method: str, conn, transfer=None) -> None:
     import torch.distributed as dist
 
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(name)s: %(message)s")
@@ -62,6 +62,10 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, conn) -> None
         from dserve.runtime.model_runner import ModelRunner
 
         runner = ModelRunner(config, ctx, device)
+        if transfer is not None:  # started before "ready", so the front finds every agent registered
+            from dserve.transfer.agent import start_agent
+
+            start_agent(transfer, runner.model_config, runner.pool, ctx.dp.rank, ctx.attn.rank, ctx.attn.size)
         shapes = {name: tuple(p.shape) for name, p in runner.model.named_parameters()}
         conn.send(("ready", RankInfo(rank, ctx.dp.rank, ctx.attn.rank, runner.pool.num_pages,
                                      runner.parameter_bytes, shapes)))

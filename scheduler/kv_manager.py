@@ -131,6 +131,14 @@ class KVCacheManager:
             self.allocator.release(page)
         self.hashes.pop(rid, None)
 
+    def hold(self, rid: str, key: str) -> list[int]:
+        """Move `rid`'s pages to a holder `key` (pages in flight outlive their request); free(key) ends it."""
+        if key in self.tables:
+            raise ValueError(f"pages are already held under {key!r}")
+        self.tables[key] = self.tables.pop(rid, [])
+        self.hashes[key] = self.hashes.pop(rid, [])
+        return self.tables[key]
+
     def slots(self, rid: str, start: int, end: int) -> list[int]:
         table, ps = self.tables[rid], self.page_size
         return [table[pos // ps] * ps + pos % ps for pos in range(start, end)]

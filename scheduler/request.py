@@ -105,6 +105,7 @@ class Request:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
+    extra_meta: dict = field(default_factory=dict)  # e.g. KV transfer figures, merged into the result's meta
 
     @property
     def all_ids(self) -> list[int]:

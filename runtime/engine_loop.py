@@ -1,0 +1,161 @@
+"""Runs an `Engine` in its own thread so an asyncio server never blocks on a forward pass.
+
+Everything that touches engine state runs on that thread: the asyncio side hands it functions
+(`call`, `post`) and reads each request's output from an `asyncio.Queue` the thread fills. A role
+side (prefill or decode of a disaggregated pair) is polled between steps for transfer events and
+deadlines, and decides when a finished request's answer may go out (after its KV was sent).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from typing import AsyncIterator, Callable
+
+from dserve.runtime.engine import Engine
+from dserve.runtime.executor import RankFailure
+from dserve.runtime.output import StreamChunk
+from dserve.scheduler.request import Request
+
+log = logging.getLogger("dserve.runtime")
+IDLE_WAIT_S = 0.005
+
+
+class NullSide:
+    """A colocated instance: nothing in flight beside the engine."""
+
+    def poll(self) -> None:
+        pass
+
+    def busy(self, rid: str) -> bool:
+        return False
+
+    def abort(self, rid: str) -> bool:
+        return False
+
+    @property
+    def has_work(self) -> bool:
+        return False
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, side=None):
+        self.engine, self.side = engine, side or NullSide()
+        self.inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.subscribers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.failure: str | None = None
+        self.running = True
+        self.thread = threading.Thread(target=self._run, name="dserve-engine", daemon=True)
+        self.thread.start()
+
+    # ---- asyncio side -----------------------------------------------------------------------------
+    def post(self, fn: Callable, *args) -> None:
+        """Run `fn(*args)` on the engine thread, not waiting for it."""
+        self.inbox.put(lambda: fn(*args))
+
+    async def call(self, fn: Callable, *args):
+        """Run `fn(*args)` on the engine thread and return its result (or raise its exception)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def job() -> None:
+            try:
+                result, error = fn(*args), None
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                result, error = None, e
+            loop.call_soon_threadsafe(_settle, future, result, error)
+
+        self.inbox.put(job)
+        return await future
+
+    async def stream(self, req: Request, start: Callable[[Request], None]) -> AsyncIterator[StreamChunk]:
+        """Start `req` with `start` (on the engine thread) and yield its chunks; the last one is
+        `finished`. Leaving early (client gone) aborts the request and frees what it holds."""
+        if self.failure:
+            raise RuntimeError(self.failure)
+        q: asyncio.Queue = asyncio.Queue()
+        await self.call(self._subscribe, req, asyncio.get_running_loop(), q, start)
+        finished = False
+        try:
+            while not finished:
+                chunk = await q.get()
+                finished = chunk.finished
+                yield chunk
+        finally:
+            if not finished:
+                self.post(self._abort, req.rid)
+
+    # ---- engine thread ----------------------------------------------------------------------------
+    def _subscribe(self, req: Request, loop, q, start) -> None:
+        self.subscribers[req.rid] = (loop, q)
+        try:
+            start(req)
+        except BaseException:
+            self.subscribers.pop(req.rid, None)
+            raise
+
+    def _abort(self, rid: str) -> None:
+        self.subscribers.pop(rid, None)
+        if not self.side.abort(rid):
+            self.engine.abort(rid)
+        req = self.engine.requests.get(rid)
+        if req is not None and req.finished and not self.side.busy(rid):
+            self.engine.forget(rid)
+
+    def _run(self) -> None:
+        while self.running:
+            busy = any(g.scheduler.has_work for g in self.engine.groups) or self.side.has_work
+            self._drain(block=not busy)
+            try:
+                self.side.poll()
+                if any(g.scheduler.has_work for g in self.engine.groups) and not self.failure:
+                    self.engine.step()
+            except RankFailure as e:
+                self.failure = str(e)
+                log.error("the instance failed: %s", e)
+            except Exception:  # noqa: BLE001 - a bug must not kill the serving thread silently
+                log.exception("engine step failed")
+                self.engine._fail_all("internal error in the engine step (see the server log)")
+            self._publish()
+
+    def _drain(self, block: bool) -> None:
+        try:
+            job = self.inbox.get(timeout=IDLE_WAIT_S) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            job()
+            try:
+                job = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _publish(self) -> None:
+        for rid, (loop, q) in list(self.subscribers.items()):
+            req = self.engine.requests.get(rid)
+            if req is None:
+                continue
+            done = req.finished and not self.side.busy(rid)
+            text, tokens = self.engine.trackers[rid].delta() if (not req.finished or done) else ("", [])
+            if not (text or tokens or done):
+                continue
+            result = self.engine.pop_result(rid) if done else None
+            if done:
+                del self.subscribers[rid]
+            loop.call_soon_threadsafe(q.put_nowait, StreamChunk(rid, text, tokens, done, result))
+
+    def stop(self) -> None:
+        self.running = False
+        self.thread.join(timeout=10)
+
+
+def _settle(future: asyncio.Future, result, error) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+

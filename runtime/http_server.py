@@ -1,0 +1,267 @@
+"""The HTTP API of an instance (`dserve serve|prefill|decode`), on aiohttp.
+
+Routes: POST /generate, /v1/completions, /v1/chat/completions (JSON or SSE with `stream`), GET /health,
+/v1/models, /metrics, /server_info. Bad input is HTTP 400 with a message; a request that fails inside
+(transfer failure, timeout, dead rank) is HTTP 500 or an SSE error event. A client that goes away
+aborts its request, which frees its pages. The engine runs on its own thread (`EngineLoop`).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import time
+
+from aiohttp import web
+
+from dserve.runtime.engine import Engine
+from dserve.runtime.engine_loop import EngineLoop
+from dserve.runtime.metrics import Metrics
+from dserve.runtime.protocol import PARSERS, BadRequest, GenerateInput, error_body, full_answer, openai_id, stream_piece
+from dserve.runtime.server_config import ServerConfig
+from dserve.transfer.descriptor import IncompatiblePeer
+
+log = logging.getLogger("dserve.server")
+ROUTES = {"/generate": "generate", "/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+
+class Instance:
+    """Engine + engine thread + role side + transfer manager of one serving instance."""
+
+    def __init__(self, model_path: str, config: ServerConfig, **engine_kwargs):
+        self.config, self.metrics = config, Metrics()
+        self.manager = self.side = self.peers = None
+        transfer = None
+        if config.role != "colocated":
+            from dserve.transfer.agent import AgentConfig
+            from dserve.transfer.manager import TransferManager
+
+            self.manager = TransferManager(config.host)
+            transfer = AgentConfig(self.manager.address, config.host, config.transfer_fail_rate)
+        self.engine = Engine(model_path, transfer=transfer, **engine_kwargs)
+        if self.manager is not None:
+            from dserve.runtime import pd
+
+            self.manager.wait_for_agents(self.engine.config.world_size)
+            side_class = pd.PrefillSide if config.role == "prefill" else pd.DecodeSide
+            self.side = side_class(self.engine, self.manager, config, self.metrics)
+        self.loop = EngineLoop(self.engine, self.side)
+        self.model_name = config.served_model_name or os.path.basename(os.path.normpath(model_path))
+        g = self.engine.groups
+        self.metrics.gauges.update({
+            "num_running_requests": lambda: sum(len(x.scheduler.running) for x in g),
+            "num_queued_requests": lambda: sum(len(x.scheduler.waiting) for x in g),
+            "kv_pages_used": lambda: sum(x.kv.num_used_pages for x in g),
+            "kv_pages_total": lambda: sum(x.kv.num_pages for x in g)})
+
+    def shutdown(self) -> None:
+        self.loop.stop()
+        self.engine.shutdown()
+        if self.manager is not None:
+            self.manager.close()
+
+    # ---- turning input into a started request --------------------------------------------------
+    def _make_request(self, inp: GenerateInput):
+        ids, text = inp.input_ids, inp.text
+        if inp.kind == "chat":
+            ids = list(self.engine.tokenizer.apply_chat_template(inp.messages, add_generation_prompt=True,
+                                                                  tokenize=True, return_dict=False))
+        return self.engine.make_request(text, ids, inp.sampling, inp.rid)
+
+    async def prepare(self, inp: GenerateInput):
+        """The request and how to start it on the engine thread; BadRequest / ConnectionError on failure."""
+        role = self.config.role
+        if role == "colocated" and inp.bootstrap is not None:
+            raise BadRequest("bootstrap_* fields are for disaggregated instances; this one serves alone")
+        if role != "colocated" and inp.bootstrap is None:
+            raise BadRequest(f"a {role} instance serves requests sent through `dserve router` "
+                             "(bootstrap_host, bootstrap_port and bootstrap_room are required)")
+        req = await self.loop.call(self._make_request, inp)
+        if role == "colocated":
+            return req, self.engine.submit
+        if role == "prefill":
+            return req, lambda r: self.side.start(r, inp.bootstrap.room)
+        if self.peers is None:
+            from dserve.runtime.bootstrap import PeerDirectory
+
+            self.peers = PeerDirectory(self.side.descriptor, self.config.bootstrap_timeout_s)
+        b = inp.bootstrap
+        peer = await self.peers.get(b.host, b.port)
+        link = self.peers.link(b.host, b.port, req.rid, lambda rid, msg: self.loop.post(self.side.fail, rid, msg))
+        return req, lambda r: self.side.start(r, b.room, peer, link)
+
+
+class Server:
+    def __init__(self, instance: Instance):
+        self.instance, self.metrics = instance, instance.metrics
+        self.app = web.Application(client_max_size=instance.config.max_request_bytes)
+        for path, kind in ROUTES.items():
+            self.app.router.add_post(path, self._generation(kind))
+        self.app.router.add_get("/health", self.health)
+        self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_get("/metrics", self.metrics_text)
+        self.app.router.add_get("/server_info", self.server_info)
+
+    async def health(self, _: web.Request) -> web.Response:
+        failure = self.instance.loop.failure
+        if failure:
+            return web.json_response({"status": "failed", "error": failure}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def models(self, _: web.Request) -> web.Response:
+        card = {"id": self.instance.model_name, "object": "model", "owned_by": "dserve", "created": 0}
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def metrics_text(self, _: web.Request) -> web.Response:
+        return web.Response(text=self.metrics.render(), content_type="text/plain")
+
+    async def server_info(self, _: web.Request) -> web.Response:
+        c = self.instance.config
+        info = {"role": c.role, "model": self.instance.model_name, "bootstrap_port": c.bootstrap_port
+                if c.role == "prefill" else None, "tp_size": self.instance.engine.config.tp_size,
+                "dp_size": self.instance.engine.config.dp_size}
+        return web.json_response(info)
+
+    def _generation(self, kind: str):
+        async def handler(request: web.Request) -> web.StreamResponse:
+            try:
+                inp = PARSERS[kind](await _read_json(request))
+                req, start = await self.instance.prepare(inp)
+            except (BadRequest, IncompatiblePeer, ValueError) as e:
+                self.metrics.request_done(kind, "bad_request")
+                return _error(str(e), 400)
+            except ConnectionError as e:
+                self.metrics.request_done(kind, "error")
+                return _error(str(e), 502)
+            except RuntimeError as e:
+                return _error(str(e), 503)
+            chunks = self.instance.loop.stream(req, start)
+            if inp.stream:
+                return await self._sse(request, inp, req.rid, chunks)
+            return await self._whole(inp, req.rid, chunks)
+        return handler
+
+    async def _whole(self, inp: GenerateInput, rid: str, chunks) -> web.Response:
+        timer = _Timer(self.metrics)
+        try:
+            async for chunk in chunks:
+                timer.tokens(len(chunk.token_ids))
+                result = chunk.result
+        except ValueError as e:  # rejected when it started (e.g. a room id in use)
+            self.metrics.request_done(inp.kind, "bad_request")
+            return _error(str(e), 400)
+        timer.done()
+        if result.finish_reason == "abort":
+            self.metrics.request_done(inp.kind, "error")
+            return _error(result.meta.get("error") or "aborted", 500)
+        self.metrics.request_done(inp.kind, "ok")
+        body = full_answer(inp.kind, self.instance.model_name, result.text, result.output_ids, result.meta, rid)
+        return web.json_response(body)
+
+    async def _sse(self, request: web.Request, inp: GenerateInput, rid: str, chunks) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        ident = rid if inp.kind == "generate" else openai_id(inp.kind)
+        timer, first, outcome = _Timer(self.metrics), True, "ok"
+        try:
+            async for chunk in chunks:
+                if first:
+                    await resp.prepare(request)
+                timer.tokens(len(chunk.token_ids))
+                meta = chunk.result.meta if chunk.result else None
+                if chunk.result is not None and chunk.result.finish_reason == "abort":
+                    outcome = "error"
+                    await _event(resp, error_body(meta.get("error") or "aborted", 500))
+                    break
+                if chunk.text or chunk.token_ids or meta is not None:
+                    await _event(resp, stream_piece(inp.kind, self.instance.model_name, ident, chunk.text,
+                                                    chunk.token_ids, meta, first))
+                    first = False
+            await resp.write(b"data: [DONE]\n\n")
+        except ValueError as e:
+            self.metrics.request_done(inp.kind, "bad_request")
+            return _error(str(e), 400)
+        except (ConnectionResetError, asyncio.CancelledError):
+            outcome = "client_gone"
+            await chunks.aclose()  # aborts the request and frees its pages
+            self.metrics.request_done(inp.kind, outcome)
+            raise
+        timer.done()
+        self.metrics.request_done(inp.kind, outcome)
+        return resp
+
+
+class _Timer:
+    def __init__(self, metrics: Metrics):
+        self.metrics, self.start, self.last = metrics, time.perf_counter(), None
+
+    def tokens(self, n: int) -> None:
+        if n == 0:
+            return
+        now = time.perf_counter()
+        if self.last is None:
+            self.metrics.observe("time_to_first_token_seconds", now - self.start)
+        else:
+            for _ in range(n):
+                self.metrics.observe("inter_token_latency_seconds", (now - self.last) / n)
+        self.last = now
+
+    def done(self) -> None:
+        self.metrics.observe("e2e_request_latency_seconds", time.perf_counter() - self.start)
+
+
+async def _event(resp: web.StreamResponse, payload: dict) -> None:
+    await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+
+
+def _error(message: str, status: int) -> web.Response:
+    return web.json_response(error_body(message, status), status=status)
+
+
+async def _read_json(request: web.Request) -> dict:
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as e:
+        raise BadRequest(f"the body is larger than {request.app._client_max_size} bytes") from e
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"the body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    return body
+
+
+async def run_apps(apps: list[tuple[web.Application, str, int]], on_stop=None) -> None:
+    """Serve each app on its host:port until SIGINT/SIGTERM; clients that leave cancel their handler."""
+    runners = []
+    for app, host, port in apps:
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, host, port).start()
+        runners.append(runner)
+        log.info("listening on http://%s:%d", host, port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print("dserve: ready", flush=True)
+    await stop.wait()
+    for runner in runners:
+        await runner.cleanup()
+    if on_stop is not None:
+        on_stop()
+
+
+def serve(model_path: str, config: ServerConfig, **engine_kwargs) -> None:
+    instance = Instance(model_path, config, **engine_kwargs)
+    apps = [(Server(instance).app, config.host, config.port)]
+    if config.role == "prefill":
+        from dserve.runtime.bootstrap import bootstrap_app
+
+        apps.append((bootstrap_app(instance.loop, instance.side), config.host, config.bootstrap_port))
+    try:
+        asyncio.run(run_apps(apps))
+    finally:
+        instance.shutdown()

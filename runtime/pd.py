@@ -1,0 +1,309 @@
+"""The two halves of a disaggregated pair, as state machines the engine thread polls between steps.
+
+Prefill, per request: Computing -> WaitingForInput (the prompt's KV is held until the decode
+registers its pages for the room) -> Transferring -> Success | Failed. The answer goes out when the
+KV has left (or failed), and the held pages are freed then.
+
+Decode, per request: Bootstrapping (waiting for free pages for the prompt) -> Transferring (receives
+posted, the room registered with the prefill) -> Success (the first token joins the running batch) |
+Failed. Pages of a room that fails or is aborted while receives are posted stay quarantined until
+every rank confirms its receives settled, so no late byte can land in a page another request owns.
+
+Every state has a deadline that ends the request with an error naming what did not happen.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+from dserve.models.config import ModelConfig
+from dserve.runtime.engine import Engine
+from dserve.runtime.metrics import Metrics
+from dserve.runtime.server_config import ServerConfig
+from dserve.scheduler.request import Request
+from dserve.transfer.descriptor import InstanceDescriptor, check_compatible
+from dserve.transfer.manager import RoomOutcome, TransferManager
+
+log = logging.getLogger("dserve.pd")
+
+
+def model_identity(cfg: ModelConfig) -> dict:
+    """What must be equal for two instances' KV pages to mean the same thing."""
+    keys = ("architecture", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "head_dim")
+    return {k: getattr(cfg, k) for k in keys}
+
+
+def local_descriptor(engine: Engine, manager: TransferManager) -> InstanceDescriptor:
+    c = engine.config
+    return manager.descriptor(model_identity(engine.model_config), c.dp_size, c.attn_tp_size)
+
+
+@dataclass
+class Registration:
+    peer: InstanceDescriptor
+    dp_rank: int
+    pages: list[int]
+    arrived: float
+
+
+@dataclass
+class PrefillRoom:
+    rid: str
+    room: int
+    state: str = "computing"  # computing | waiting | transferring
+    key: str | None = None
+    deadline: float = float("inf")
+
+
+class PrefillSide:
+    def __init__(self, engine: Engine, manager: TransferManager, config: ServerConfig, metrics: Metrics):
+        self.engine, self.manager, self.config, self.metrics = engine, manager, config, metrics
+        self.rooms: dict[str, PrefillRoom] = {}  # by rid
+        self.by_room: dict[int, str] = {}
+        self.registrations: dict[int, Registration] = {}
+        self.cancelled: dict[int, float] = {}
+        self.peers: dict[str, InstanceDescriptor] = {}
+        self.descriptor = local_descriptor(engine, manager)
+
+    # ---- from the HTTP and bootstrap handlers (run on the engine thread) ---------------------------
+    def start(self, req: Request, room: int) -> None:
+        if room in self.by_room:
+            raise ValueError(f"bootstrap_room {room} is already in use on this prefill instance")
+        self.engine.keep_pages.add(req.rid)
+        self.engine.submit(req)
+        self.rooms[req.rid] = PrefillRoom(req.rid, room)
+        self.by_room[room] = req.rid
+
+    def add_peer(self, peer_id: str, peer: InstanceDescriptor) -> None:
+        check_compatible(self.descriptor, peer, local_role="prefill", remote_role="decode")
+        self.peers[peer_id] = peer
+
+    def register(self, room: int, peer_id: str, dp_rank: int, pages: list[int]) -> None:
+        peer = self.peers.get(peer_id)
+        if peer is None:
+            raise ValueError(f"unknown decode peer {peer_id!r}: register it first")
+        if not 0 <= dp_rank < peer.dp_size:
+            raise ValueError(f"dp_rank {dp_rank} out of range for a peer with dp_size {peer.dp_size}")
+        log.debug("room %d: decode registered %d pages", room, len(pages))
+        self.registrations[room] = Registration(peer, dp_rank, pages, time.monotonic())
+
+    def cancel(self, room: int) -> None:
+        self.cancelled[room] = time.monotonic()
+
+    # ---- engine loop hooks ----------------------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return bool(self.rooms)
+
+    def busy(self, rid: str) -> bool:
+        return rid in self.rooms  # the answer waits until the KV has left (or failed to)
+
+    def abort(self, rid: str) -> bool:
+        room = self.rooms.get(rid)
+        if room is None or room.state == "computing":
+            return False  # the engine aborts it; poll() drops the room
+        if room.state == "waiting":
+            self._end(room, "aborted by the client")
+        return True  # a transfer in flight finishes (or fails) on its own and frees the pages then
+
+    def poll(self) -> None:
+        for outcome in self.manager.poll():
+            self._on_pushed(outcome)
+        now = time.monotonic()
+        for room in list(self.rooms.values()):
+            if room.state == "computing":
+                self._after_compute(room, now)
+            if room.state == "waiting":
+                self._try_push(room, now)
+        for table in (self.registrations, self.cancelled):
+            for key in [k for k, v in table.items() if now - _arrived(v) > 2 * self.config.bootstrap_timeout_s]:
+                del table[key]  # for a room this instance never saw
+
+    def _after_compute(self, room: PrefillRoom, now: float) -> None:
+        req = self.engine.requests.get(room.rid)
+        if req is None or not req.finished:
+            return
+        key = f"{room.rid}#send"
+        if key not in self.engine.held:  # aborted or failed before its first token: nothing to send
+            self._drop(room)
+            return
+        room.state, room.key, room.deadline = "waiting", key, now + self.config.bootstrap_timeout_s
+
+    def _try_push(self, room: PrefillRoom, now: float) -> None:
+        if room.room in self.cancelled:
+            self._end(room, "the decode instance cancelled the request")
+            return
+        reg = self.registrations.pop(room.room, None)
+        if reg is None:
+            if now > room.deadline:
+                self._end(room, f"no decode instance registered pages for bootstrap_room {room.room} within "
+                                f"{self.config.bootstrap_timeout_s:.0f}s (bootstrap timeout)")
+            return
+        req = self.engine.requests[room.rid]
+        src = self.engine.held_pages(room.key)
+        if len(src) != len(reg.pages):
+            self._end(room, f"the decode registered {len(reg.pages)} pages for a prompt of {len(src)} pages")
+            return
+        group, _ = self.engine.held[room.key]
+        log.debug("room %d: pushing %d pages to decode dp group %d", room.room, len(src), reg.dp_rank)
+        self.manager.push(room.room, group, reg.peer, reg.dp_rank, src, reg.pages, _aux(req),
+                          self.config.transfer_timeout_s)
+        room.state = "transferring"
+
+    def _on_pushed(self, outcome: RoomOutcome) -> None:
+        rid = self.by_room.get(outcome.room)
+        room = self.rooms.get(rid) if rid else None
+        if room is None:
+            return
+        self.metrics.transfer(outcome.ok, outcome.bytes, outcome.seconds)
+        req = self.engine.requests.get(rid)
+        if req is not None:
+            req.extra_meta["kv_transfer"] = {"bytes": outcome.bytes, "seconds": round(outcome.seconds, 6)}
+        self._end(room, None if outcome.ok else f"KV transfer failed: {outcome.error}")
+
+    def _end(self, room: PrefillRoom, error: str | None) -> None:
+        if room.key in self.engine.held:
+            self.engine.release(room.key)
+        req = self.engine.requests.get(room.rid)
+        if error is not None and req is not None:
+            log.warning("room %d: %s", room.room, error)
+            req.finish("abort", error=error)
+        self._drop(room)
+
+    def _drop(self, room: PrefillRoom) -> None:
+        self.rooms.pop(room.rid, None)
+        self.by_room.pop(room.room, None)
+        self.cancelled.pop(room.room, None)
+
+
+def _arrived(value) -> float:
+    return value.arrived if isinstance(value, Registration) else value
+
+
+def _aux(req: Request) -> dict:
+    aux = {"token": req.output_ids[0]}
+    if req.params.return_logprob and req.token_logprobs:
+        aux["logprob"] = req.token_logprobs[0]
+        aux["top"] = [list(x) for x in req.top_logprobs[0]]
+    return aux
+
+
+class PrefillLink(Protocol):
+    """The decode's line to the prefill's bootstrap server; calls return at once (work goes async)."""
+
+    def register(self, room: int, dp_rank: int, pages: list[int]) -> None: ...
+
+    def cancel(self, room: int) -> None: ...
+
+
+@dataclass
+class DecodeRoom:
+    rid: str
+    room: int
+    peer: InstanceDescriptor
+    link: "PrefillLink"  # tells the prefill (from the asyncio side) where to send, or to give up
+    state: str = "bootstrapping"  # bootstrapping | transferring | quarantined
+    deadline: float = float("inf")
+    group: int = 0
+    key: str | None = None
+
+
+class DecodeSide:
+    def __init__(self, engine: Engine, manager: TransferManager, config: ServerConfig, metrics: Metrics):
+        self.engine, self.manager, self.config, self.metrics = engine, manager, config, metrics
+        self.rooms: dict[str, DecodeRoom] = {}
+        self.by_room: dict[int, str] = {}
+        self.descriptor = local_descriptor(engine, manager)
+
+    def start(self, req: Request, room: int, peer: InstanceDescriptor, link: "PrefillLink") -> None:
+        if room in self.by_room:
+            raise ValueError(f"bootstrap_room {room} is already in use on this decode instance")
+        self.rooms[req.rid] = DecodeRoom(req.rid, room, peer, link,
+                                         deadline=time.monotonic() + self.config.prealloc_timeout_s)
+        self.by_room[room] = req.rid
+        self.engine.track(req)  # visible to the stream; pages come in poll()
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.rooms)
+
+    def busy(self, rid: str) -> bool:
+        return False  # a failed room's answer goes out at once; its pages wait in quarantine
+
+    def abort(self, rid: str) -> bool:
+        room = self.rooms.get(rid)
+        if room is None:
+            return False
+        self.fail(rid, "aborted by the client")
+        return True
+
+    def fail(self, rid: str, error: str) -> None:
+        room = self.rooms.get(rid)
+        if room is None or room.state == "quarantined":
+            return
+        req = self.engine.requests[rid]
+        room.link.cancel(room.room)
+        if room.state == "bootstrapping":
+            self._drop(room)
+        else:  # receives are posted: settle them before the pages go back
+            self.manager.cancel(room.room, room.group)
+            room.key, room.state = self.engine.hold(rid, "recv"), "quarantined"
+            room.deadline = time.monotonic() + 30
+        if not req.finished:
+            log.warning("room %d: %s", room.room, error)
+            req.finish("abort", error=error)
+
+    def poll(self) -> None:
+        for outcome in self.manager.poll():
+            self._on_received(outcome)
+        now = time.monotonic()
+        for room in list(self.rooms.values()):
+            if room.state == "bootstrapping":
+                self._try_prealloc(room, now)
+            elif room.state == "transferring" and now > room.deadline:
+                self.fail(room.rid, f"the KV of bootstrap_room {room.room} did not arrive within "
+                                    f"{self.config.transfer_timeout_s:.0f}s")
+            elif room.state == "quarantined" and now > room.deadline:
+                log.error("room %d: receives never settled; its pages stay out of use", room.room)
+                self._drop(room)
+
+    def _try_prealloc(self, room: DecodeRoom, now: float) -> None:
+        req = self.engine.requests[room.rid]
+        pages = self.engine.prealloc(req)
+        if pages is None:
+            if now > room.deadline:
+                self.fail(room.rid, f"no free KV pages for a {len(req.prompt_ids)}-token prompt within "
+                                    f"{self.config.prealloc_timeout_s:.0f}s")
+            return
+        room.group = self.engine.group_of[room.rid]
+        self.manager.expect(room.room, room.group, room.peer, pages, self.config.transfer_timeout_s)
+        room.state, room.deadline = "transferring", now + self.config.transfer_timeout_s + 15
+        room.link.register(room.room, room.group, pages)
+
+    def _on_received(self, outcome: RoomOutcome) -> None:
+        rid = self.by_room.get(outcome.room)
+        room = self.rooms.get(rid) if rid else None
+        if room is None:
+            return
+        if room.state == "quarantined":
+            self.engine.release(room.key)
+            self._drop(room)
+            return
+        self.metrics.transfer(outcome.ok, outcome.bytes, outcome.seconds)
+        req = self.engine.requests[rid]
+        req.extra_meta["kv_transfer"] = {"bytes": outcome.bytes, "seconds": round(outcome.seconds, 6)}
+        if not outcome.ok or not outcome.aux:
+            req.finish("abort", error=f"KV transfer failed: {outcome.error or 'no first token from the prefill'}")
+            self.engine.groups[room.group].kv.free(rid)
+            self._drop(room)
+            return
+        self._drop(room)
+        aux = outcome.aux
+        self.engine.join_prefilled(rid, int(aux["token"]), aux.get("logprob"), aux.get("top"))
+
+    def _drop(self, room: DecodeRoom) -> None:
+        self.rooms.pop(room.rid, None)
+        self.by_room.pop(room.room, None)

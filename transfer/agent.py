@@ -1,0 +1,291 @@
+"""A rank's transfer agent: moves KV pages of rooms over UCX (`ucxx`) beside the rank's forward passes.
+
+The agent runs its own asyncio loop in a thread of the rank process. It listens for UCX peers, talks
+to its instance's front over one ZMQ DEALER socket (commands in, events out, msgpack), and:
+
+- `push`   (prefill) sends the room's messages to each decode rank it has a route to, then one control
+           message per decode rank (success or the error, plus aux data); a dummy sends only that.
+- `expect` (decode) posts a receive for every message and control message of the room straight into
+           its pages (into a staging buffer when only a head slice of a page arrives), and reports the
+           room done once all arrived and every sender said success.
+- `cancel` (decode) completes the room's outstanding receives with empty messages sent to itself, so
+           no late byte can land in pages that are then freed; the room reports failed.
+
+Every wait has a deadline. A failing endpoint is aborted and forgotten (the next room reconnects).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+import torch
+
+from dserve.scheduler.kv_pool import KVPool
+from dserve.transfer.descriptor import PoolDescriptor, RankDescriptor
+from dserve.transfer.mapping import Route, held_heads
+from dserve.transfer.messages import CTRL_BYTES, Message, ctrl_tag, pack_ctrl, route_messages, unpack_ctrl
+
+log = logging.getLogger("dserve.transfer")
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """What a rank needs to start its agent: the front's ZMQ address, the host its UCX listener binds
+    to, and the test-only fraction of rooms whose sending fails on purpose."""
+
+    front_address: str
+    host: str = "127.0.0.1"
+    fail_rate: float = 0.0
+
+
+def start_agent(config: AgentConfig, model_config, pool: KVPool, dp_rank: int, attn_rank: int,
+                attn_tp: int) -> "TransferAgent":
+    """The rank's agent over its target pool (a draft pool becomes a second list entry)."""
+    held = held_heads(attn_rank, attn_tp, model_config.num_key_value_heads) if pool.layout.kind == "mha" else []
+    total = model_config.num_key_value_heads if pool.layout.kind == "mha" else 0
+    desc = PoolDescriptor.from_layout("target", pool.layout, total, held)
+    return TransferAgent(config.front_address, dp_rank, attn_rank, attn_tp, [(desc, pool)], config.host,
+                         config.fail_rate)
+
+
+def as_ucx_buffer(t: torch.Tensor):
+    """ucxx takes device memory through __cuda_array_interface__ and host memory as numpy."""
+    return t if t.is_cuda else t.numpy()
+
+
+class TransferAgent:
+    def __init__(self, front_address: str, dp_rank: int, attn_rank: int, attn_tp: int,
+                 pools: list[tuple[PoolDescriptor, KVPool]], host: str = "127.0.0.1", fail_rate: float = 0.0):
+        self.front_address, self.host, self.fail_rate = front_address, host, fail_rate
+        self.dp_rank, self.attn_rank, self.attn_tp = dp_rank, attn_rank, attn_tp
+        self.pools = pools
+        self.endpoints: dict[tuple[str, int], object] = {}
+        self.accepted: list = []
+        self.rooms: dict[int, dict] = {}  # decode: room -> outstanding receive tags
+        self.ready = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name=f"dserve-transfer-{dp_rank}-{attn_rank}", daemon=True)
+        self.thread.start()
+        self.ready.wait(60)
+        if self.error is not None:
+            raise RuntimeError(f"transfer agent failed to start: {self.error}") from self.error
+
+    # ---- loop ------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as e:  # noqa: BLE001 - reported to the starter or logged
+            self.error = e
+            self.ready.set()
+            log.exception("transfer agent stopped")
+
+    async def _main(self) -> None:
+        import ucxx
+        import zmq
+        import zmq.asyncio
+
+        self.listener = ucxx.create_listener(self._on_peer, port=0)
+        self.zctx = zmq.asyncio.Context()
+        self.sock = self.zctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.IDENTITY, f"{self.dp_rank}-{self.attn_rank}".encode())
+        self.sock.connect(self.front_address)
+        self.descriptor = RankDescriptor(self.dp_rank, self.attn_rank, self.attn_tp, self.host, self.listener.port,
+                                         [d for d, _ in self.pools])
+        await self._emit({"kind": "hello", "descriptor": self.descriptor.to_dict()})
+        self.ready.set()
+        tasks = set()
+        while True:
+            cmd = msgpack.unpackb(await self.sock.recv())
+            if cmd["kind"] == "stop":
+                break
+            task = asyncio.ensure_future(self._dispatch(cmd))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        for ep in list(self.endpoints.values()) + self.accepted:
+            ep.abort()
+        self.sock.close()
+
+    async def _emit(self, event: dict) -> None:
+        log.debug("rank %d/%d: event %s", self.dp_rank, self.attn_rank, {k: v for k, v in event.items() if k != "aux"})
+        await self.sock.send(msgpack.packb(event))
+
+    async def _on_peer(self, ep) -> None:
+        self.accepted.append(ep)
+
+    async def _dispatch(self, cmd: dict) -> None:
+        log.debug("rank %d/%d: %s room %s", self.dp_rank, self.attn_rank, cmd["kind"], cmd.get("room"))
+        try:
+            if cmd["kind"] == "push":
+                await self._push(cmd)
+            elif cmd["kind"] == "expect":
+                await self._expect(cmd)
+            elif cmd["kind"] == "cancel":
+                await self._cancel(cmd["room"])
+        except Exception as e:  # noqa: BLE001 - a room fails, the agent keeps serving
+            log.exception("transfer command %s failed", cmd.get("kind"))
+            await self._emit({"kind": "pushed" if cmd["kind"] == "push" else "received", "room": cmd.get("room"),
+                              "ok": False, "error": f"{type(e).__name__}: {e}", "aux": None, "bytes": 0})
+
+    async def _endpoint(self, host: str, port: int):
+        import ucxx
+
+        key = (host, port)
+        if key not in self.endpoints:
+            self.endpoints[key] = await ucxx.create_endpoint(host, port)
+        return self.endpoints[key]
+
+    def _drop_endpoint(self, host: str, port: int) -> None:
+        ep = self.endpoints.pop((host, port), None)
+        if ep is not None:
+            ep.abort()
+
+    # ---- messages --------------------------------------------------------------------------------
+    def _messages(self, cmd: dict, route: Route, src_pages) -> list[Message]:
+        """This pair's messages over every pool; `src_pages` is None on the decode side."""
+        out = []
+        for i, (desc, _) in enumerate(self.pools):
+            if route not in [Route(*r) for r in cmd["routes"][i]]:
+                continue  # nothing of this pool moves on this route
+            mine = len(desc.held_heads) if desc.kind == "mha" else 0
+            src_held, dst_held = (mine, cmd["dst_heads_held"][i]) if src_pages is not None \
+                else (cmd["src_heads_held"][i], mine)
+            out += route_messages(cmd["room"], route, i, desc.num_layers, len(desc.token_shapes),
+                                  cmd["dst_pages"], src_pages, src_held, dst_held)
+        return out
+
+    def _source(self, msg: Message) -> torch.Tensor:
+        buf = self.pools[msg.pool][1].buffers[msg.layer][msg.buffer]
+        first, n = msg.src_pages[0], len(msg.src_pages)
+        if msg.src_pages == tuple(range(first, first + n)):
+            t = buf[first:first + n]
+        else:
+            t = buf[torch.tensor(msg.src_pages, device=buf.device)]
+        if msg.src_heads is not None:
+            t = t[:, :, msg.src_heads[0]:msg.src_heads[0] + msg.src_heads[1]]
+        return t.contiguous()
+
+    def _destination(self, msg: Message) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Where to receive: the pages themselves, or a staging buffer for a head slice."""
+        buf = self.pools[msg.pool][1].buffers[msg.layer][msg.buffer]
+        first, n = msg.dst_pages
+        pages = buf[first:first + n]
+        if msg.dst_heads is None:
+            return pages, None
+        h0, hn = msg.dst_heads
+        return torch.empty_like(pages[:, :, h0:h0 + hn]).contiguous(), pages[:, :, h0:h0 + hn]
+
+    # ---- prefill side ---------------------------------------------------------------------------
+    async def _push(self, cmd: dict) -> None:
+        room, me = cmd["room"], self.attn_rank
+        fail = self.fail_rate > 0 and random.Random(room).random() < self.fail_rate
+        sent, errors = 0, []
+        deadline = time.monotonic() + cmd["timeout_s"]
+        pools0 = [Route(*r) for r in cmd["routes"][0]]
+        decode_ranks = sorted({r.decode_rank for r in pools0 if r.prefill_rank == me})
+        if self.pools[0][1].device.type == "cuda":
+            torch.cuda.synchronize(self.pools[0][1].device)  # the forward that wrote the pages is done
+        for d in decode_ranks:
+            host, port = cmd["dst_ranks"][d]
+            try:
+                ep = await asyncio.wait_for(self._endpoint(host, port), max(deadline - time.monotonic(), 0.01))
+                ok, error = True, None
+                if fail:
+                    ok, error = False, "transfer failed (injected by transfer_fail_rate)"
+                else:
+                    for r in self._pair_routes(cmd, me, d):
+                        for msg in self._messages(cmd, r, cmd["src_pages"]):
+                            data = self._source(msg)
+                            await asyncio.wait_for(ep.send(as_ucx_buffer(data), tag=msg.tag, force_tag=True),
+                                                   max(deadline - time.monotonic(), 0.01))
+                            sent += data.numel() * data.element_size()
+                aux = cmd["aux"] if me == 0 else None
+                ctrl = np.frombuffer(pack_ctrl(ok, error, aux), dtype=np.uint8)
+                await asyncio.wait_for(ep.send(ctrl, tag=ctrl_tag(room, me, d), force_tag=True),
+                                       max(deadline - time.monotonic(), 0.01))
+                if not ok:
+                    errors.append(error)
+            except Exception as e:  # noqa: BLE001
+                self._drop_endpoint(host, port)
+                reason = "timed out" if isinstance(e, asyncio.TimeoutError) else f"{type(e).__name__}: {e}"
+                errors.append(f"sending to decode rank {d} at {host}:{port} failed: {reason}")
+        await self._emit({"kind": "pushed", "room": room, "ok": not errors, "error": "; ".join(errors) or None,
+                          "bytes": sent})
+
+    def _pair_routes(self, cmd: dict, p: int, d: int) -> list[Route]:
+        """Real routes from prefill rank p to decode rank d over all pools (deduplicated)."""
+        seen = []
+        for pool_routes in cmd["routes"]:
+            for r in map(lambda x: Route(*x), pool_routes):
+                if r.prefill_rank == p and r.decode_rank == d and not r.dummy and r not in seen:
+                    seen.append(r)
+        return seen
+
+    # ---- decode side ----------------------------------------------------------------------------
+    async def _expect(self, cmd: dict) -> None:
+        import ucxx
+
+        room, me = cmd["room"], self.attn_rank
+        recvs, scatters, ctrls = [], [], {}
+        for p in range(cmd["prefill_tp"]):
+            for r in self._pair_routes(cmd, p, me):
+                for msg in self._messages(cmd, r, None):
+                    target, scatter_to = self._destination(msg)
+                    recvs.append((msg.tag, target))
+                    if scatter_to is not None:
+                        scatters.append((target, scatter_to))
+            ctrls[p] = np.zeros(CTRL_BYTES, dtype=np.uint8)
+            recvs.append((ctrl_tag(room, p, me), ctrls[p]))
+        state = {"tags": {tag for tag, _ in recvs}, "cancelled": False}
+        self.rooms[room] = state
+
+        async def one(tag, buffer):
+            await ucxx.recv(as_ucx_buffer(buffer) if isinstance(buffer, torch.Tensor) else buffer, tag)
+            state["tags"].discard(tag)
+
+        tasks = [asyncio.ensure_future(one(tag, buf)) for tag, buf in recvs]
+        error, aux, received = None, None, 0
+        try:
+            done, pending = await asyncio.wait(tasks, timeout=cmd["timeout_s"])
+            for t in done:
+                if t.exception() is not None and error is None:
+                    error = f"receive failed: {t.exception()}"
+            if pending:
+                error = error or f"KV of room {room} did not arrive within {cmd['timeout_s']:.0f}s"
+                await self._cancel(room)
+                await asyncio.wait(pending, timeout=10)
+            if state["cancelled"]:
+                error = "the request was cancelled"
+            if error is None:
+                for p, buf in ctrls.items():
+                    msg = unpack_ctrl(buf.tobytes())
+                    if not msg["ok"]:
+                        error = f"prefill rank {p}: {msg['error']}"
+                        break
+                    aux = aux or msg.get("aux")
+            if error is None:
+                for staged, dst in scatters:
+                    dst.copy_(staged)
+                received = sum(b.numel() * b.element_size() for _, b in recvs if isinstance(b, torch.Tensor))
+                if self.pools[0][1].device.type == "cuda":
+                    torch.cuda.synchronize(self.pools[0][1].device)
+        finally:
+            self.rooms.pop(room, None)
+        await self._emit({"kind": "received", "room": room, "ok": error is None, "error": error, "aux": aux,
+                          "bytes": received})
+
+    async def _cancel(self, room: int) -> None:
+        state = self.rooms.get(room)
+        if state is None:
+            return
+        state["cancelled"] = True
+        ep = await self._endpoint(self.host, self.listener.port)
+        empty = np.zeros(0, dtype=np.uint8)
+        for tag in list(state["tags"]):
+            await ep.send(empty, tag=tag, force_tag=True)

@@ -1,0 +1,156 @@
+"""The front's side of its ranks' transfer agents: one ZMQ ROUTER socket, used only by the engine thread.
+
+Agents say hello with their descriptor when they start; the front then sends them `push`, `expect` and
+`cancel` commands for a room, and gathers their per-rank events into one outcome per room once every
+rank of the room's group has reported.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import msgpack
+import zmq
+
+from dserve.transfer.descriptor import InstanceDescriptor, RankDescriptor
+from dserve.transfer.mapping import plan_routes
+
+log = logging.getLogger("dserve.transfer")
+
+
+@dataclass
+class RoomOutcome:
+    room: int
+    kind: str  # "pushed" (prefill) or "received" (decode)
+    ok: bool
+    error: str | None
+    aux: dict | None
+    bytes: int
+    seconds: float
+
+
+@dataclass
+class _Pending:
+    kind: str
+    ranks: set[tuple[int, int]]
+    started: float
+    events: list[dict] = field(default_factory=list)
+
+
+def identity(dp_rank: int, attn_rank: int) -> bytes:
+    return f"{dp_rank}-{attn_rank}".encode()
+
+
+class TransferManager:
+    def __init__(self, host: str = "127.0.0.1"):
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown rank is an error, not a silent drop
+        port = self.sock.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{port}"
+        self.ranks: dict[tuple[int, int], RankDescriptor] = {}
+        self.pending: dict[tuple[str, int], _Pending] = {}
+
+    def wait_for_agents(self, count: int, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while len(self.ranks) < count:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sock.poll(int(left * 1000)):
+                raise RuntimeError(f"only {len(self.ranks)} of {count} transfer agents started")
+            self._receive_one()
+
+    def descriptor(self, model: dict, dp_size: int, attn_tp: int) -> InstanceDescriptor:
+        return InstanceDescriptor(model, dp_size, attn_tp, [self.ranks[k] for k in sorted(self.ranks)])
+
+    def group(self, dp_rank: int) -> list[RankDescriptor]:
+        return [self.ranks[k] for k in sorted(self.ranks) if k[0] == dp_rank]
+
+    # ---- commands ---------------------------------------------------------------------------------
+    def _send(self, dp_rank: int, attn_rank: int, cmd: dict) -> None:
+        self.sock.send_multipart([identity(dp_rank, attn_rank), msgpack.packb(cmd)])
+
+    def push(self, room: int, dp_rank: int, peer: InstanceDescriptor, peer_dp: int, src_pages: list[int],
+             dst_pages: list[int], aux: dict, timeout_s: float) -> None:
+        mine = self.group(dp_rank)
+        theirs = peer.group(peer_dp)
+        cmd = {"kind": "push", "room": room, "src_pages": src_pages, "dst_pages": dst_pages, "aux": aux,
+               "timeout_s": timeout_s, "routes": self._routes(room, len(mine), len(theirs), mine[0]),
+               "dst_ranks": [[r.host, r.port] for r in theirs],
+               "dst_heads_held": [len(p.held_heads) for p in theirs[0].pools]}
+        self._start("pushed", room, dp_rank, mine, cmd)
+
+    def expect(self, room: int, dp_rank: int, peer: InstanceDescriptor, dst_pages: list[int], timeout_s: float) -> None:
+        mine = self.group(dp_rank)
+        theirs = peer.group(0)
+        cmd = {"kind": "expect", "room": room, "dst_pages": dst_pages, "timeout_s": timeout_s,
+               "prefill_tp": peer.attn_tp, "routes": self._routes(room, peer.attn_tp, len(mine), mine[0]),
+               "src_heads_held": [len(p.held_heads) for p in theirs[0].pools]}
+        self._start("received", room, dp_rank, mine, cmd)
+
+    def cancel(self, room: int, dp_rank: int) -> None:
+        for r in self.group(dp_rank):
+            self._send(r.dp_rank, r.attn_rank, {"kind": "cancel", "room": room})
+
+    def _routes(self, room: int, prefill_tp: int, decode_tp: int, rank: RankDescriptor) -> list[list]:
+        out = []
+        for pool in rank.pools:
+            routes = plan_routes(pool.kind, prefill_tp, decode_tp, room, pool.total_kv_heads)
+            out.append([[r.prefill_rank, r.decode_rank, r.dummy, r.src_head, r.dst_head, r.num_heads]
+                        for r in routes])
+        return out
+
+    def _start(self, kind: str, room: int, dp_rank: int, ranks: list[RankDescriptor], cmd: dict) -> None:
+        key = (kind, room)
+        if key in self.pending:
+            raise ValueError(f"room {room} is already {'sending' if kind == 'pushed' else 'receiving'}")
+        self.pending[key] = _Pending(kind, {(r.dp_rank, r.attn_rank) for r in ranks}, time.perf_counter())
+        for r in ranks:
+            self._send(r.dp_rank, r.attn_rank, cmd)
+
+    # ---- events -----------------------------------------------------------------------------------
+    def _receive_one(self) -> dict | None:
+        ident, raw = self.sock.recv_multipart()
+        event = msgpack.unpackb(raw)
+        if event["kind"] == "hello":
+            d = RankDescriptor.from_dict(event["descriptor"])
+            self.ranks[(d.dp_rank, d.attn_rank)] = d
+            return None
+        event["rank"] = tuple(int(x) for x in ident.decode().split("-"))
+        return event
+
+    def poll(self, timeout_ms: int = 0) -> list[RoomOutcome]:
+        """Outcomes of rooms whose every rank has reported since the last call."""
+        outcomes = []
+        while self.sock.poll(timeout_ms):
+            timeout_ms = 0
+            event = self._receive_one()
+            if event is None:
+                continue
+            key = (event["kind"], event["room"])
+            pending = self.pending.get(key)
+            if pending is None:
+                log.warning("transfer event for unknown room %s: %s", event["room"], event)
+                continue
+            pending.events.append(event)
+            pending.ranks.discard(event["rank"])
+            if not pending.ranks:
+                del self.pending[key]
+                outcomes.append(_merge(event["room"], pending))
+        return outcomes
+
+    def close(self) -> None:
+        for (dp, rank) in self.ranks:
+            try:
+                self._send(dp, rank, {"kind": "stop"})
+            except zmq.ZMQError:
+                pass
+        self.sock.close()
+
+
+def _merge(room: int, pending: _Pending) -> RoomOutcome:
+    errors = [e["error"] for e in pending.events if not e["ok"]]
+    aux = next((e.get("aux") for e in pending.events if e.get("aux")), None)
+    return RoomOutcome(room, pending.kind, not errors, "; ".join(dict.fromkeys(errors)) or None, aux,
+                       sum(e.get("bytes", 0) for e in pending.events), time.perf_counter() - pending.started)

@@ -1,0 +1,100 @@
+"""The UCX messages that move one room, as both sides derive them.
+
+The decode side decides the shape: for every real route, pool, layer and buffer, one message per run
+of consecutive destination pages (whole pages; the head range of the route for MHA). The prefill side
+derives the same list from the destination pages it was given, reading its own pages in the same
+order (a view when they are consecutive and all heads go, a gathered copy otherwise). A message's
+tag is a hash of where it belongs, so both sides agree without talking, and no two rooms collide.
+
+Every (prefill rank, decode rank) pair of a room also exchanges one control message (msgpack, at most
+`CTRL_BYTES`) after its data: success or the sender's error, plus the aux data (first token, ...).
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+
+import msgpack
+
+from dserve.transfer.mapping import Route
+
+CTRL_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class Message:
+    tag: int
+    pool: int
+    layer: int
+    buffer: int
+    dst_pages: tuple[int, int]  # first destination page and count
+    src_pages: tuple[int, ...]  # source pages, in order
+    src_heads: tuple[int, int] | None  # MHA slice (first local head, count); None: all heads
+    dst_heads: tuple[int, int] | None
+
+
+def tag_of(room: int, *where: int) -> int:
+    raw = struct.pack(f"<q{len(where)}q", room, *where)
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") >> 1
+
+
+def ctrl_tag(room: int, prefill_rank: int, decode_rank: int) -> int:
+    return tag_of(room, prefill_rank, decode_rank, -1)
+
+
+def page_runs(pages: list[int]) -> list[tuple[int, int]]:
+    """(start index in `pages`, length) of each run of consecutive page ids."""
+    runs, start = [], 0
+    for i in range(1, len(pages) + 1):
+        if i == len(pages) or pages[i] != pages[i - 1] + 1:
+            runs.append((start, i - start))
+            start = i
+    return runs
+
+
+def route_messages(room: int, route: Route, pool_index: int, num_layers: int, num_buffers: int,
+                   dst_pages: list[int], src_pages: list[int] | None, src_heads_held: int,
+                   dst_heads_held: int) -> list[Message]:
+    """Messages of one real route for one pool. `src_pages` is None on the decode side (unknown
+    there, not needed); `*_heads_held` are the KV heads each side holds (0 for MLA)."""
+    if route.dummy:
+        return []
+    src_slice = _head_slice(route.src_head, route.num_heads, src_heads_held)
+    dst_slice = _head_slice(route.dst_head, route.num_heads, dst_heads_held)
+    out = []
+    for layer in range(num_layers):
+        for b in range(num_buffers):
+            for run, (start, n) in enumerate(page_runs(dst_pages)):
+                tag = tag_of(room, route.prefill_rank, route.decode_rank, pool_index, layer, b, run)
+                src = tuple(src_pages[start:start + n]) if src_pages is not None else ()
+                out.append(Message(tag, pool_index, layer, b, (dst_pages[start], n), src, src_slice, dst_slice))
+    return out
+
+
+def _head_slice(first: int, count: int, held: int) -> tuple[int, int] | None:
+    if held == 0 or (first == 0 and count == held):
+        return None
+    return (first, count)
+
+
+def pack_ctrl(ok: bool, error: str | None = None, aux: dict | None = None) -> bytes:
+    body = msgpack.packb({"ok": ok, "error": error, "aux": aux})
+    if len(body) + 4 > CTRL_BYTES:
+        body = msgpack.packb({"ok": False, "error": f"control message of {len(body)} bytes is over the limit",
+                              "aux": None})
+    return struct.pack("<I", len(body)) + body
+
+
+def unpack_ctrl(buffer: bytes) -> dict:
+    """Validate a received control message; a malformed one reads as a failed transfer."""
+    try:
+        (n,) = struct.unpack_from("<I", buffer)
+        if not 0 < n <= CTRL_BYTES - 4:
+            raise ValueError(f"length {n}")
+        msg = msgpack.unpackb(bytes(buffer[4:4 + n]))
+        if not isinstance(msg, dict) or not isinstance(msg.get("ok"), bool):
+            raise ValueError("not a control record")
+        return msg
+    except Exception as e:  # noqa: BLE001 - any garbage means the room failed
+        return {"ok": False, "error": f"malformed control message ({e})", "aux": None}
