@@ -4,6 +4,8 @@ PY         := $(VENV)/bin/python
 # The CPU build on CPU hosts; a GPU host overrides it (make TORCH_SPEC=torch ...) or pre-installs CUDA torch.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_WORKERS ?= 2
+# ucxx wheel matching the host's CUDA major (CPU hosts take the CUDA 12 build)
+UCX_EXTRA  ?= ucx-cu12
 
 .PHONY: demo test install clean
 
@@ -13,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,$(UCX_EXTRA)]"
 	touch $@
 
 demo: install

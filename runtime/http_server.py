@@ -103,6 +103,7 @@ class Server:
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/metrics", self.metrics_text)
         self.app.router.add_get("/server_info", self.server_info)
+        self.app.router.add_get("/debug/kv", self.kv_state)
 
     async def health(self, _: web.Request) -> web.Response:
         failure = self.instance.loop.failure
@@ -116,6 +117,20 @@ class Server:
 
     async def metrics_text(self, _: web.Request) -> web.Response:
         return web.Response(text=self.metrics.render(), content_type="text/plain")
+
+    async def kv_state(self, _: web.Request) -> web.Response:
+        """Page accounting, checked on the engine thread: used pages, pages held past their request
+        (in flight or quarantined), requests known, and whether the invariant checker passes."""
+        def check() -> dict:
+            engine = self.instance.engine
+            try:
+                engine.check_invariants()
+                ok = "ok"
+            except AssertionError as e:
+                ok = f"violated: {e}"
+            return {"used_pages": sum(g.kv.num_used_pages for g in engine.groups), "held": len(engine.held),
+                    "requests": len(engine.requests), "invariants": ok}
+        return web.json_response(await self.instance.loop.call(check))
 
     async def server_info(self, _: web.Request) -> web.Response:
         c = self.instance.config

@@ -1,0 +1,177 @@
+"""Real server processes for tests: `dserve serve|prefill|decode|router` started as subprocesses on
+free ports, waited for on /health, and stopped (SIGTERM, then SIGKILL) afterwards. Small HTTP helpers
+(plain urllib, so the client side is independent of the server's aiohttp)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+COMMON = ["--device", "cpu", "--no-load-progress"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    def __init__(self, args: list[str], log_path: str, port: int):
+        self.args, self.log_path, self.port = args, log_path, port
+        self.url = f"http://127.0.0.1:{port}"
+        env = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n", "TOKENIZERS_PARALLELISM": "false"}
+        self.log = open(log_path, "w")
+        self.popen = subprocess.Popen([sys.executable, "-m", "dserve.runtime.cli", *args], stdout=self.log,
+                                      stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 180.0) -> "Proc":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"{self.args[0]} exited with {self.popen.returncode}:\n{self.tail()}")
+            try:
+                if get(self.url + "/health", timeout=2)[0] == 200:
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.args[0]} not ready in {timeout}s:\n{self.tail()}")
+
+    def tail(self, n: int = 40) -> str:
+        with open(self.log_path) as f:
+            return "".join(f.readlines()[-n:])
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (the instance and its rank processes)."""
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.popen.wait()
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(20)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+        self.log.close()
+
+
+def start_instance(role: str, model: str, log_dir, *extra: str) -> Proc:
+    port = free_port()
+    args = [role, "--model", model, "--port", str(port), *COMMON, *extra]
+    if role == "prefill":
+        args += ["--bootstrap-port", str(free_port())]
+    return Proc(args, os.path.join(log_dir, f"{role}-{port}.log"), port)
+
+
+def start_router(prefills: list[Proc], decodes: list[Proc], log_dir, *extra: str) -> Proc:
+    port = free_port()
+    args = ["router", "--port", str(port), "--health-interval-s", "0.5", *extra]
+    args += [a for p in prefills for a in ("--prefill", p.url)] + [a for d in decodes for a in ("--decode", d.url)]
+    return Proc(args, os.path.join(log_dir, f"router-{port}.log"), port)
+
+
+@dataclass
+class Cluster:
+    prefill: Proc
+    decode: Proc
+    router: Proc
+    procs: list[Proc] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return self.router.url
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.stop()
+
+
+def start_cluster(model: str, log_dir, prefill_args=(), decode_args=(), router_args=()) -> Cluster:
+    prefill = start_instance("prefill", model, log_dir, *prefill_args)
+    decode = start_instance("decode", model, log_dir, *decode_args)
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        router = start_router([prefill], [decode], log_dir, *router_args).wait_ready()
+        wait_for(lambda: get(router.url + "/health")[0] == 200, 30, "router sees both instances healthy")
+    except BaseException:
+        prefill.stop()
+        decode.stop()
+        raise
+    return Cluster(prefill, decode, router, [router, prefill, decode])
+
+
+# ---- HTTP ------------------------------------------------------------------------------------------
+def get(url: str, timeout: float = 10) -> tuple[int, dict | str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, _decode(r.read(), r.headers.get_content_type())
+    except urllib.error.HTTPError as e:
+        return e.code, _decode(e.read(), e.headers.get_content_type())
+
+
+def post(url: str, body, timeout: float = 120) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def stream(url: str, body: dict, timeout: float = 120) -> list[dict]:
+    """The SSE events of a streamed request, parsed, up to [DONE]."""
+    req = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    events = []
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for line in r:
+            line = line.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                break
+            events.append(json.loads(line[6:]))
+    return events
+
+
+def _decode(raw: bytes, content_type: str):
+    return json.loads(raw) if content_type == "application/json" else raw.decode()
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout}s waiting for: {what}")
+
+
+def kv_state(proc: Proc) -> dict:
+    return get(proc.url + "/debug/kv")[1]
+
+
+def assert_all_pages_free(*procs: Proc, timeout: float = 15) -> None:
+    """Every page back in the pool (in-flight and quarantined ones included) and invariants hold."""
+    for p in procs:
+        wait_for(lambda: kv_state(p)["used_pages"] == 0 and kv_state(p)["held"] == 0, timeout,
+                 f"{p.args[0]} frees every page (now {kv_state(p)})")
+        assert kv_state(p)["invariants"] == "ok", kv_state(p)
