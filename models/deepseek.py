@@ -66,7 +66,7 @@ class MLAttention(nn.Module):
         q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
         o_latent = backend.forward_mla(self.layer_id, q_latent, q_rope, latent, self.scale)
         out = torch.einsum("thr,hvr->thv", o_latent, w_uv)
-        return self.o_proj(out.reshape(out.shape[0], -1))
+        return self.o_proj(out.flatten(1))
 
     def map_key(self, suffix: str) -> tuple[str, object] | None:
         if self.cfg.q_lora_rank:

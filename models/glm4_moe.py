@@ -34,7 +34,7 @@ class GQAttention(nn.Module):
         cos, sin = cos_sin
         q, k = self._rotary.apply(q, cos, sin), self._rotary.apply(k, cos, sin)
         out = backend.forward_mha(self.layer_id, q, k, v, self.scale)
-        return self.o_proj(out.reshape(out.shape[0], -1))
+        return self.o_proj(out.flatten(1))
 
     def map_key(self, suffix: str) -> tuple[str, object] | None:
         for name in ("q", "k", "v"):
