@@ -45,9 +45,9 @@ def add_server_flags(parser: argparse.ArgumentParser, role: str) -> None:
     if role == "decode":
         skip.add("bootstrap_port")
     if role != "decode":
-        skip |= {"transfer_timeout_s", "prealloc_timeout_s"}
+        skip.add("prealloc_timeout_s")
     if role == "colocated":
-        skip.add("transfer_fail_rate")
+        skip |= {"transfer_fail_rate", "transfer_timeout_s"}
     _add_dataclass_flags(parser.add_argument_group("server"), ServerConfig, skip)
 
 

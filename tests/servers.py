@@ -68,8 +68,8 @@ class Proc:
         self.log.close()
 
 
-def start_instance(role: str, model: str, log_dir, *extra: str) -> Proc:
-    port = free_port()
+def start_instance(role: str, model: str, log_dir, *extra: str, port: int | None = None) -> Proc:
+    port = port or free_port()
     args = [role, "--model", model, "--port", str(port), *COMMON, *extra]
     if role == "prefill":
         args += ["--bootstrap-port", str(free_port())]

@@ -1,0 +1,127 @@
+"""What a disaggregated pair does when things go wrong: every case ends in a clear error for the
+client, both instances get every page back (in-flight and quarantined ones included), and the pair
+still serves new requests."""
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.servers import (assert_all_pages_free, free_port, get, post, start_cluster, start_instance,
+                           start_router, wait_for)
+
+pytestmark = pytest.mark.slow
+GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+
+
+def ask(url: str, ids: list[int], **params) -> tuple[int, dict]:
+    return post(url + "/generate", {"input_ids": ids, "sampling_params": {**GREEDY, **params}})
+
+
+def test_injected_transfer_failures(tiny_dir, tmp_path):
+    """Half the rooms fail on the prefill's side: those requests get HTTP 500 naming the failure,
+    the others succeed, and no page stays held on either side."""
+    cluster = start_cluster(tiny_dir("deepseek_v3"), tmp_path, ["--transfer-fail-rate", "0.5"])
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda i: ask(cluster.url, [10 + i] * (5 + i)), range(16)))
+        failed = [b for s, b in answers if s != 200]
+        assert all(s in (200, 500, 502) for s, _ in answers)  # 502: the prefill's error, relayed
+        assert 0 < len(failed) < 16
+        assert all("injected" in b["error"]["message"] for b in failed), failed
+        assert_all_pages_free(cluster.prefill, cluster.decode)
+        _, metrics = get(cluster.prefill.url + "/metrics")
+        assert f"dserve_kv_transfer_failures_total {float(len(failed))}" in metrics
+    finally:
+        cluster.stop()
+
+
+def test_client_disconnect_mid_stream(tiny_dir, tmp_path):
+    cluster = start_cluster(tiny_dir("deepseek_v3"), tmp_path)
+    try:
+        body = {"input_ids": [7] * 20, "stream": True, "sampling_params": {**GREEDY, "max_new_tokens": 100000}}
+        req = urllib.request.Request(cluster.url + "/generate", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            for line in r:
+                if line.startswith(b"data: "):
+                    break  # the first tokens arrived; now hang up
+        wait_for(lambda: get(cluster.decode.url + "/debug/kv")[1]["requests"] == 0, 15,
+                 "the decode drops the request of the client that left")
+        assert_all_pages_free(cluster.prefill, cluster.decode)
+        assert ask(cluster.url, [5, 6, 7])[0] == 200
+    finally:
+        cluster.stop()
+
+
+def test_decode_killed_in_flight(tiny_dir, tmp_path):
+    """SIGKILL the decode while requests are mid-way: clients get errors promptly (no hang), the
+    prefill frees everything, and a new decode instance brings the pair back."""
+    model = tiny_dir("deepseek_v3")
+    prefill = start_instance("prefill", model, tmp_path, "--transfer-timeout-s", "10").wait_ready()
+    decode = start_instance("decode", model, tmp_path).wait_ready()
+    router = start_router([prefill], [decode], tmp_path).wait_ready()
+    procs = [router, prefill, decode]
+    try:
+        wait_for(lambda: get(router.url + "/health")[0] == 200, 30, "router ready")
+        long = {**GREEDY, "max_new_tokens": 400}
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(ask, router.url, [20 + i] * (30 + i), **long) for i in range(8)]
+            time.sleep(1.0)
+            decode.kill()
+            start = time.monotonic()
+            answers = [f.result(timeout=60) for f in futures]
+        assert time.monotonic() - start < 45
+        assert any(s >= 500 for s, _ in answers)
+        for status, body in answers:
+            assert status == 200 or body["error"]["message"], body
+        assert_all_pages_free(prefill, timeout=30)
+        wait_for(lambda: get(router.url + "/health")[0] == 503, 15, "router takes the dead decode out")
+        assert ask(router.url, [1, 2, 3])[0] == 503
+        # a new decode on the same port comes back into rotation
+        port = decode.port
+        decode = start_instance("decode", model, tmp_path, port=port)
+        procs.append(decode)
+        decode.wait_ready()
+        wait_for(lambda: get(router.url + "/health")[0] == 200, 30, "router puts the new decode in rotation")
+        assert ask(router.url, [1, 2, 3])[0] == 200
+        assert_all_pages_free(prefill, decode)
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def test_bootstrap_and_transfer_timeouts(tiny_dir, tmp_path):
+    """A prefill whose decode never registers ends the request at its bootstrap timeout; a decode whose
+    KV never comes ends it at its transfer timeout; an unreachable prefill is a 502 at once."""
+    model = tiny_dir("deepseek_v3")
+    prefill = start_instance("prefill", model, tmp_path, "--bootstrap-timeout-s", "2")
+    decode = start_instance("decode", model, tmp_path, "--transfer-timeout-s", "2")
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        boot_port = int(prefill.args[prefill.args.index("--bootstrap-port") + 1])
+        room = {"bootstrap_host": "127.0.0.1", "bootstrap_port": boot_port}
+        body = {"input_ids": [3] * 12, "sampling_params": GREEDY}
+
+        start = time.monotonic()
+        status, answer = post(prefill.url + "/generate", {**body, **room, "bootstrap_room": 11})
+        assert status == 500 and "bootstrap timeout" in answer["error"]["message"]
+        assert time.monotonic() - start < 15
+
+        status, answer = post(decode.url + "/generate", {**body, **room, "bootstrap_room": 12})
+        assert status == 500 and "did not arrive within 2s" in answer["error"]["message"], answer
+
+        status, answer = post(decode.url + "/generate", {**body, **room, "bootstrap_port": free_port(),
+                                                        "bootstrap_room": 13})
+        assert status == 502 and "unreachable" in answer["error"]["message"]
+
+        status, answer = post(decode.url + "/generate", body)
+        assert status == 400 and "router" in answer["error"]["message"]
+        assert_all_pages_free(prefill, decode)
+    finally:
+        prefill.stop()
+        decode.stop()
