@@ -55,8 +55,10 @@ def start_agent(config: AgentConfig, model_config, pool: KVPool, dp_rank: int, a
 
 
 def as_ucx_buffer(t: torch.Tensor):
-    """ucxx takes device memory through __cuda_array_interface__ and host memory as numpy."""
-    return t if t.is_cuda else t.numpy()
+    """ucxx takes device memory through __cuda_array_interface__ and host memory as numpy (bytes, so
+    dtypes numpy lacks, such as bfloat16, pass too). `t` must be contiguous: the result aliases it."""
+    assert t.is_contiguous()
+    return t if t.is_cuda else t.reshape(-1).view(torch.uint8).numpy()
 
 
 class TransferAgent:
@@ -184,39 +186,38 @@ class TransferAgent:
     # ---- prefill side ---------------------------------------------------------------------------
     async def _push(self, cmd: dict) -> None:
         room, me = cmd["room"], self.attn_rank
-        fail = self.fail_rate > 0 and random.Random(room).random() < self.fail_rate
-        sent, errors = 0, []
         deadline = time.monotonic() + cmd["timeout_s"]
-        pools0 = [Route(*r) for r in cmd["routes"][0]]
-        decode_ranks = sorted({r.decode_rank for r in pools0 if r.prefill_rank == me})
+        decode_ranks = sorted({r[1] for r in cmd["routes"][0] if r[0] == me})
         if self.pools[0][1].device.type == "cuda":
             torch.cuda.synchronize(self.pools[0][1].device)  # the forward that wrote the pages is done
-        for d in decode_ranks:
-            host, port = cmd["dst_ranks"][d]
-            try:
-                ep = await asyncio.wait_for(self._endpoint(host, port), max(deadline - time.monotonic(), 0.01))
-                ok, error = True, None
-                if fail:
-                    ok, error = False, "transfer failed (injected by transfer_fail_rate)"
-                else:
-                    for r in self._pair_routes(cmd, me, d):
-                        for msg in self._messages(cmd, r, cmd["src_pages"]):
-                            data = self._source(msg)
-                            await asyncio.wait_for(ep.send(as_ucx_buffer(data), tag=msg.tag, force_tag=True),
-                                                   max(deadline - time.monotonic(), 0.01))
-                            sent += data.numel() * data.element_size()
-                aux = cmd["aux"] if me == 0 else None
-                ctrl = np.frombuffer(pack_ctrl(ok, error, aux), dtype=np.uint8)
-                await asyncio.wait_for(ep.send(ctrl, tag=ctrl_tag(room, me, d), force_tag=True),
-                                       max(deadline - time.monotonic(), 0.01))
-                if not ok:
-                    errors.append(error)
-            except Exception as e:  # noqa: BLE001
-                self._drop_endpoint(host, port)
-                reason = "timed out" if isinstance(e, asyncio.TimeoutError) else f"{type(e).__name__}: {e}"
-                errors.append(f"sending to decode rank {d} at {host}:{port} failed: {reason}")
+        results = await asyncio.gather(*(self._push_to(cmd, d, deadline) for d in decode_ranks))
+        errors = [e for _, e in results if e]
         await self._emit({"kind": "pushed", "room": room, "ok": not errors, "error": "; ".join(errors) or None,
-                          "bytes": sent})
+                          "bytes": sum(n for n, _ in results)})
+
+    async def _push_to(self, cmd: dict, d: int, deadline: float) -> tuple[int, str | None]:
+        """All messages to decode rank d in flight at once, then the control message; (bytes, error)."""
+        room, me = cmd["room"], self.attn_rank
+        host, port = cmd["dst_ranks"][d]
+        left = lambda: max(deadline - time.monotonic(), 0.01)
+        sent, error = 0, None
+        try:
+            ep = await asyncio.wait_for(self._endpoint(host, port), left())
+            if self.fail_rate > 0 and random.Random(room).random() < self.fail_rate:
+                error = "transfer failed (injected by transfer_fail_rate)"
+            else:
+                data = [(msg, self._source(msg)) for r in self._pair_routes(cmd, me, d)
+                        for msg in self._messages(cmd, r, cmd["src_pages"])]
+                sends = [ep.send(as_ucx_buffer(t), tag=msg.tag, force_tag=True) for msg, t in data]
+                await asyncio.wait_for(asyncio.gather(*sends), left())
+                sent = sum(t.numel() * t.element_size() for _, t in data)
+            ctrl = np.frombuffer(pack_ctrl(error is None, error, cmd["aux"] if me == 0 else None), dtype=np.uint8)
+            await asyncio.wait_for(ep.send(ctrl, tag=ctrl_tag(room, me, d), force_tag=True), left())
+        except Exception as e:  # noqa: BLE001 - the room fails with the reason; the endpoint is redone
+            self._drop_endpoint(host, port)
+            reason = "timed out" if isinstance(e, asyncio.TimeoutError) else f"{type(e).__name__}: {e}"
+            error = f"sending to decode rank {d} at {host}:{port} failed: {reason}"
+        return sent, error
 
     def _pair_routes(self, cmd: dict, p: int, d: int) -> list[Route]:
         """Real routes from prefill rank p to decode rank d over all pools (deduplicated)."""
@@ -260,7 +261,7 @@ class TransferAgent:
                 error = error or f"KV of room {room} did not arrive within {cmd['timeout_s']:.0f}s"
                 await self._cancel(room)
                 await asyncio.wait(pending, timeout=10)
-            if state["cancelled"]:
+            if state["cancelled"] and error is None:
                 error = "the request was cancelled"
             if error is None:
                 for p, buf in ctrls.items():

@@ -1,0 +1,151 @@
+"""KV-transfer benchmark: GB/s of moving one room's pages between two ranks through the product's own
+path (TransferManager -> TransferAgent -> UCX), by transfer size and page size, next to the plain
+copy bandwidth measured in the same run (GPU: cuda:0 -> cuda:1 `copy_`; CPU: a host memcpy).
+
+    python -m bench.kv_transfer --device cuda --sizes-mib 64,256,1024 --page-sizes 16,64
+    python -m bench.kv_transfer --device cpu --sizes-mib 4,32,128
+
+The layout defaults to DeepSeek-V3's MLA cache (61 layers, 576-wide latent, bf16). Each size is one
+room of consecutive pages (one UCX message per layer). Prints a table and writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import time
+
+import torch
+
+from dserve.runtime.config import _DTYPES
+from dserve.scheduler.kv_pool import KVLayout, KVPool
+from dserve.transfer.descriptor import InstanceDescriptor, PoolDescriptor
+from dserve.transfer.manager import TransferManager
+
+
+def rank_process(front_address: str, device: str, layout: KVLayout, num_pages: int, env: dict) -> None:
+    os.environ.update(env)
+    import logging
+
+    logging.basicConfig(level=int(os.environ.get("BENCH_LOG", "30")), format=f"[{device} agent] %(message)s")
+    from dserve.transfer.agent import TransferAgent
+
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    pool = KVPool(layout, num_pages, device)
+    for layer in pool.buffers:
+        for b in layer:
+            b.normal_()
+    agent = TransferAgent(front_address, 0, 0, 1, [(PoolDescriptor.from_layout("target", layout), pool)])
+    agent.thread.join()
+
+
+def copy_bandwidth(device: str, nbytes: int, repeats: int = 5) -> float:
+    """Bytes per second of one plain copy of `nbytes` (cuda:0 -> cuda:1 on GPU, host memcpy on CPU)."""
+    if device == "cuda":
+        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+        dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
+    else:
+        src, dst = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    sync = lambda: [torch.cuda.synchronize(i) for i in range(2)] if device == "cuda" else None
+    dst.copy_(src)
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        sync()
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best
+
+
+def one_room(sender: TransferManager, receiver: TransferManager, peers, room: int, pages: list[int],
+             timeout: float = 300) -> float:
+    send_desc, recv_desc = peers
+    t = time.perf_counter()
+    receiver.expect(room, 0, send_desc, pages, timeout)
+    sender.push(room, 0, recv_desc, 0, pages, pages, {"token": 0}, timeout)
+    outcomes = {}
+    while len(outcomes) < 2:
+        for o in sender.poll(1) + receiver.poll(1):
+            outcomes[o.kind] = o
+            if not o.ok:
+                raise RuntimeError(f"room {room} failed: {o.error}")
+    elapsed = time.perf_counter() - t
+    bad = [o.error for o in outcomes.values() if not o.ok]
+    if bad:
+        raise RuntimeError(f"room {room} failed: {bad}")
+    return elapsed
+
+
+def run(args) -> dict:
+    dtype = _DTYPES[args.dtype]
+    env = dict(kv.split("=", 1) for kv in args.ucx_env)
+    copy = copy_bandwidth(args.device, max(args.sizes_mib) << 20)
+    rows, room = [], 1
+    for page_size in args.page_sizes:
+        layout = KVLayout("mla", args.layers, page_size, dtype, latent_dim=args.latent, kv_lora_rank=args.latent - 64)
+        max_pages = -(-(max(args.sizes_mib) << 20) // layout.bytes_per_page) + 1
+        managers = [TransferManager(), TransferManager()]
+        ctx = mp.get_context("spawn")
+        devices = ["cuda:0", "cuda:1"] if args.device == "cuda" else ["cpu", "cpu"]
+        procs = [ctx.Process(target=rank_process, args=(m.address, dev, layout, max_pages, env), daemon=True)
+                 for m, dev in zip(managers, devices)]
+        for p in procs:
+            p.start()
+        try:
+            for m in managers:
+                m.wait_for_agents(1)
+            descs = [m.descriptor({}, 1, 1) for m in managers]
+            peers = (descs[0], descs[1])
+            one_room(managers[0], managers[1], peers, room, [0])  # connect once
+            room += 1
+            for size in args.sizes_mib:
+                pages = list(range(max(1, (size << 20) // layout.bytes_per_page)))
+                nbytes = len(pages) * layout.bytes_per_page
+                best = float("inf")
+                for _ in range(args.repeats):
+                    best = min(best, one_room(managers[0], managers[1], peers, room, pages))
+                    room += 1
+                rows.append({"page_size": page_size, "size_mib": nbytes / 2**20, "pages": len(pages),
+                             "messages": args.layers, "seconds": best, "gb_per_s": nbytes / best / 1e9,
+                             "fraction_of_copy": nbytes / best / copy})
+                print(f"{page_size:>9} {nbytes / 2**20:>10.1f} {len(pages):>7} {best * 1e3:>10.2f} "
+                      f"{nbytes / best / 1e9:>8.2f} {nbytes / best / copy:>8.1%}", flush=True)
+        finally:
+            for m in managers:
+                m.close()
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+    return {"device": args.device, "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
+            "copy_gb_per_s": copy / 1e9, "ucx_env": env, "layout": {"layers": args.layers, "latent": args.latent,
+                                                                       "dtype": args.dtype}, "rows": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.device_count() >= 2 else "cpu")
+    parser.add_argument("--sizes-mib", type=lambda s: [int(x) for x in s.split(",")], default=[4, 32, 128])
+    parser.add_argument("--page-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[16, 64])
+    parser.add_argument("--layers", type=int, default=61)
+    parser.add_argument("--latent", type=int, default=576)
+    parser.add_argument("--dtype", default="bfloat16", choices=list(_DTYPES))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ucx-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="UCX setting for both ranks, e.g. UCX_TLS=cuda_copy,cuda_ipc,tcp (repeatable)")
+    parser.add_argument("--out", default="bench/results/kv_transfer.json")
+    args = parser.parse_args()
+    print(f"{'page_size':>9} {'MiB':>10} {'pages':>7} {'ms':>10} {'GB/s':>8} {'of copy':>8}")
+    result = run(args)
+    print(f"plain copy ({'cuda:0 -> cuda:1' if args.device == 'cuda' else 'host memcpy'}): "
+          f"{result['copy_gb_per_s']:.1f} GB/s")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
