@@ -14,7 +14,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-COMMON = ["--device", "cpu", "--no-load-progress"]
+COMMON = ["--no-load-progress"]
+DEVICE = ["--device", "cpu"]
 
 
 def free_port() -> int:
@@ -24,10 +25,10 @@ def free_port() -> int:
 
 
 class Proc:
-    def __init__(self, args: list[str], log_path: str, port: int):
+    def __init__(self, args: list[str], log_path: str, port: int, env: dict | None = None):
         self.args, self.log_path, self.port = args, log_path, port
         self.url = f"http://127.0.0.1:{port}"
-        env = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n", "TOKENIZERS_PARALLELISM": "false"}
+        env = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         self.log = open(log_path, "w")
         self.popen = subprocess.Popen([sys.executable, "-m", "dserve.runtime.cli", *args], stdout=self.log,
                                       stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -68,12 +69,15 @@ class Proc:
         self.log.close()
 
 
-def start_instance(role: str, model: str, log_dir, *extra: str, port: int | None = None) -> Proc:
+def start_instance(role: str, model: str, log_dir, *extra: str, port: int | None = None,
+                   env: dict | None = None) -> Proc:
+    """`extra` flags override the CPU default (`--device cuda` on a GPU host); `env` e.g. picks GPUs."""
     port = port or free_port()
-    args = [role, "--model", model, "--port", str(port), *COMMON, *extra]
+    device = [] if "--device" in extra else DEVICE
+    args = [role, "--model", model, "--port", str(port), *COMMON, *device, *extra]
     if role == "prefill":
         args += ["--bootstrap-port", str(free_port())]
-    return Proc(args, os.path.join(log_dir, f"{role}-{port}.log"), port)
+    return Proc(args, os.path.join(log_dir, f"{role}-{port}.log"), port, env)
 
 
 def start_router(prefills: list[Proc], decodes: list[Proc], log_dir, *extra: str) -> Proc:
@@ -99,9 +103,10 @@ class Cluster:
             p.stop()
 
 
-def start_cluster(model: str, log_dir, prefill_args=(), decode_args=(), router_args=()) -> Cluster:
-    prefill = start_instance("prefill", model, log_dir, *prefill_args)
-    decode = start_instance("decode", model, log_dir, *decode_args)
+def start_cluster(model: str, log_dir, prefill_args=(), decode_args=(), router_args=(), prefill_env=None,
+                  decode_env=None) -> Cluster:
+    prefill = start_instance("prefill", model, log_dir, *prefill_args, env=prefill_env)
+    decode = start_instance("decode", model, log_dir, *decode_args, env=decode_env)
     try:
         prefill.wait_ready()
         decode.wait_ready()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import threading
 import time
@@ -92,6 +93,9 @@ class TransferAgent:
         import zmq
         import zmq.asyncio
 
+        if any(pool.device.type == "cuda" for _, pool in self.pools) and "UCX_RNDV_SCHEME" not in os.environ:
+            # measured on 2x H200 (NVLink), 1 GiB rooms: put_zcopy 197 GB/s, UCX's default choice 151 GB/s
+            ucxx.init(options={"RNDV_SCHEME": "put_zcopy"})
         self.listener = ucxx.create_listener(self._on_peer, port=0)
         self.zctx = zmq.asyncio.Context()
         self.sock = self.zctx.socket(zmq.DEALER)
