@@ -174,6 +174,7 @@ class PrefillSide:
         self._drop(room)
 
     def _drop(self, room: PrefillRoom) -> None:
+        self.engine.keep_pages.discard(room.rid)  # aborted before its first token: nothing to keep
         self.rooms.pop(room.rid, None)
         self.by_room.pop(room.room, None)
         self.cancelled.pop(room.room, None)
