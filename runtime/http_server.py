@@ -167,6 +167,10 @@ class Server:
         except ValueError as e:  # rejected when it started (e.g. a room id in use)
             self.metrics.request_done(inp.kind, "bad_request")
             return _error(str(e), 400)
+        except asyncio.CancelledError:  # the client left: abort the request, free its pages
+            await chunks.aclose()
+            self.metrics.request_done(inp.kind, "client_gone")
+            raise
         timer.done()
         if result.finish_reason == "abort":
             self.metrics.request_done(inp.kind, "error")

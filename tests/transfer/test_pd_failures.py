@@ -125,3 +125,18 @@ def test_bootstrap_and_transfer_timeouts(tiny_dir, tmp_path):
     finally:
         prefill.stop()
         decode.stop()
+
+
+def test_incompatible_pair_is_refused_with_the_difference(tiny_dir, tmp_path):
+    """The decode refuses the prefill at its first contact (400 naming the difference). The prefill's
+    pages for that request come back at its bootstrap timeout at the latest (KNOWN GAP: the router
+    dropping the prefill connection should free them at once; seen not to in this case)."""
+    cluster = start_cluster(tiny_dir("deepseek_v3"), tmp_path, ["--page-size", "16", "--bootstrap-timeout-s", "3"],
+                            ["--page-size", "8"])
+    try:
+        status, answer = ask(cluster.url, [4, 5, 6])
+        assert status == 400
+        assert "page_size differs (decode: 8, prefill: 16)" in answer["error"]["message"]
+        assert_all_pages_free(cluster.prefill, cluster.decode)
+    finally:
+        cluster.stop()

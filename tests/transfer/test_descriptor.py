@@ -1,0 +1,57 @@
+"""Layout descriptors: what a rank tells its peers, and the refusal of a peer whose pages would not
+line up, naming the difference."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dserve.scheduler.kv_pool import KVLayout
+from dserve.transfer.descriptor import (IncompatiblePeer, InstanceDescriptor, PoolDescriptor, RankDescriptor,
+                                        check_compatible)
+from dserve.transfer.messages import CTRL_BYTES, pack_ctrl, page_runs, unpack_ctrl
+
+MODEL = {"architecture": "DeepseekV3ForCausalLM", "num_hidden_layers": 3, "kv_lora_rank": 32}
+
+
+def instance(page_size=16, dtype=torch.float32, tp=1, model=MODEL, kind="mla", extra_pools=()):
+    if kind == "mla":
+        layout = KVLayout("mla", 3, page_size, dtype, latent_dim=48, kv_lora_rank=32)
+        pools = [PoolDescriptor.from_layout("target", layout)]
+    else:
+        layout = KVLayout("mha", 3, page_size, dtype, num_kv_heads=4 // tp, head_dim=32, v_head_dim=32)
+        pools = [PoolDescriptor.from_layout("target", layout, 4, list(range(4 // tp)))]
+    pools += list(extra_pools)
+    ranks = [RankDescriptor(0, r, tp, "127.0.0.1", 1000 + r, pools) for r in range(tp)]
+    return InstanceDescriptor(dict(model), 1, tp, ranks)
+
+
+def test_round_trip_through_dict():
+    d = instance(kind="mha", tp=2)
+    assert InstanceDescriptor.from_dict(d.to_dict()) == d
+
+
+def test_compatible_across_tp_sizes():
+    check_compatible(instance(kind="mha", tp=1), instance(kind="mha", tp=2))  # head slicing lines up
+    check_compatible(instance(tp=1), instance(tp=2))
+
+
+@pytest.mark.parametrize("other,what", [
+    (instance(page_size=8), "target pool page_size differs (decode: 16, prefill: 8)"),
+    (instance(dtype=torch.bfloat16), "target pool dtype differs (decode: float32, prefill: bfloat16)"),
+    (instance(model={**MODEL, "kv_lora_rank": 64}), "model kv_lora_rank differs (decode: 32, prefill: 64)"),
+    (instance(kind="mha"), "target pool kind differs (decode: mla, prefill: mha)"),
+    (instance(extra_pools=[PoolDescriptor("draft", "mha", 1, 16, "float32", [[2, 32], [2, 32]], 2, [0, 1])]),
+     "KV pools differs"),
+])
+def test_incompatible_peer_names_the_difference(other, what):
+    with pytest.raises(IncompatiblePeer, match=what.replace("(", r"\(").replace(")", r"\)")):
+        check_compatible(instance(), other)
+
+
+def test_control_records_are_size_limited_and_validated():
+    ok = unpack_ctrl(pack_ctrl(True, None, {"token": 5}))
+    assert ok == {"ok": True, "error": None, "aux": {"token": 5}}
+    huge = unpack_ctrl(pack_ctrl(True, None, {"top": "x" * CTRL_BYTES}))
+    assert huge["ok"] is False and "over the limit" in huge["error"]
+    assert unpack_ctrl(b"\xff" * 16)["ok"] is False
+    assert page_runs([4, 5, 6, 9, 10, 2]) == [(0, 3), (3, 2), (5, 1)]
