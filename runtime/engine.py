@@ -191,7 +191,7 @@ class Engine:
         """Keep `rid`'s pages after it ends (KV being sent, or receives not yet settled); returns the key
         to `release` them with."""
         group = self.group_of[rid]
-        key = f"{rid}#{why}"
+        key = hold_key(rid, why)
         self.groups[group].kv.hold(rid, key)
         self.held[key] = (group, rid)
         return key
@@ -296,6 +296,11 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def hold_key(rid: str, why: str) -> str:
+    """The key under which `Engine.hold(rid, why)` keeps a request's pages."""
+    return f"{rid}#{why}"
 
 
 def _as_params(value) -> SamplingParams:

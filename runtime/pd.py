@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from dserve.models.config import ModelConfig
-from dserve.runtime.engine import Engine
+from dserve.runtime.engine import Engine, hold_key
 from dserve.runtime.metrics import Metrics
 from dserve.runtime.server_config import ServerConfig
 from dserve.scheduler.request import Request
@@ -103,8 +103,8 @@ class PrefillSide:
 
     def abort(self, rid: str) -> bool:
         room = self.rooms.get(rid)
-        if room is not None and room.state == "computing" and f"{rid}#send" in self.engine.held:
-            room.key, room.state = f"{rid}#send", "waiting"  # computed, not yet polled: end it like a waiting one
+        if room is not None and room.state == "computing" and hold_key(rid, "send") in self.engine.held:
+            room.key, room.state = hold_key(rid, "send"), "waiting"  # computed, not yet polled: end it like a waiting one
         if room is None or room.state == "computing":
             return False  # the engine aborts it; poll() drops the room
         if room.state == "waiting":
@@ -128,7 +128,7 @@ class PrefillSide:
         req = self.engine.requests.get(room.rid)
         if req is None or not req.finished:
             return
-        key = f"{room.rid}#send"
+        key = hold_key(room.rid, "send")
         if key not in self.engine.held:  # aborted or failed before its first token: nothing to send
             self._drop(room)
             return
