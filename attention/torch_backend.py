@@ -30,26 +30,24 @@ class TorchBackend(AttentionBackend):
             yield slice(s, s + q_len), self.ctx_slots[i], self.masks[i]
 
     def forward_mha(self, layer, q, k, v, scale):
-        k_cache, v_cache = self.pool.slots(layer, 0), self.pool.slots(layer, 1)
-        k_cache[self.batch.out_slots] = k.to(k_cache.dtype)
-        v_cache[self.batch.out_slots] = v.to(v_cache.dtype)
+        self.pool.write(layer, 0, self.batch.out_slots, k)
+        self.pool.write(layer, 1, self.batch.out_slots, v)
         out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
         group = q.shape[1] // k.shape[1]
         for rows, slots, mask in self._spans():
-            keys = k_cache[slots].to(q.dtype).repeat_interleave(group, dim=1)  # [S, Hq, D]
-            values = v_cache[slots].to(q.dtype).repeat_interleave(group, dim=1)
+            keys = self.pool.read(layer, 0, slots).to(q.dtype).repeat_interleave(group, dim=1)  # [S, Hq, D]
+            values = self.pool.read(layer, 1, slots).to(q.dtype).repeat_interleave(group, dim=1)
             scores = torch.einsum("qhd,khd->hqk", q[rows], keys) * scale
             probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1, dtype=torch.float32).to(q.dtype)
             out[rows] = torch.einsum("hqk,khd->qhd", probs, values)
         return out
 
     def forward_mla(self, layer, q_latent, q_rope, latent, scale):
-        cache = self.pool.slots(layer, 0)
-        cache[self.batch.out_slots] = latent.to(cache.dtype)
+        self.pool.write(layer, 0, self.batch.out_slots, latent)
         rank = q_latent.shape[-1]
         out = q_latent.new_empty(q_latent.shape)
         for rows, slots, mask in self._spans():
-            ctx = cache[slots].to(q_latent.dtype)  # [S, R + P]
+            ctx = self.pool.read(layer, 0, slots).to(q_latent.dtype)  # [S, R + P]
             c_kv, k_rope = ctx[:, :rank], ctx[:, rank:]
             scores = (torch.einsum("qhr,kr->hqk", q_latent[rows], c_kv)
                       + torch.einsum("qhp,kp->hqk", q_rope[rows], k_rope)) * scale

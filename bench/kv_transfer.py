@@ -6,7 +6,8 @@ copy bandwidth measured in the same run (GPU: cuda:0 -> cuda:1 `copy_`; CPU: a h
     python -m bench.kv_transfer --device cpu --sizes-mib 4,32,128
 
 The layout defaults to DeepSeek-V3's MLA cache (61 layers, 576-wide latent, bf16). Each size is one
-room of consecutive pages (one UCX message per layer). Prints a table and writes JSON.
+room of consecutive pages: one UCX message, since pools are page-major. Size 0 is a one-page room,
+i.e. the fixed cost of a room. Prints a table and writes JSON.
 """
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import statistics
 import time
 
 import torch
+import zmq
 
 from dserve.runtime.config import _DTYPES
 from dserve.scheduler.kv_pool import KVLayout, KVPool
@@ -24,12 +27,13 @@ from dserve.transfer.descriptor import InstanceDescriptor, PoolDescriptor
 from dserve.transfer.manager import TransferManager
 
 
-def rank_process(front_address: str, device: str, layout: KVLayout, num_pages: int, env: dict) -> None:
+def rank_process(front_address: str, device: str, layout: KVLayout, num_pages: int, env: dict,
+                 message_mib: int) -> None:
     os.environ.update(env)
     import logging
 
     logging.basicConfig(level=int(os.environ.get("BENCH_LOG", "30")), format=f"[{device} agent] %(message)s")
-    from dserve.transfer.agent import TransferAgent
+    from dserve.transfer.agent import TransferAgent, message_pages
 
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
@@ -37,7 +41,8 @@ def rank_process(front_address: str, device: str, layout: KVLayout, num_pages: i
     for layer in pool.buffers:
         for b in layer:
             b.normal_()
-    agent = TransferAgent(front_address, 0, 0, 1, [(PoolDescriptor.from_layout("target", layout), pool)])
+    desc = PoolDescriptor.from_layout("target", layout, message_pages=message_pages(layout, message_mib))
+    agent = TransferAgent(front_address, 0, 0, 1, [(desc, pool)])
     agent.thread.join()
 
 
@@ -61,14 +66,22 @@ def copy_bandwidth(device: str, nbytes: int, repeats: int = 5) -> float:
 
 
 def one_room(sender: TransferManager, receiver: TransferManager, peers, room: int, pages: list[int],
-             timeout: float = 300) -> float:
+             expect_ahead_s: float, timeout: float = 300) -> float:
+    """Seconds from the push (or the expect, when it is not ahead) until both sides reported."""
     send_desc, recv_desc = peers
     t = time.perf_counter()
     receiver.expect(room, 0, send_desc, pages, timeout)
+    if expect_ahead_s:
+        time.sleep(expect_ahead_s)
+        t = time.perf_counter()
     sender.push(room, 0, recv_desc, 0, pages, pages, {"token": 0}, timeout)
     outcomes = {}
+    poller = zmq.Poller()  # wake on either side's event; polling them in turn would add up to a ms each
+    poller.register(sender.sock, zmq.POLLIN)
+    poller.register(receiver.sock, zmq.POLLIN)
     while len(outcomes) < 2:
-        for o in sender.poll(1) + receiver.poll(1):
+        poller.poll(1000)
+        for o in sender.poll() + receiver.poll():
             outcomes[o.kind] = o
             if not o.ok:
                 raise RuntimeError(f"room {room} failed: {o.error}")
@@ -90,7 +103,7 @@ def run(args) -> dict:
         managers = [TransferManager(), TransferManager()]
         ctx = mp.get_context("spawn")
         devices = ["cuda:0", "cuda:1"] if args.device == "cuda" else ["cpu", "cpu"]
-        procs = [ctx.Process(target=rank_process, args=(m.address, dev, layout, max_pages, env), daemon=True)
+        procs = [ctx.Process(target=rank_process, args=(m.address, dev, layout, max_pages, env, args.message_mib), daemon=True)
                  for m, dev in zip(managers, devices)]
         for p in procs:
             p.start()
@@ -99,20 +112,22 @@ def run(args) -> dict:
                 m.wait_for_agents(1)
             descs = [m.descriptor({}, 1, 1) for m in managers]
             peers = (descs[0], descs[1])
-            one_room(managers[0], managers[1], peers, room, [0])  # connect once
+            one_room(managers[0], managers[1], peers, room, [0], 0)  # connect once
             room += 1
             for size in args.sizes_mib:
                 pages = list(range(max(1, (size << 20) // layout.bytes_per_page)))
                 nbytes = len(pages) * layout.bytes_per_page
-                best = float("inf")
+                times = []
                 for _ in range(args.repeats):
-                    best = min(best, one_room(managers[0], managers[1], peers, room, pages))
+                    times.append(one_room(managers[0], managers[1], peers, room, pages, args.expect_ahead_ms / 1e3))
                     room += 1
+                best, median = min(times), statistics.median(times)
                 rows.append({"page_size": page_size, "size_mib": nbytes / 2**20, "pages": len(pages),
-                             "messages": args.layers, "seconds": best, "gb_per_s": nbytes / best / 1e9,
-                             "fraction_of_copy": nbytes / best / copy})
+                             "seconds": best, "median_seconds": median, "gb_per_s": nbytes / best / 1e9,
+                             "median_gb_per_s": nbytes / median / 1e9, "fraction_of_copy": nbytes / best / copy})
                 print(f"{page_size:>9} {nbytes / 2**20:>10.1f} {len(pages):>7} {best * 1e3:>10.2f} "
-                      f"{nbytes / best / 1e9:>8.2f} {nbytes / best / copy:>8.1%}", flush=True)
+                      f"{nbytes / best / 1e9:>8.2f} {nbytes / best / copy:>8.1%} {nbytes / median / 1e9:>11.2f}",
+                      flush=True)
         finally:
             for m in managers:
                 m.close()
@@ -121,7 +136,8 @@ def run(args) -> dict:
                 if p.is_alive():
                     p.kill()
     return {"device": args.device, "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
-            "copy_gb_per_s": copy / 1e9, "ucx_env": env, "layout": {"layers": args.layers, "latent": args.latent,
+            "copy_gb_per_s": copy / 1e9, "ucx_env": env, "message_mib": args.message_mib,
+            "expect_ahead_ms": args.expect_ahead_ms, "layout": {"layers": args.layers, "latent": args.latent,
                                                                        "dtype": args.dtype}, "rows": rows}
 
 
@@ -136,9 +152,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ucx-env", action="append", default=[], metavar="KEY=VALUE",
                         help="UCX setting for both ranks, e.g. UCX_TLS=cuda_copy,cuda_ipc,tcp (repeatable)")
+    parser.add_argument("--expect-ahead-ms", type=float, default=0,
+                        help="post the decode's receives this long before the push and time from the push, as in "
+                             "serving, where the decode registers its pages while the prefill computes (0: time "
+                             "both from the same start)")
+    parser.add_argument("--message-mib", type=int, default=0,
+                        help="cap on one UCX message (the receiver's AgentConfig.message_mib; 0: a whole page run)")
     parser.add_argument("--out", default="bench/results/kv_transfer.json")
     args = parser.parse_args()
-    print(f"{'page_size':>9} {'MiB':>10} {'pages':>7} {'ms':>10} {'GB/s':>8} {'of copy':>8}")
+    print(f"{'page_size':>9} {'MiB':>10} {'pages':>7} {'best ms':>10} {'GB/s':>8} {'of copy':>8} {'median GB/s':>11}")
     result = run(args)
     print(f"plain copy ({'cuda:0 -> cuda:1' if args.device == 'cuda' else 'host memcpy'}): "
           f"{result['copy_gb_per_s']:.1f} GB/s")

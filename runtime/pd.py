@@ -300,7 +300,11 @@ class DecodeSide:
         req.extra_meta["kv_transfer"] = {"bytes": outcome.bytes, "seconds": round(outcome.seconds, 6)}
         if not outcome.ok or not outcome.aux:
             req.finish("abort", error=f"KV transfer failed: {outcome.error or 'no first token from the prefill'}")
-            self.engine.groups[room.group].kv.free(rid)
+            if outcome.settled:
+                self.engine.groups[room.group].kv.free(rid)
+            else:  # a late message could still write into them: they never go back into use
+                log.error("room %d: receives never settled; its pages stay out of use", room.room)
+                self.engine.hold(rid, "recv")
             self._drop(room)
             return
         self._drop(room)

@@ -3,7 +3,10 @@
 Two layouts, described by a `KVLayout` so transfer and sizing read one description:
 MLA stores one latent vector per token (`kv_lora_rank + qk_rope_head_dim`, replicated over
 attention-TP ranks); MHA/GQA stores K and V per KV head this rank holds. A page of one layer is
-contiguous in memory, so moving a run of pages is one copy per layer and buffer.
+page-major in memory: one page holds its slots of every layer and buffer, back to back, so a run of
+consecutive pages is one contiguous block and moves as one copy (one UCX message) for all layers.
+Each layer's buffers are views of that block, [num_pages, page_size, *token_shape] with a page stride
+of the whole page.
 """
 from __future__ import annotations
 
@@ -45,15 +48,20 @@ class KVLayout:
 
 
 class KVPool:
-    """Tensors `buffers[layer][b]` of shape [num_pages, page_size, *token_shape]."""
+    """`pages` is the whole cache, [num_pages, elements per page]; `buffers[layer][b]` are its views of
+    shape [num_pages, page_size, *token_shape]."""
 
     def __init__(self, layout: KVLayout, num_pages: int, device: torch.device | str):
         self.layout, self.num_pages, self.device = layout, num_pages, torch.device(device)
-        self.buffers = [
-            [torch.zeros((num_pages, layout.page_size, *shape), dtype=layout.dtype, device=self.device)
-             for shape in layout.token_shapes()]
-            for _ in range(layout.num_layers)
-        ]
+        shapes = [(layout.page_size, *shape) for shape in layout.token_shapes()] * layout.num_layers
+        sizes = [int(torch.Size(s).numel()) for s in shapes]
+        self.pages = torch.zeros((num_pages, sum(sizes)), dtype=layout.dtype, device=self.device)
+        views, offset = [], 0
+        for shape, size in zip(shapes, sizes):
+            views.append(self.pages[:, offset:offset + size].view(num_pages, *shape))
+            offset += size
+        n = layout.buffers_per_layer
+        self.buffers = [views[i:i + n] for i in range(0, len(views), n)]
 
     @property
     def num_tokens(self) -> int:
@@ -63,7 +71,12 @@ class KVPool:
     def total_bytes(self) -> int:
         return self.num_pages * self.layout.bytes_per_page
 
-    def slots(self, layer: int, buffer: int) -> torch.Tensor:
-        """A layer buffer viewed as [num_slots, *token_shape], slot = page * page_size + offset."""
-        b = self.buffers[layer][buffer]
-        return b.view(-1, *b.shape[2:])
+    def write(self, layer: int, buffer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
+        """Store one entry per slot (slot = page * page_size + offset)."""
+        b, ps = self.buffers[layer][buffer], self.layout.page_size
+        b[slots // ps, slots % ps] = values.to(b.dtype)
+
+    def read(self, layer: int, buffer: int, slots: torch.Tensor) -> torch.Tensor:
+        """The entries of `slots`, gathered, [len(slots), *token_shape]."""
+        b, ps = self.buffers[layer][buffer], self.layout.page_size
+        return b[slots // ps, slots % ps]

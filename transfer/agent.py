@@ -43,6 +43,7 @@ class AgentConfig:
     front_address: str
     host: str = "127.0.0.1"
     fail_rate: float = 0.0
+    message_mib: int = 0  # the most MiB one UCX message brings into this rank's pages (0: a whole page run)
 
 
 def start_agent(config: AgentConfig, model_config, pool: KVPool, dp_rank: int, attn_rank: int,
@@ -50,9 +51,14 @@ def start_agent(config: AgentConfig, model_config, pool: KVPool, dp_rank: int, a
     """The rank's agent over its target pool (a draft pool becomes a second list entry)."""
     held = held_heads(attn_rank, attn_tp, model_config.num_key_value_heads) if pool.layout.kind == "mha" else []
     total = model_config.num_key_value_heads if pool.layout.kind == "mha" else 0
-    desc = PoolDescriptor.from_layout("target", pool.layout, total, held)
+    desc = PoolDescriptor.from_layout("target", pool.layout, total, held, message_pages(pool.layout, config.message_mib))
     return TransferAgent(config.front_address, dp_rank, attn_rank, attn_tp, [(desc, pool)], config.host,
                          config.fail_rate)
+
+
+def message_pages(layout, message_mib: int) -> int:
+    """Pages per message for a cap of `message_mib` (0: no cap)."""
+    return max(1, (message_mib << 20) // layout.bytes_per_page) if message_mib else 0
 
 
 def as_ucx_buffer(t: torch.Tensor):
@@ -68,7 +74,7 @@ class TransferAgent:
         self.front_address, self.host, self.fail_rate = front_address, host, fail_rate
         self.dp_rank, self.attn_rank, self.attn_tp = dp_rank, attn_rank, attn_tp
         self.pools = pools
-        self.endpoints: dict[tuple[str, int], object] = {}
+        self.endpoints: dict[tuple[str, int], asyncio.Future] = {}  # (host, port) -> endpoint being made or made
         self.accepted: list = []
         self.rooms: dict[int, dict] = {}  # decode: room -> outstanding receive tags
         self.ready = threading.Event()
@@ -94,9 +100,12 @@ class TransferAgent:
         import zmq.asyncio
 
         if any(pool.device.type == "cuda" for _, pool in self.pools):
-            # measured on 2x H200 (NVLink), 1 GiB rooms: put_zcopy 197 GB/s, UCX's default choice 151 GB/s.
-            # UCX reads it when its context is made (the first ucxx call below); a user's setting wins.
+            # UCX and ucxx read these when their context is made (the first ucxx call below); a user's
+            # setting wins. Measured on 2x H200 (bench/notes/kv-transfer-*.md): put_zcopy was ahead
+            # of UCX's own choice with per-layer messages; a polling progress thread cuts ~0.2 ms off
+            # every room (78% instead of 72% of the copy bandwidth for 1 GiB) for one busy core per rank.
             os.environ.setdefault("UCX_RNDV_SCHEME", "put_zcopy")
+            os.environ.setdefault("UCXPY_PROGRESS_MODE", "thread-polling")
         self.listener = ucxx.create_listener(self._on_peer, port=0)
         self.zctx = zmq.asyncio.Context()
         self.sock = self.zctx.socket(zmq.DEALER)
@@ -115,7 +124,8 @@ class TransferAgent:
             task = asyncio.ensure_future(self._dispatch(cmd))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
-        for ep in list(self.endpoints.values()) + self.accepted:
+        made = [f.result() for f in self.endpoints.values() if _made(f)]
+        for ep in made + self.accepted:
             ep.abort()
         self.sock.close()
 
@@ -138,20 +148,30 @@ class TransferAgent:
         except Exception as e:  # noqa: BLE001 - a room fails, the agent keeps serving
             log.exception("transfer command %s failed", cmd.get("kind"))
             await self._emit({"kind": "pushed" if cmd["kind"] == "push" else "received", "room": cmd.get("room"),
-                              "ok": False, "error": f"{type(e).__name__}: {e}", "aux": None, "bytes": 0})
+                              "ok": False, "error": f"{type(e).__name__}: {e}", "aux": None, "bytes": 0,
+                              "settled": True})  # _expect settles its own receives; it fails here before posting any
 
     async def _endpoint(self, host: str, port: int):
+        """One endpoint per peer, shared by all rooms. Rooms that start together wait on the same
+        connection: two endpoints made at once would leave one unreferenced, and ucxx closing it under
+        its in-flight sends resets the peer's receives."""
         import ucxx
 
         key = (host, port)
         if key not in self.endpoints:
-            self.endpoints[key] = await ucxx.create_endpoint(host, port)
-        return self.endpoints[key]
+            self.endpoints[key] = asyncio.ensure_future(ucxx.create_endpoint(host, port))
+        making = self.endpoints[key]
+        try:
+            return await asyncio.shield(making)
+        except Exception:
+            if self.endpoints.get(key) is making:
+                del self.endpoints[key]
+            raise
 
     def _drop_endpoint(self, host: str, port: int) -> None:
-        ep = self.endpoints.pop((host, port), None)
-        if ep is not None:
-            ep.abort()
+        making = self.endpoints.pop((host, port), None)
+        if making is not None and _made(making):
+            making.result().abort()
 
     # ---- messages --------------------------------------------------------------------------------
     def _messages(self, cmd: dict, route: Route, src_pages) -> list[Message]:
@@ -163,30 +183,33 @@ class TransferAgent:
             mine = len(desc.held_heads) if desc.kind == "mha" else 0
             src_held, dst_held = (mine, cmd["dst_heads_held"][i]) if src_pages is not None \
                 else (cmd["src_heads_held"][i], mine)
-            out += route_messages(cmd["room"], route, i, desc.num_layers, len(desc.token_shapes),
-                                  cmd["dst_pages"], src_pages, src_held, dst_held)
+            out += route_messages(cmd["room"], route, i, cmd["dst_pages"], src_pages, src_held, dst_held,
+                                  cmd["message_pages"][i])
         return out
 
     def _source(self, msg: Message) -> torch.Tensor:
-        buf = self.pools[msg.pool][1].buffers[msg.layer][msg.buffer]
+        """The message's bytes: a view of consecutive whole pages, else a gathered copy."""
+        pool = self.pools[msg.pool][1]
         first, n = msg.src_pages[0], len(msg.src_pages)
-        if msg.src_pages == tuple(range(first, first + n)):
-            t = buf[first:first + n]
-        else:
-            t = buf[torch.tensor(msg.src_pages, device=buf.device)]
-        if msg.src_heads is not None:
-            t = t[:, :, msg.src_heads[0]:msg.src_heads[0] + msg.src_heads[1]]
-        return t.contiguous()
+        consecutive = msg.src_pages == tuple(range(first, first + n))
+        index = slice(first, first + n) if consecutive else torch.tensor(msg.src_pages, device=pool.device)
+        if msg.src_heads is None:
+            return pool.pages[index].contiguous()
+        h0, hn = msg.src_heads
+        return torch.cat([buf[index][:, :, h0:h0 + hn].reshape(n, -1) for layer in pool.buffers for buf in layer],
+                         dim=1)
 
-    def _destination(self, msg: Message) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Where to receive: the pages themselves, or a staging buffer for a head slice."""
-        buf = self.pools[msg.pool][1].buffers[msg.layer][msg.buffer]
+    def _destination(self, msg: Message) -> tuple[torch.Tensor, list | None]:
+        """Where to receive: the pages themselves, or a staging buffer and the head-slice views it
+        scatters into once the room arrived."""
+        pool = self.pools[msg.pool][1]
         first, n = msg.dst_pages
-        pages = buf[first:first + n]
         if msg.dst_heads is None:
-            return pages, None
+            return pool.pages[first:first + n], None
         h0, hn = msg.dst_heads
-        return torch.empty_like(pages[:, :, h0:h0 + hn]).contiguous(), pages[:, :, h0:h0 + hn]
+        views = [buf[first:first + n, :, h0:h0 + hn] for layer in pool.buffers for buf in layer]
+        staging = torch.empty((n, sum(v[0].numel() for v in views)), dtype=pool.pages.dtype, device=pool.device)
+        return staging, views
 
     # ---- prefill side ---------------------------------------------------------------------------
     async def _push(self, cmd: dict) -> None:
@@ -201,11 +224,13 @@ class TransferAgent:
                           "bytes": sum(n for n, _ in results)})
 
     async def _push_to(self, cmd: dict, d: int, deadline: float) -> tuple[int, str | None]:
-        """All messages to decode rank d in flight at once, then the control message; (bytes, error)."""
+        """All messages to decode rank d and the control message in flight at once; (bytes, error).
+        The control message need not wait for the data: the decode counts a room only once every
+        receive completed, so a data send that fails after an "ok" still fails the room."""
         room, me = cmd["room"], self.attn_rank
         host, port = cmd["dst_ranks"][d]
         left = lambda: max(deadline - time.monotonic(), 0.01)
-        sent, error = 0, None
+        sent, error, data = 0, None, []
         try:
             ep = await asyncio.wait_for(self._endpoint(host, port), left())
             if self.fail_rate > 0 and random.Random(room).random() < self.fail_rate:
@@ -213,11 +238,11 @@ class TransferAgent:
             else:
                 data = [(msg, self._source(msg)) for r in self._pair_routes(cmd, me, d)
                         for msg in self._messages(cmd, r, cmd["src_pages"])]
-                sends = [ep.send(as_ucx_buffer(t), tag=msg.tag, force_tag=True) for msg, t in data]
-                await asyncio.wait_for(asyncio.gather(*sends), left())
-                sent = sum(t.numel() * t.element_size() for _, t in data)
             ctrl = np.frombuffer(pack_ctrl(error is None, error, cmd["aux"] if me == 0 else None), dtype=np.uint8)
-            await asyncio.wait_for(ep.send(ctrl, tag=ctrl_tag(room, me, d), force_tag=True), left())
+            sends = [ep.send(as_ucx_buffer(t), tag=msg.tag, force_tag=True) for msg, t in data]
+            sends.append(ep.send(ctrl, tag=ctrl_tag(room, me, d), force_tag=True))
+            await asyncio.wait_for(asyncio.gather(*sends), left())
+            sent = sum(t.numel() * t.element_size() for _, t in data)
         except Exception as e:  # noqa: BLE001 - the room fails with the reason; the endpoint is redone
             self._drop_endpoint(host, port)
             reason = "timed out" if isinstance(e, asyncio.TimeoutError) else f"{type(e).__name__}: {e}"
@@ -238,53 +263,75 @@ class TransferAgent:
         import ucxx
 
         room, me = cmd["room"], self.attn_rank
-        recvs, scatters, ctrls = [], [], {}
+        recvs, scatters = [], []  # (sending prefill rank for a control message else None, tag, buffer)
         for p in range(cmd["prefill_tp"]):
             for r in self._pair_routes(cmd, p, me):
                 for msg in self._messages(cmd, r, None):
                     target, scatter_to = self._destination(msg)
-                    recvs.append((msg.tag, target))
+                    recvs.append((None, msg.tag, target))
                     if scatter_to is not None:
                         scatters.append((target, scatter_to))
-            ctrls[p] = np.zeros(CTRL_BYTES, dtype=np.uint8)
-            recvs.append((ctrl_tag(room, p, me), ctrls[p]))
-        state = {"tags": {tag for tag, _ in recvs}, "cancelled": False}
+            recvs.append((p, ctrl_tag(room, p, me), np.zeros(CTRL_BYTES, dtype=np.uint8)))
+        state = {"tags": {tag for _, tag, _ in recvs}, "cancelled": False, "sender_error": None, "aux": None}
         self.rooms[room] = state
 
         async def one(tag, buffer):
             await ucxx.recv(as_ucx_buffer(buffer) if isinstance(buffer, torch.Tensor) else buffer, tag)
             state["tags"].discard(tag)
 
-        tasks = [asyncio.ensure_future(one(tag, buf)) for tag, buf in recvs]
+        async def ctrl(p, tag, buffer):
+            await one(tag, buffer)
+            if not buffer[:4].any():
+                return  # completed empty by a cancel
+            msg = unpack_ctrl(buffer.tobytes())
+            state["aux"] = state["aux"] or msg.get("aux")
+            if not msg["ok"] and state["sender_error"] is None:  # its data will not come: stop waiting
+                state["sender_error"] = f"prefill rank {p}: {msg['error']}"
+                await self._cancel(room)
+
+        tasks = [asyncio.ensure_future(ctrl(p, tag, buf) if p is not None else one(tag, buf)) for p, tag, buf in recvs]
         error, aux, received = None, None, 0
         try:
-            done, pending = await asyncio.wait(tasks, timeout=cmd["timeout_s"])
-            for t in done:
-                if t.exception() is not None and error is None:
-                    error = f"receive failed: {t.exception()}"
-            if pending:
-                error = error or f"KV of room {room} did not arrive within {cmd['timeout_s']:.0f}s"
-                await self._cancel(room)
-                await asyncio.wait(pending, timeout=10)
-            if state["cancelled"] and error is None:
-                error = "the request was cancelled"
+            error = await self._settle(room, state, tasks, cmd["timeout_s"])
+            error = state["sender_error"] or error
+            aux = state["aux"]
             if error is None:
-                for p, buf in ctrls.items():
-                    msg = unpack_ctrl(buf.tobytes())
-                    if not msg["ok"]:
-                        error = f"prefill rank {p}: {msg['error']}"
-                        break
-                    aux = aux or msg.get("aux")
-            if error is None:
-                for staged, dst in scatters:
-                    dst.copy_(staged)
-                received = sum(b.numel() * b.element_size() for _, b in recvs if isinstance(b, torch.Tensor))
-                if self.pools[0][1].device.type == "cuda":
-                    torch.cuda.synchronize(self.pools[0][1].device)
+                for staged, views in scatters:
+                    _scatter(staged, views)
+                received = sum(b.numel() * b.element_size() for _, _, b in recvs if isinstance(b, torch.Tensor))
+                if scatters and self.pools[0][1].device.type == "cuda":
+                    torch.cuda.synchronize(self.pools[0][1].device)  # staging is freed after this
+        except Exception as e:  # noqa: BLE001 - the room fails; its receives are settled below first
+            log.exception("room %d: receiving failed", room)
+            error = f"{type(e).__name__}: {e}"
         finally:
+            settled = await self._settle_after_error(room, tasks)
             self.rooms.pop(room, None)
         await self._emit({"kind": "received", "room": room, "ok": error is None, "error": error, "aux": aux,
-                          "bytes": received})
+                          "bytes": received, "settled": settled})
+
+    async def _settle(self, room: int, state: dict, tasks: list, timeout_s: float) -> str | None:
+        """Wait for every receive of the room; on timeout cancel the rest. The first error, if any."""
+        done, pending = await asyncio.wait(tasks, timeout=timeout_s)
+        error = next((f"receive failed: {t.exception()}" for t in done if t.exception() is not None), None)
+        if pending:
+            error = error or f"KV of room {room} did not arrive within {timeout_s:.0f}s"
+            await self._cancel(room)
+            await asyncio.wait(pending, timeout=10)
+        if state["cancelled"] and error is None:
+            error = "the request was cancelled"
+        return error
+
+    async def _settle_after_error(self, room: int, tasks: list) -> bool:
+        """True once no receive of the room can still write into its pages."""
+        if all(t.done() for t in tasks):
+            return True
+        try:
+            await self._cancel(room)
+            await asyncio.wait([t for t in tasks if not t.done()], timeout=10)
+        except Exception:  # noqa: BLE001 - reported as unsettled: the decode keeps the pages out of use
+            log.exception("room %d: cancelling its receives failed", room)
+        return all(t.done() for t in tasks)
 
     async def _cancel(self, room: int) -> None:
         state = self.rooms.get(room)
@@ -295,3 +342,16 @@ class TransferAgent:
         empty = np.zeros(0, dtype=np.uint8)
         for tag in list(state["tags"]):
             await ep.send(empty, tag=tag, force_tag=True)
+
+
+def _made(f: asyncio.Future) -> bool:
+    return f.done() and not f.cancelled() and f.exception() is None
+
+
+def _scatter(staged: torch.Tensor, views: list[torch.Tensor]) -> None:
+    """Copy a staged head slice ([pages, per-page bytes in page-major order]) into its page views."""
+    offset = 0
+    for v in views:
+        size = v[0].numel()
+        v.copy_(staged[:, offset:offset + size].view(v.shape))
+        offset += size

@@ -16,6 +16,9 @@ class IncompatiblePeer(ValueError):
     """Prefill and decode instances whose KV pools cannot exchange pages."""
 
 
+PAGE_ORDER = "page-major: layer, buffer, slot, head, dim"
+
+
 @dataclass(frozen=True)
 class PoolDescriptor:
     name: str  # "target", "draft"
@@ -26,12 +29,15 @@ class PoolDescriptor:
     token_shapes: list[list[int]]  # per buffer of a layer, the shape of one token's entry
     total_kv_heads: int = 0  # MHA: the model's KV heads (0 for MLA)
     held_heads: list[int] = field(default_factory=list)  # MHA: global KV heads this rank holds
+    order: str = PAGE_ORDER  # how a page's bytes are arranged (scheduler/kv_pool.py)
+    message_pages: int = 0  # decode: the most pages it takes in one UCX message (0: a whole run)
 
     @classmethod
     def from_layout(cls, name: str, layout: KVLayout, total_kv_heads: int = 0,
-                    held_heads: list[int] | None = None) -> "PoolDescriptor":
+                    held_heads: list[int] | None = None, message_pages: int = 0) -> "PoolDescriptor":
         return cls(name, layout.kind, layout.num_layers, layout.page_size, str(layout.dtype).removeprefix("torch."),
-                   [list(s) for s in layout.token_shapes()], total_kv_heads, list(held_heads or []))
+                   [list(s) for s in layout.token_shapes()], total_kv_heads, list(held_heads or []),
+                   message_pages=message_pages)
 
     def per_head_shapes(self) -> list[list[int]]:
         """Token shapes with the head dimension taken out (MHA), to compare across TP sizes."""
@@ -92,7 +98,7 @@ def check_compatible(local: InstanceDescriptor, remote: InstanceDescriptor, loca
     if [p.name for p in mine] != [p.name for p in theirs]:
         differ("KV pools", [p.name for p in mine], [p.name for p in theirs])
     for a, b in zip(mine, theirs):
-        for attr in ("kind", "num_layers", "page_size", "dtype", "total_kv_heads"):
+        for attr in ("order", "kind", "num_layers", "page_size", "dtype", "total_kv_heads"):
             if getattr(a, attr) != getattr(b, attr):
                 differ(f"{a.name} pool {attr}", getattr(a, attr), getattr(b, attr))
         if a.per_head_shapes() != b.per_head_shapes():

@@ -28,6 +28,7 @@ class RoomOutcome:
     aux: dict | None
     bytes: int
     seconds: float
+    settled: bool = True  # decode: False when a receive could still land in the room's pages
 
 
 @dataclass
@@ -78,7 +79,8 @@ class TransferManager:
         cmd = {"kind": "push", "room": room, "src_pages": src_pages, "dst_pages": dst_pages, "aux": aux,
                "timeout_s": timeout_s, "routes": self._routes(room, len(mine), len(theirs), mine[0]),
                "dst_ranks": [[r.host, r.port] for r in theirs],
-               "dst_heads_held": [len(p.held_heads) for p in theirs[0].pools]}
+               "dst_heads_held": [len(p.held_heads) for p in theirs[0].pools],
+               "message_pages": [p.message_pages for p in theirs[0].pools]}
         self._start("pushed", room, dp_rank, mine, cmd)
 
     def expect(self, room: int, dp_rank: int, peer: InstanceDescriptor, dst_pages: list[int], timeout_s: float) -> None:
@@ -86,7 +88,8 @@ class TransferManager:
         theirs = peer.group(0)
         cmd = {"kind": "expect", "room": room, "dst_pages": dst_pages, "timeout_s": timeout_s,
                "prefill_tp": peer.attn_tp, "routes": self._routes(room, peer.attn_tp, len(mine), mine[0]),
-               "src_heads_held": [len(p.held_heads) for p in theirs[0].pools]}
+               "src_heads_held": [len(p.held_heads) for p in theirs[0].pools],
+               "message_pages": [p.message_pages for p in mine[0].pools]}
         self._start("received", room, dp_rank, mine, cmd)
 
     def cancel(self, room: int, dp_rank: int) -> None:
@@ -153,4 +156,5 @@ def _merge(room: int, pending: _Pending) -> RoomOutcome:
     errors = [e["error"] for e in pending.events if not e["ok"]]
     aux = next((e.get("aux") for e in pending.events if e.get("aux")), None)
     return RoomOutcome(room, pending.kind, not errors, "; ".join(dict.fromkeys(errors)) or None, aux,
-                       sum(e.get("bytes", 0) for e in pending.events), time.perf_counter() - pending.started)
+                       sum(e.get("bytes", 0) for e in pending.events), time.perf_counter() - pending.started,
+                       all(e.get("settled", True) for e in pending.events))

@@ -1,10 +1,13 @@
 """The UCX messages that move one room, as both sides derive them.
 
-The decode side decides the shape: for every real route, pool, layer and buffer, one message per run
-of consecutive destination pages (whole pages; the head range of the route for MHA). The prefill side
+Pools are page-major (scheduler/kv_pool.py), so a message carries every layer: for every real route
+and pool, one message per run of consecutive destination pages. Its bytes are the pages as the
+receiver lays them out when it holds exactly the route's heads: per page, per layer and buffer, the
+page's slots of those heads. With all heads on both sides that is the pages themselves; a head slice
+is gathered by the sender or scattered by the receiver through a staging buffer. The prefill side
 derives the same list from the destination pages it was given, reading its own pages in the same
-order (a view when they are consecutive and all heads go, a gathered copy otherwise). A message's
-tag is a hash of where it belongs, so both sides agree without talking, and no two rooms collide.
+order. A message's tag is a hash of where it belongs, so both sides agree without talking, and no two
+rooms collide.
 
 Every (prefill rank, decode rank) pair of a room also exchanges one control message (msgpack, at most
 `CTRL_BYTES`) after its data: success or the sender's error, plus the aux data (first token, ...).
@@ -26,8 +29,6 @@ CTRL_BYTES = 64 * 1024
 class Message:
     tag: int
     pool: int
-    layer: int
-    buffer: int
     dst_pages: tuple[int, int]  # first destination page and count
     src_pages: tuple[int, ...]  # source pages, in order
     src_heads: tuple[int, int] | None  # MHA slice (first local head, count); None: all heads
@@ -43,32 +44,31 @@ def ctrl_tag(room: int, prefill_rank: int, decode_rank: int) -> int:
     return tag_of(room, prefill_rank, decode_rank, -1)
 
 
-def page_runs(pages: list[int]) -> list[tuple[int, int]]:
-    """(start index in `pages`, length) of each run of consecutive page ids."""
+def page_runs(pages: list[int], longest: int = 0) -> list[tuple[int, int]]:
+    """(start index in `pages`, length) of each run of consecutive page ids, cut into pieces of at
+    most `longest` pages (0: no limit)."""
     runs, start = [], 0
     for i in range(1, len(pages) + 1):
-        if i == len(pages) or pages[i] != pages[i - 1] + 1:
+        if i == len(pages) or pages[i] != pages[i - 1] + 1 or i - start == longest:
             runs.append((start, i - start))
             start = i
     return runs
 
 
-def route_messages(room: int, route: Route, pool_index: int, num_layers: int, num_buffers: int,
-                   dst_pages: list[int], src_pages: list[int] | None, src_heads_held: int,
-                   dst_heads_held: int) -> list[Message]:
+def route_messages(room: int, route: Route, pool_index: int, dst_pages: list[int], src_pages: list[int] | None,
+                   src_heads_held: int, dst_heads_held: int, message_pages: int = 0) -> list[Message]:
     """Messages of one real route for one pool. `src_pages` is None on the decode side (unknown
-    there, not needed); `*_heads_held` are the KV heads each side holds (0 for MLA)."""
+    there, not needed); `*_heads_held` are the KV heads each side holds (0 for MLA); the decode
+    pool's `message_pages` caps the pages of one message."""
     if route.dummy:
         return []
     src_slice = _head_slice(route.src_head, route.num_heads, src_heads_held)
     dst_slice = _head_slice(route.dst_head, route.num_heads, dst_heads_held)
     out = []
-    for layer in range(num_layers):
-        for b in range(num_buffers):
-            for run, (start, n) in enumerate(page_runs(dst_pages)):
-                tag = tag_of(room, route.prefill_rank, route.decode_rank, pool_index, layer, b, run)
-                src = tuple(src_pages[start:start + n]) if src_pages is not None else ()
-                out.append(Message(tag, pool_index, layer, b, (dst_pages[start], n), src, src_slice, dst_slice))
+    for run, (start, n) in enumerate(page_runs(dst_pages, message_pages)):
+        tag = tag_of(room, route.prefill_rank, route.decode_rank, pool_index, run)
+        src = tuple(src_pages[start:start + n]) if src_pages is not None else ()
+        out.append(Message(tag, pool_index, (dst_pages[start], n), src, src_slice, dst_slice))
     return out
 
 

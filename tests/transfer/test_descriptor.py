@@ -2,6 +2,8 @@
 line up, naming the difference."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -13,13 +15,15 @@ from dserve.transfer.messages import CTRL_BYTES, pack_ctrl, page_runs, unpack_ct
 MODEL = {"architecture": "DeepseekV3ForCausalLM", "num_hidden_layers": 3, "kv_lora_rank": 32}
 
 
-def instance(page_size=16, dtype=torch.float32, tp=1, model=MODEL, kind="mla", extra_pools=()):
+def instance(page_size=16, dtype=torch.float32, tp=1, model=MODEL, kind="mla", extra_pools=(), order=None):
     if kind == "mla":
         layout = KVLayout("mla", 3, page_size, dtype, latent_dim=48, kv_lora_rank=32)
         pools = [PoolDescriptor.from_layout("target", layout)]
     else:
         layout = KVLayout("mha", 3, page_size, dtype, num_kv_heads=4 // tp, head_dim=32, v_head_dim=32)
         pools = [PoolDescriptor.from_layout("target", layout, 4, list(range(4 // tp)))]
+    if order is not None:
+        pools = [dataclasses.replace(p, order=order) for p in pools]
     pools += list(extra_pools)
     ranks = [RankDescriptor(0, r, tp, "127.0.0.1", 1000 + r, pools) for r in range(tp)]
     return InstanceDescriptor(dict(model), 1, tp, ranks)
@@ -40,6 +44,7 @@ def test_compatible_across_tp_sizes():
     (instance(dtype=torch.bfloat16), "target pool dtype differs (decode: float32, prefill: bfloat16)"),
     (instance(model={**MODEL, "kv_lora_rank": 64}), "model kv_lora_rank differs (decode: 32, prefill: 64)"),
     (instance(kind="mha"), "target pool kind differs (decode: mla, prefill: mha)"),
+    (instance(order="layer-major"), "target pool order differs (decode: page-major"),
     (instance(extra_pools=[PoolDescriptor("draft", "mha", 1, 16, "float32", [[2, 32], [2, 32]], 2, [0, 1])]),
      "KV pools differs"),
 ])
@@ -55,3 +60,4 @@ def test_control_records_are_size_limited_and_validated():
     assert huge["ok"] is False and "over the limit" in huge["error"]
     assert unpack_ctrl(b"\xff" * 16)["ok"] is False
     assert page_runs([4, 5, 6, 9, 10, 2]) == [(0, 3), (3, 2), (5, 1)]
+    assert page_runs([4, 5, 6, 7, 8, 2], longest=2) == [(0, 2), (2, 2), (4, 1), (5, 1)]

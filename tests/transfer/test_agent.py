@@ -1,0 +1,138 @@
+"""Transfer agents in their own processes, driven by the front's TransferManager, over real UCX:
+the exact bytes of scattered pages land where the decode wants them (head slicing either way), rooms
+started together on a fresh pair share one connection, and a decode agent whose room fails after its
+receives were posted settles them first, so a late sender writes nothing into the pages."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import pytest
+import torch
+
+from dserve.scheduler.kv_pool import KVLayout
+from dserve.transfer.manager import TransferManager
+from dserve.transfer.mapping import held_heads
+
+pytest.importorskip("ucxx")
+
+HEADS, LAYERS, PAGE, DIM, PAGES = 4, 3, 4, 8, 64
+
+
+def layout(kind: str, tp: int) -> KVLayout:
+    if kind == "mla":
+        return KVLayout("mla", LAYERS, PAGE, torch.float32, latent_dim=DIM * 2, kv_lora_rank=DIM)
+    n = len(held_heads(0, tp, HEADS))
+    return KVLayout("mha", LAYERS, PAGE, torch.float32, num_kv_heads=n, head_dim=DIM, v_head_dim=DIM // 2)
+
+
+def global_values(kind: str) -> list[list[torch.Tensor]]:
+    """Every layer buffer as if one rank held all heads (the prefill ranks' pages are slices of it)."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(DIM * 2,)] if kind == "mla" else [(HEADS, DIM), (HEADS, DIM // 2)]
+    return [[torch.randn(PAGES, PAGE, *s, generator=gen) for s in shapes] for _ in range(LAYERS)]
+
+
+def rank_process(front: str, kind: str, rank: int, tp: int, prefill: bool, dump: str, break_settle: bool,
+                 message_pages: int) -> None:
+    from dserve.scheduler.kv_pool import KVPool
+    from dserve.transfer.agent import TransferAgent
+    from dserve.transfer.descriptor import PoolDescriptor
+
+    if break_settle:  # the room fails after its receives were posted, before any arrived
+        async def broken(self, room, state, tasks, timeout_s):
+            raise RuntimeError("broken on purpose after posting")
+        TransferAgent._settle = broken
+    lay = layout(kind, tp)
+    pool = KVPool(lay, PAGES, "cpu")
+    heads = held_heads(rank, tp, HEADS) if kind == "mha" else []
+    if prefill:
+        for layer, values in zip(pool.buffers, global_values(kind)):
+            for buf, full in zip(layer, values):
+                buf.copy_(full[:, :, heads] if kind == "mha" else full)
+    desc = PoolDescriptor.from_layout("target", lay, HEADS if kind == "mha" else 0, heads, message_pages)
+    agent = TransferAgent(front, 0, rank, tp, [(desc, pool)])
+    agent.thread.join()
+    torch.save(pool.pages, dump)
+
+
+class Side:
+    def __init__(self, kind: str, tp: int, prefill: bool, tmp_path, break_settle: bool = False,
+                 message_pages: int = 0):
+        self.manager = TransferManager()
+        self.dumps = [str(tmp_path / f"{'p' if prefill else 'd'}{r}.pt") for r in range(tp)]
+        ctx = mp.get_context("spawn")
+        self.procs = [ctx.Process(target=rank_process, daemon=True,
+                                  args=(self.manager.address, kind, r, tp, prefill, self.dumps[r], break_settle,
+                                        message_pages))
+                      for r in range(tp)]
+        for p in self.procs:
+            p.start()
+        self.manager.wait_for_agents(tp)
+        self.desc = self.manager.descriptor({}, 1, tp)
+
+    def pages(self) -> list[torch.Tensor]:
+        """Each rank's pages, after its agent stopped."""
+        self.manager.close()
+        for p in self.procs:
+            p.join(30)
+        return [torch.load(d) for d in self.dumps]
+
+
+def outcomes(sides: list[Side], count: int, timeout: float = 60) -> list:
+    got, deadline = [], time.monotonic() + timeout
+    while len(got) < count and time.monotonic() < deadline:
+        for s in sides:
+            got += s.manager.poll(5)
+    assert len(got) == count, f"only {len(got)} of {count} room outcomes arrived"
+    return got
+
+
+def expected_pages(kind: str, rank: int, tp: int, src: list[int], dst: list[int], received) -> None:
+    """Check the decode rank's `received` pages hold the global values of its heads, page by page."""
+    from dserve.scheduler.kv_pool import KVPool
+
+    pool = KVPool(layout(kind, tp), PAGES, "cpu")
+    pool.pages.copy_(received)
+    heads = held_heads(rank, tp, HEADS) if kind == "mha" else slice(None)
+    for layer, values in zip(pool.buffers, global_values(kind)):
+        for buf, full in zip(layer, values):
+            want = full[src][:, :, heads] if kind == "mha" else full[src]
+            torch.testing.assert_close(buf[dst], want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind,prefill_tp,decode_tp,message_pages",
+                         [("mha", 1, 2, 0), ("mha", 2, 1, 2), ("mla", 2, 2, 0), ("mla", 1, 1, 2)])
+def test_scattered_pages_arrive_exactly(kind, prefill_tp, decode_tp, message_pages, tmp_path):
+    """`message_pages` 2: the decode takes runs in pieces of at most two pages."""
+    prefill = Side(kind, prefill_tp, True, tmp_path)
+    decode = Side(kind, decode_tp, False, tmp_path, message_pages=message_pages)
+    gen = torch.Generator().manual_seed(1)
+    rooms = {}  # four rooms at once on a pair that has not connected yet
+    order = torch.randperm(PAGES, generator=gen).tolist()
+    for i, room in enumerate(range(11, 15)):
+        src = torch.randperm(PAGES, generator=gen)[:5].tolist()
+        dst = sorted(order[i * 8:i * 8 + 3]) + order[i * 8 + 3:i * 8 + 5]  # a run and scattered pages
+        rooms[room] = (src, dst)
+        decode.manager.expect(room, 0, prefill.desc, dst, 30)
+        prefill.manager.push(room, 0, decode.desc, 0, src, dst, {"token": room}, 30)
+    done = outcomes([prefill, decode], 2 * len(rooms))
+    assert all(o.ok for o in done), [o.error for o in done if not o.ok]
+    assert {o.aux["token"] for o in done if o.kind == "received"} == set(rooms)
+    received = decode.pages()
+    prefill.pages()
+    for rank in range(decode_tp):
+        for src, dst in rooms.values():
+            expected_pages(kind, rank, decode_tp, src, dst, received[rank])
+
+
+def test_failed_room_settles_its_receives_before_reporting(tmp_path):
+    prefill, decode = Side("mha", 1, True, tmp_path), Side("mha", 1, False, tmp_path, break_settle=True)
+    decode.manager.expect(7, 0, prefill.desc, [3, 4, 9], 30)
+    (failed,) = outcomes([decode], 1)
+    assert not failed.ok and "broken on purpose" in failed.error
+    assert failed.settled  # the posted receives were completed (cancelled) before the report
+    prefill.manager.push(7, 0, decode.desc, 0, [0, 1, 2], [3, 4, 9], {"token": 1}, 2)
+    outcomes([prefill], 1)  # sent eagerly (ok) or not taken (timed out): either way nothing lands
+    assert not decode.pages()[0].any(), "a late message wrote into pages the decode had given back"
+    prefill.pages()
