@@ -28,6 +28,8 @@ class ForwardBatch:
     out_slots: torch.Tensor  # [T] slot (page * page_size + offset) each new token's KV is written to
     logits_indices: torch.Tensor  # [N] rows of the flattened tokens whose logits are wanted
     dp_num_tokens: list[int] | None = None  # with DP attention: every DP group's token count this step
+    hidden_rows: torch.Tensor | None = None  # a draft pass: per token, the row of the previous pass's
+    #                                          hidden states it reads (the target's or the draft's own)
 
     @property
     def num_tokens(self) -> int:
@@ -39,7 +41,7 @@ class ForwardBatch:
         move = lambda t: t.to(device, non_blocking=True)
         return ForwardBatch(move(self.input_ids), move(self.positions), self.q_lens, self.seq_lens,
                             move(self.page_table), move(self.out_slots), move(self.logits_indices),
-                            self.dp_num_tokens)
+                            self.dp_num_tokens, None if self.hidden_rows is None else move(self.hidden_rows))
 
 
 class AttentionBackend(ABC):

@@ -100,34 +100,41 @@ def make_tiny(arch: str, out: str, mtp: bool = False, seed: int = 0, vocab_size:
 
 def _append_mtp_layer(arch: str, cfg, out: str, seed: int) -> None:
     """One more decoder layer (from a deeper random model) plus the NextN projection tensors."""
-    from safetensors.torch import save_file
-
-    import tempfile
-
-    from safetensors.torch import load_file
-
     torch.manual_seed(seed + 1)
     n, h, v = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size
-    deeper = type(cfg)(**{**cfg.to_dict(), "num_hidden_layers": n + 1})
+    deeper = _model_class(arch)(type(cfg)(**{**cfg.to_dict(), "num_hidden_layers": n + 1}))
+    std = cfg.initializer_range
+    append_mtp_layer(out, deeper, {
+        "enorm.weight": 1 + 0.1 * torch.randn(h),
+        "hnorm.weight": 1 + 0.1 * torch.randn(h),
+        "eh_proj.weight": std * torch.randn(h, 2 * h),
+        "shared_head.norm.weight": 1 + 0.1 * torch.randn(h),
+        "shared_head.head.weight": std * torch.randn(v, h),
+        "embed_tokens.weight": std * torch.randn(v, h),
+    }, random_bias=True)
+
+
+def append_mtp_layer(out: str, deeper, nextn: dict[str, torch.Tensor], random_bias: bool = False) -> None:
+    """Add layer `num_hidden_layers` of `deeper` (a model of the checkpoint's family with one more
+    layer) and the NextN tensors `nextn` (keys without the layer prefix) to the checkpoint in `out`,
+    in the published layout: one more shard, the index and `num_nextn_predict_layers` updated."""
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+
+    n = deeper.config.num_hidden_layers - 1
     prefix = f"model.layers.{n}."
     tensors = {}
     with tempfile.TemporaryDirectory() as tmp:  # save_pretrained writes the published per-expert layout
-        _model_class(arch)(deeper).save_pretrained(tmp)
+        deeper.save_pretrained(tmp)
         for name in sorted(os.listdir(tmp)):
             if name.endswith(".safetensors"):
                 tensors.update({k: t for k, t in load_file(os.path.join(tmp, name)).items() if k.startswith(prefix)})
-    std = cfg.initializer_range
-    tensors.update({
-        f"model.layers.{n}.enorm.weight": 1 + 0.1 * torch.randn(h),
-        f"model.layers.{n}.hnorm.weight": 1 + 0.1 * torch.randn(h),
-        f"model.layers.{n}.eh_proj.weight": std * torch.randn(h, 2 * h),
-        f"model.layers.{n}.shared_head.norm.weight": 1 + 0.1 * torch.randn(h),
-        f"model.layers.{n}.shared_head.head.weight": std * torch.randn(v, h),
-        f"model.layers.{n}.embed_tokens.weight": std * torch.randn(v, h),
-    })
-    for name, t in tensors.items():
-        if name.endswith("e_score_correction_bias"):
-            tensors[name] = torch.rand_like(t) * 0.1
+    tensors.update({prefix + k: t.detach().contiguous() for k, t in nextn.items()})
+    if random_bias:
+        for name, t in tensors.items():
+            if name.endswith("e_score_correction_bias"):
+                tensors[name] = torch.rand_like(t) * 0.1
     shard = "model-mtp.safetensors"
     save_file(tensors, os.path.join(out, shard), metadata={"format": "pt"})
     index_path = os.path.join(out, "model.safetensors.index.json")

@@ -29,6 +29,12 @@ class EngineConfig:
     ep_size: int = 1  # MoE experts split over ep_size slots of all ranks
     collective_timeout_s: float = 120.0  # a collective waiting longer fails its rank
     step_timeout_s: float = 600.0  # the front gives up on ranks that return no step result in this time
+    speculative_algorithm: str | None = None  # "mtp": the checkpoint's NextN layer drafts
+    speculative_draft_model_path: str | None = None  # EAGLE-3 draft checkpoint
+    speculative_num_steps: int = 1  # draft passes per step (a chain of this many draft tokens)
+    speculative_eagle_topk: int = 1  # draft branches per step (1: a chain)
+    speculative_num_draft_tokens: int | None = None  # tokens one verify checks (default steps + 1)
+    speculative_naive: bool = False  # verify and draft extend as one step
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -54,6 +60,28 @@ class EngineConfig:
             raise ValueError(f"tp_size = {self.tp_size} does not divide by ep_size = {self.ep_size}")
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        algo = self.speculative_algorithm
+        if algo is None:
+            return
+        if algo == "eagle3":
+            raise ValueError("speculative_algorithm='eagle3' is not available yet; use 'mtp'")
+        if algo != "mtp":
+            raise ValueError(f"speculative_algorithm must be mtp or eagle3, got {algo!r}")
+        if self.speculative_num_steps < 1:
+            raise ValueError(f"speculative_num_steps must be >= 1, got {self.speculative_num_steps}")
+        if self.speculative_eagle_topk != 1:
+            raise ValueError("speculative_eagle_topk > 1 (tree drafts) is not available yet; use 1")
+        if self.speculative_num_draft_tokens is None:
+            self.speculative_num_draft_tokens = self.speculative_num_steps + 1
+        if self.speculative_num_draft_tokens != self.speculative_num_steps + 1:
+            raise ValueError(f"with speculative_eagle_topk=1 a verify checks speculative_num_steps + 1 = "
+                             f"{self.speculative_num_steps + 1} tokens, got speculative_num_draft_tokens="
+                             f"{self.speculative_num_draft_tokens}")
+        if self.speculative_naive:
+            raise ValueError("speculative_naive is not available yet")
 
     @property
     def world_size(self) -> int:

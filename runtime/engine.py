@@ -23,6 +23,7 @@ from dserve.transfer.agent import AgentConfig
 from dserve.scheduler.request import Request, SamplingParams
 from dserve.scheduler.kv_manager import KVCacheManager
 from dserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from dserve.spec.decoding import Speculator
 
 log = logging.getLogger("dserve.runtime")
 
@@ -67,6 +68,8 @@ class Engine:
         self.group_of: dict[str, int] = {}
         self.keep_pages: set[str] = set()  # prefill: requests whose pages outlive them, to be sent
         self.held: dict[str, tuple[int, str]] = {}  # holder key -> (DP group, rid) of pages in flight
+        self.speculator = (Speculator(self.config.speculative_num_steps, self._execute)
+                           if self.config.speculative_algorithm else None)
 
     # ---- request lifecycle -------------------------------------------------------------------
     def tokenize(self, prompt: str | None, input_ids: list[int] | None) -> list[int]:
@@ -138,29 +141,50 @@ class Engine:
         plans = [g.scheduler.schedule() for g in self.groups]
         if not any(plans):
             return [r for r in self.requests.values() if r.finished]
-        batches = build_step_batches(plans, [g.kv for g in self.groups])
+        group_logits = self._execute(build_step_batches(plans, [g.kv for g in self.groups]))
+        done, rows, verified = [], [], []
+        for spans, group, logits in zip(plans, self.groups, group_logits):
+            row = 0
+            for span in spans:
+                if span.draft:  # speculative: the drafts the target agrees with, then its own next token
+                    verified.append((span.req, self.speculator.verify(span, logits[row:row + span.length])))
+                    row += span.length
+                elif span.completes:
+                    done.append(span.req)
+                    rows.append(logits[row:row + 1])
+                    row += 1
+            group.scheduler.advance(spans)
+        if done:
+            self._append_sampled(done, sample(torch.cat(rows), done))
+        for req, tokens in verified:
+            for token in tokens:
+                self._append(req, token)
+                if req.finished:
+                    break
+        if self.speculator is not None:
+            self.speculator.propose(plans, [g.kv for g in self.groups])
+        done += [req for req, _ in verified]
+        return done + [r for r in self.requests.values() if r.finished and r not in done]
+
+    def _execute(self, batches):
         try:
-            group_logits = self.executor.execute(batches)
+            return self.executor.execute(batches)
         except RankFailure as e:
             self._fail_all(str(e))
             raise
-        done, rows = [], []
-        for spans, group, logits in zip(plans, self.groups, group_logits):
-            group.scheduler.advance(spans)
-            done += [s.req for s in spans if s.completes]
-            rows.append(logits)
-        out = sample(torch.cat(rows), done)
-        now = time.perf_counter()
-        for i, req in enumerate(done):
-            token = out.token_ids[i]
-            req.output_ids.append(token)
-            if req.first_token_time is None:
-                req.first_token_time = now
+
+    def _append_sampled(self, reqs: list[Request], out) -> None:
+        for i, req in enumerate(reqs):
             if out.logprobs is not None and req.params.return_logprob:
                 req.token_logprobs.append(out.logprobs[i])
                 req.top_logprobs.append(out.top_logprobs[i])
-            self._check_finish(req, token)
-        return done + [r for r in self.requests.values() if r.finished and r not in done]
+            self._append(req, out.token_ids[i])
+
+    def _append(self, req: Request, token: int) -> None:
+        req.output_ids.append(token)
+        if req.first_token_time is None:
+            req.first_token_time = time.perf_counter()
+        self._check_finish(req, token)
 
     def _fail_all(self, message: str) -> None:
         for req in self.requests.values():

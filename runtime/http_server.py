@@ -55,6 +55,13 @@ class Instance:
             "num_queued_requests": lambda: sum(len(x.scheduler.waiting) for x in g),
             "kv_pages_used": lambda: sum(x.kv.num_used_pages for x in g),
             "kv_pages_total": lambda: sum(x.kv.num_pages for x in g)})
+        spec = self.engine.speculator
+        if spec is not None:
+            algorithm = self.engine.config.speculative_algorithm
+            self.metrics.labeled.update({
+                "spec_verify_steps_total": ("algorithm", lambda: {algorithm: spec.verify_steps}),
+                "spec_draft_tokens_total": ("position", lambda: dict(enumerate(spec.proposed))),
+                "spec_accepted_tokens_total": ("position", lambda: dict(enumerate(spec.accepted)))})
 
     def shutdown(self) -> None:
         self.loop.stop()

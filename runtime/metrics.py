@@ -38,6 +38,8 @@ class Metrics:
                            "e2e_request_latency_seconds": Histogram(), "kv_transfer_seconds": Histogram()}
         self.counters: dict[str, float] = defaultdict(float)
         self.gauges: dict[str, Callable[[], float]] = {}
+        # counters kept elsewhere (the engine's), read when scraped: name -> (label, read -> {value: count})
+        self.labeled: dict[str, tuple[str, Callable[[], dict]]] = {}
 
     def request_done(self, endpoint: str, outcome: str) -> None:
         self.requests[(endpoint, outcome)] += 1
@@ -62,6 +64,9 @@ class Metrics:
             lines.append(f'{p}_requests_total{{endpoint="{endpoint}",outcome="{outcome}"}} {n}')
         for name, value in sorted(self.counters.items()):
             lines += [f"# TYPE {p}_{name} counter", f"{p}_{name} {value}"]
+        for name, (label, read) in sorted(self.labeled.items()):
+            lines.append(f"# TYPE {p}_{name} counter")
+            lines += [f'{p}_{name}{{{label}="{key}"}} {value}' for key, value in read().items()]
         for name, get in sorted(self.gauges.items()):
             lines += [f"# TYPE {p}_{name} gauge", f"{p}_{name} {get()}"]
         for name, hist in self.histograms.items():

@@ -15,31 +15,38 @@ from dserve.models.loader import load_model, parameter_bytes
 from dserve.models.parallel import SINGLE, ParallelContext
 from dserve.runtime.config import EngineConfig
 from dserve.scheduler.kv_pool import KVLayout, KVPool
+from dserve.spec.mtp import load_mtp_draft
 
 log = logging.getLogger("dserve.runtime")
 CPU_DEFAULT_TOKENS = 16384
 
 
-def kv_layout(cfg: ModelConfig, page_size: int, dtype: torch.dtype, attn_tp_size: int = 1) -> KVLayout:
+def kv_layout(cfg: ModelConfig, page_size: int, dtype: torch.dtype, attn_tp_size: int = 1,
+              num_layers: int | None = None) -> KVLayout:
+    """The target's KV layout; with `num_layers`, that of a draft made of such layers (MTP)."""
+    layers = cfg.num_hidden_layers if num_layers is None else num_layers
     if cfg.attention_kind == "mla":  # the latent is replicated over attention-TP ranks
-        return KVLayout("mla", cfg.num_hidden_layers, page_size, dtype,
+        return KVLayout("mla", layers, page_size, dtype,
                         latent_dim=cfg.kv_lora_rank + cfg.qk_rope_head_dim, kv_lora_rank=cfg.kv_lora_rank)
     heads = max(cfg.num_key_value_heads // attn_tp_size, 1)
-    return KVLayout("mha", cfg.num_hidden_layers, page_size, dtype, num_kv_heads=heads,
+    return KVLayout("mha", layers, page_size, dtype, num_kv_heads=heads,
                     head_dim=cfg.head_dim, v_head_dim=cfg.head_dim)
 
 
-def pool_pages(config: EngineConfig, layout: KVLayout, device: torch.device) -> int:
+def pool_pages(config: EngineConfig, layouts: list[KVLayout], device: torch.device) -> int:
+    """Pages per pool; every pool (target, draft) has as many, indexed by the same page tables."""
+    layout = layouts[0]
+    page_bytes = sum(lay.bytes_per_page for lay in layouts)
     if config.max_total_tokens is not None:
         tokens = config.max_total_tokens
     elif device.type == "cuda":
         torch.cuda.empty_cache()  # blocks cached by torch's allocator count as used in mem_get_info
         free, total = torch.cuda.mem_get_info(device)
         budget = total * config.mem_fraction_static - (total - free)
-        if budget < layout.bytes_per_page:
+        if budget < page_bytes:
             raise ValueError(f"no memory left for the KV cache: {free / 2**30:.1f} GiB free of "
                              f"{total / 2**30:.1f} GiB with mem_fraction_static={config.mem_fraction_static}")
-        tokens = int(budget // layout.bytes_per_token)
+        tokens = int(budget // page_bytes) * layout.page_size
     else:
         tokens = CPU_DEFAULT_TOKENS
     return max(tokens // layout.page_size, 1)
@@ -52,8 +59,18 @@ class ModelRunner:
         self.model_config, self.model = load_model(config.model_path, self.device, config.torch_dtype, ctx,
                                                    progress=config.load_progress)
         layout = kv_layout(self.model_config, config.page_size, config.torch_dtype, ctx.attn.size)
-        self.pool = KVPool(layout, pool_pages(config, layout, self.device), self.device)
+        self.draft, self.draft_pool, self.last_hidden = None, None, None
+        layouts = [layout]
+        if config.speculative_algorithm == "mtp":
+            self.draft = load_mtp_draft(config.model_path, self.model_config, self.model, self.device,
+                                        config.torch_dtype, ctx)
+            layouts.append(kv_layout(self.model_config, config.page_size, config.torch_dtype, ctx.attn.size, 1))
+        num_pages = pool_pages(config, layouts, self.device)
+        self.pool = KVPool(layout, num_pages, self.device)
         self.backend = create_backend(config.attention_backend, self.pool)
+        if self.draft is not None:
+            self.draft_pool = KVPool(layouts[1], num_pages, self.device)
+            self.draft_backend = create_backend(config.attention_backend, self.draft_pool)
         log.info("KV pool: %d pages x %d tokens = %d tokens, %.2f MB (%s, %d layers, %s)", self.pool.num_pages,
                  layout.page_size, self.pool.num_tokens, self.pool.total_bytes / 1e6, layout.kind,
                  layout.num_layers, config.dtype)
@@ -66,5 +83,10 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [N, vocab] (float32, on the rank's device) for the batch's `logits_indices` rows."""
         batch = batch.to(self.device)
-        hidden = self.model(batch, self.backend)
-        return self.model.compute_logits(hidden[batch.logits_indices])
+        if batch.hidden_rows is not None:  # a draft pass reads the previous pass's hidden states
+            model, hidden = self.draft, self.draft(batch, self.last_hidden[batch.hidden_rows], self.draft_backend)
+        else:
+            model, hidden = self.model, self.model(batch, self.backend)
+        if self.draft is not None:
+            self.last_hidden = hidden
+        return model.compute_logits(hidden[batch.logits_indices])

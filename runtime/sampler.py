@@ -34,7 +34,7 @@ def _penalise(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     return logits
 
 
-def _filter(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+def processed_probs(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p applied row-wise; returns probabilities."""
     temps = torch.tensor([max(r.params.temperature, 1e-6) for r in reqs], device=logits.device)
     logits = logits / temps[:, None]
@@ -61,7 +61,7 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> SampleOutput:
     tokens = logits.argmax(dim=-1)
     if not all(greedy):
         rows = [i for i, g in enumerate(greedy) if not g]
-        probs = _filter(logits[rows], [reqs[i] for i in rows])
+        probs = processed_probs(logits[rows], [reqs[i] for i in rows])
         for j, i in enumerate(rows):
             tokens[i] = torch.multinomial(probs[j], 1, generator=reqs[i].generator)[0]
     token_ids = tokens.tolist()

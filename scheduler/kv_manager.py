@@ -131,6 +131,13 @@ class KVCacheManager:
             self.allocator.release(page)
         self.hashes.pop(rid, None)
 
+    def trim(self, rid: str, num_tokens: int) -> None:
+        """Give back the pages of `rid` past its first `num_tokens` tokens (rejected draft tokens)."""
+        table = self.tables[rid]
+        keep = -(-num_tokens // self.page_size)
+        while len(table) > keep:
+            self.allocator.release(table.pop())
+
     def hold(self, rid: str, key: str) -> list[int]:
         """Move `rid`'s pages to a holder `key` (pages in flight outlive their request); free(key) ends it."""
         if key in self.tables:

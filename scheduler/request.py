@@ -106,6 +106,8 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     extra_meta: dict = field(default_factory=dict)  # e.g. KV transfer figures, merged into the result's meta
+    draft_tokens: list[int] = field(default_factory=list)  # speculative: proposals the next step verifies
+    accepted_per_step: list[int] = field(default_factory=list)  # speculative: drafts accepted by each verify
 
     @property
     def all_ids(self) -> list[int]:

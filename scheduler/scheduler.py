@@ -24,16 +24,28 @@ class SchedulerConfig:
 
 @dataclass
 class Span:
-    """Compute tokens [start, start + length) of `req` in this step."""
+    """Compute tokens [start, start + length) of `req` in this step; with speculation the last
+    `len(draft)` of them are draft tokens to verify, of which `rejected` turn out wrong."""
 
     req: Request
     start: int
     length: int
+    draft: tuple[int, ...] = ()
+    rejected: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.req.all_ids[self.start:self.start + self.length - len(self.draft)] + list(self.draft)
 
     @property
     def completes(self) -> bool:
         """True when the span reaches the request's last token, so a next token is sampled after it."""
-        return self.start + self.length == self.req.num_tokens
+        return self.start + self.length - len(self.draft) == self.req.num_tokens
+
+    @property
+    def computed_end(self) -> int:
+        """Tokens of the request whose KV is right after this step."""
+        return self.start + self.length - self.rejected
 
 
 class Scheduler:
@@ -59,10 +71,11 @@ class Scheduler:
             if req.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, self.config.chunked_prefill_size, budget)
-            if not self._grow(req, n):
+            draft = tuple(req.draft_tokens) if n == 1 and budget > len(req.draft_tokens) else ()
+            if not self._grow(req, n + len(draft)):
                 continue
-            spans.append(Span(req, req.num_computed_tokens, n))
-            budget -= n
+            spans.append(Span(req, req.num_computed_tokens, n + len(draft), draft))
+            budget -= n + len(draft)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
             if req.num_computed_tokens == 0 and req.rid not in self.kv.tables:
@@ -98,6 +111,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req.rid)
+        req.draft_tokens = []  # the recomputed prompt drafts anew
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = Status.WAITING
@@ -107,7 +121,9 @@ class Scheduler:
     def advance(self, spans: list[Span]) -> None:
         """Record that the spans' tokens are computed (their KV is in the pages)."""
         for span in spans:
-            span.req.num_computed_tokens = span.start + span.length
+            span.req.num_computed_tokens = span.computed_end
+            if span.rejected:  # the pages of rejected draft tokens go back at once
+                self.kv.trim(span.req.rid, span.computed_end)
             self.kv.commit(span.req.rid, span.req.all_ids, span.req.num_computed_tokens)
 
     def finish(self, req: Request, reason: str, matched=None, error: str | None = None) -> None:

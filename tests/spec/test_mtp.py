@@ -1,0 +1,157 @@
+"""MTP speculative decoding, colocated: the NextN draft computes what the published layer computes
+(transformers' own decoder layer of that index, loaded from the checkpoint, between the NextN
+projections), and speculation changes no request's output while its pages stay accounted for."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from dserve.runtime.batch import build_draft_batch
+from dserve.scheduler.kv_manager import KVCacheManager
+from tests.reference import relative_error
+
+GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+MTP_ARCHES = ("deepseek_v3", "glm4_moe")
+
+
+def checkpoint_tensors(path: str, prefix: str) -> dict[str, torch.Tensor]:
+    import glob
+
+    out = {}
+    for file in glob.glob(f"{path}/*.safetensors"):
+        with safe_open(file, "pt") as f:
+            out.update({k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)})
+    return out
+
+
+def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@torch.no_grad()
+def reference_draft_logits(path: str, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """transformers' decoder layer `num_hidden_layers` (the MTP layer's own weights, loaded by
+    from_pretrained with one more layer) between the NextN projections, written out in torch."""
+    import transformers
+
+    cfg = transformers.AutoConfig.from_pretrained(path)
+    n = cfg.num_hidden_layers
+    transformers.logging.set_verbosity_error()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, num_hidden_layers=n + 1, dtype=torch.float32,
+                                                           attn_implementation="sdpa").eval()
+    w = checkpoint_tensors(path, f"model.layers.{n}.")
+    embed = w.get("embed_tokens.weight", hf.model.embed_tokens.weight)
+    eps = cfg.rms_norm_eps
+    x = torch.cat([rms(embed[tokens], w["enorm.weight"], eps), rms(hidden, w["hnorm.weight"], eps)], -1)
+    x = x @ w["eh_proj.weight"].T
+    pos = torch.arange(len(tokens))[None]
+    cos_sin = hf.model.rotary_emb(x[None], pos)
+    y = hf.model.layers[n](x[None], position_ids=pos, position_embeddings=cos_sin)
+    y = (y[0] if isinstance(y, tuple) else y)[0]
+    return rms(y, w["shared_head.norm.weight"], eps) @ w["shared_head.head.weight"].T
+
+
+@pytest.mark.parametrize("arch", MTP_ARCHES)
+def test_draft_layer_matches_transformers(arch, tiny_dir, make_engine):
+    path = tiny_dir(arch, mtp=True)
+    engine = make_engine(path, speculative_algorithm="mtp")
+    runner = engine.executor.runner
+    gen = torch.Generator().manual_seed(0)
+    T = 21
+    tokens = torch.randint(0, engine.model_config.vocab_size, (T,), generator=gen)
+    hidden = torch.randn(T, engine.model_config.hidden_size, generator=gen)
+    kv = KVCacheManager(runner.draft_pool.num_pages, runner.draft_pool.layout.page_size)
+    assert kv.allocate_slots("r", T)
+    runner.last_hidden = hidden
+    batch = build_draft_batch([("r", 0, tokens.tolist(), list(range(T)), list(range(T)))], kv)
+    ours = runner.forward(batch)
+    ref = reference_draft_logits(path, tokens, hidden)
+    assert relative_error(ours, ref) < 1e-4
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(512) for _ in range(length)] for length in (5, 20, 37, 70)[:n]]
+
+
+@pytest.mark.parametrize("arch", MTP_ARCHES)
+@pytest.mark.parametrize("steps", [1, 3])
+def test_speculation_changes_no_output(arch, steps, tiny_dir, make_engine):
+    """Greedy drafting requests and a seeded sampling request with logprobs (which does not draft) in
+    one batch; chunked prefill so the draft catches up over prompt chunks too. Random weights: most
+    drafts are rejected, so pages come and go every step (the fixture's invariant checker runs after)."""
+    path = tiny_dir(arch, mtp=True)
+    params = [GREEDY] * 3 + [{"temperature": 0.8, "seed": 7, "max_new_tokens": 24, "ignore_eos": True,
+                              "return_logprob": True}]
+    kwargs = dict(chunked_prefill_size=16, page_size=4)
+    expected = make_engine(path, **kwargs).generate(input_ids=prompts(4), sampling_params=params)
+    engine = make_engine(path, speculative_algorithm="mtp", speculative_num_steps=steps, **kwargs)
+    got = engine.generate(input_ids=prompts(4), sampling_params=params)
+    assert [g.output_ids for g in got] == [e.output_ids for e in expected]
+    for g in got[:3]:
+        assert g.meta["spec_verify_ct"] >= 1 and g.meta["spec_accept_length"] >= 1
+        assert g.meta["spec_verify_ct"] <= len(g.output_ids)
+    assert "spec_verify_ct" not in got[3].meta  # requests with logprobs decode without drafts
+    engine.check_invariants()
+    assert all(not g.kv.tables for g in engine.groups)
+
+
+def test_drafts_that_the_target_agrees_with_are_all_taken(tiny_dir, make_engine):
+    """A draft that proposes exactly the target's greedy continuation: every verify takes all
+    drafts, so k drafts per step yield k + 1 tokens, and the output is still the target's own."""
+    path = tiny_dir("deepseek_v3", mtp=True)
+    ids = prompts(1)[0]
+    expected = make_engine(path).generate(input_ids=[ids], sampling_params=GREEDY)[0].output_ids
+    engine = make_engine(path, speculative_algorithm="mtp", speculative_num_steps=3)
+    oracle = ids + expected + [0] * 8
+
+    def propose(plans, kvs):  # the draft passes replaced by the known answer
+        for spans in plans:
+            for span in spans:
+                req = span.req
+                if not req.finished:
+                    req.draft_tokens = oracle[req.num_tokens:req.num_tokens + 3]
+    engine.speculator.propose = propose
+    got = engine.generate(input_ids=[ids], sampling_params=GREEDY)[0]
+    assert got.output_ids == expected
+    assert got.meta["spec_accept_length"] > 3.5  # 4 tokens per verify, bar the last one's cut at max_new_tokens
+    assert got.meta["spec_verify_ct"] == 6  # 1 + 6 * 4 >= 24 tokens
+
+
+def test_bad_speculative_settings_are_refused(tiny_dir, make_engine):
+    from dserve.runtime.config import EngineConfig
+
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        EngineConfig("x", speculative_algorithm="mtp", speculative_num_steps=2, speculative_num_draft_tokens=5)
+    with pytest.raises(ValueError, match="must be mtp or eagle3"):
+        EngineConfig("x", speculative_algorithm="medusa")
+    with pytest.raises(ValueError, match="no model.layers.3"):
+        make_engine(tiny_dir("deepseek_v3"), speculative_algorithm="mtp")
+
+
+def test_served_with_mtp(tiny_dir, tmp_path, make_engine):
+    """`dserve serve --speculative-algorithm mtp`: the HTTP answer equals the plain engine's, carries
+    the acceptance figures in meta_info, and /metrics counts drafts and accepted tokens per position."""
+    from tests.servers import assert_all_pages_free, get, post, start_instance
+
+    path = tiny_dir("glm4_moe", mtp=True)
+    ids = prompts(2)
+    expected = make_engine(path).generate(input_ids=ids, sampling_params=GREEDY)
+    server = start_instance("serve", path, tmp_path, "--speculative-algorithm", "mtp",
+                            "--speculative-num-steps", "2").wait_ready()
+    try:
+        for prompt, want in zip(ids, expected):
+            status, body = post(server.url + "/generate", {"input_ids": prompt, "sampling_params": GREEDY})
+            assert status == 200, body
+            assert body["output_ids"] == want.output_ids
+            assert body["meta_info"]["spec_verify_ct"] >= 1
+        status, text = get(server.url + "/metrics")
+        assert status == 200
+        assert 'dserve_spec_draft_tokens_total{position="1"}' in text
+        assert 'dserve_spec_verify_steps_total{algorithm="mtp"}' in text
+        assert_all_pages_free(server)
+    finally:
+        server.stop()
