@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dserve.runtime import SamplingParams
-from dserve.runtime.sampler import _filter, _penalise, sample
+from dserve.runtime.sampler import processed_probs, _penalise, sample
 from dserve.scheduler.request import Request
 from tests.conftest import random_prompts
 from tests.reference import hf_greedy, hf_last_logits
@@ -20,18 +20,18 @@ def _req(**params) -> Request:
 
 def test_top_k_top_p_min_p_keep_the_right_tokens():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    keep = lambda **p: (_filter(logits.clone(), [_req(**p)])[0] > 0).tolist()
+    keep = lambda **p: (processed_probs(logits.clone(), [_req(**p)])[0] > 0).tolist()
     assert keep(top_k=2) == [True, True, False, False]
     assert keep(top_p=0.8) == [True, True, False, False]  # 0.5 + 0.3 reaches 0.8
     assert keep(top_p=0.81) == [True, True, True, False]
     assert keep(min_p=0.2) == [True, True, True, False]  # 0.15 >= 0.2 * 0.5, 0.05 is not
-    probs = _filter(logits.clone(), [_req(top_k=2)])[0]
+    probs = processed_probs(logits.clone(), [_req(top_k=2)])[0]
     assert torch.allclose(probs[:2], torch.tensor([0.5, 0.3]) / 0.8)
 
 
 def test_temperature_sharpens():
     logits = torch.log(torch.tensor([[0.6, 0.4]]))
-    cold = _filter(logits.clone(), [_req(temperature=0.5)])[0]
+    cold = processed_probs(logits.clone(), [_req(temperature=0.5)])[0]
     assert torch.allclose(cold, torch.tensor([0.36, 0.16]) / 0.52)
 
 
