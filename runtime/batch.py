@@ -35,8 +35,8 @@ def build_batch(spans: list[Span], kv: KVCacheManager) -> ForwardBatch:
 
 def build_draft_batch(entries: list[tuple[str, int, list[int], list[int], list[int]]],
                       kv: KVCacheManager) -> ForwardBatch:
-    """A draft pass: (rid, start position, tokens, rows of the previous pass's hidden states the
-    tokens read, local rows whose logits are wanted) per sequence; the draft pool shares `kv`'s pages."""
+    """A draft pass: (page table key, start position, tokens, rows of the previous pass's hidden states
+    the tokens read, local rows whose logits are wanted) per sequence; the draft pool shares `kv`'s pages."""
     batch = assemble([(rid, start, tokens, want) for rid, start, tokens, _, want in entries], kv)
     batch.hidden_rows = torch.tensor([r for _, _, _, rows, _ in entries for r in rows], dtype=torch.int64)
     return batch

@@ -162,9 +162,17 @@ class Engine:
                 if req.finished:
                     break
         if self.speculator is not None:
-            self.speculator.propose(plans, [g.kv for g in self.groups])
+            self.speculator.propose(plans, [g.kv for g in self.groups], self._pages_of)
         done += [req for req, _ in verified]
         return done + [r for r in self.requests.values() if r.finished and r not in done]
+
+    def _pages_of(self, req: Request) -> str | None:
+        """The key of a request's page table: its own while it runs, the holder's once its pages
+        wait to be sent (prefill), None once it has none."""
+        if not req.finished:
+            return req.rid
+        key = hold_key(req.rid, "send")
+        return key if key in self.held else None
 
     def _execute(self, batches):
         try:
@@ -245,9 +253,12 @@ class Engine:
         self.trackers.setdefault(req.rid, TextTracker(self.tokenizer, req))
 
     def join_prefilled(self, rid: str, first_token: int, logprob: float | None = None,
-                       top_logprobs: list | None = None) -> None:
-        """Decode: the prompt's KV is in the pages; the prefill's first token joins and decoding starts."""
+                       top_logprobs: list | None = None, draft_tokens: list[int] | None = None) -> None:
+        """Decode: the prompt's KV (and the draft's, with speculation) is in the pages; the prefill's
+        first token joins and decoding starts, verifying the prefill's draft tokens first."""
         req = self.requests[rid]
+        if self.speculator is not None and draft_tokens:
+            req.draft_tokens = [int(t) for t in draft_tokens]
         req.num_computed_tokens = len(req.prompt_ids)
         req.output_ids.append(first_token)
         req.first_token_time = time.perf_counter()

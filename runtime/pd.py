@@ -145,7 +145,8 @@ class PrefillSide:
                                 f"{self.config.bootstrap_timeout_s:.0f}s (bootstrap timeout)")
             return
         req = self.engine.requests[room.rid]
-        src = self.engine.held_pages(room.key)
+        prompt_pages = -(-len(req.prompt_ids) // self.engine.config.page_size)
+        src = self.engine.held_pages(room.key)[:prompt_pages]  # past the prompt: the drafts' own scratch
         if len(src) != len(reg.pages):
             self._end(room, f"the decode registered {len(reg.pages)} pages for a prompt of {len(src)} pages")
             return
@@ -188,6 +189,8 @@ def _arrived(value) -> float:
 
 def _aux(req: Request) -> dict:
     aux = {"token": req.output_ids[0]}
+    if req.draft_tokens:  # speculative: the draft's proposals after the prompt, verified first by the decode
+        aux["draft"] = list(req.draft_tokens)
     if req.params.return_logprob and req.token_logprobs:
         aux["logprob"] = req.token_logprobs[0]
         aux["top"] = [list(x) for x in req.top_logprobs[0]]
@@ -309,7 +312,7 @@ class DecodeSide:
             return
         self._drop(room)
         aux = outcome.aux
-        self.engine.join_prefilled(rid, int(aux["token"]), aux.get("logprob"), aux.get("top"))
+        self.engine.join_prefilled(rid, int(aux["token"]), aux.get("logprob"), aux.get("top"), aux.get("draft"))
 
     def _drop(self, room: DecodeRoom) -> None:
         self.rooms.pop(room.rid, None)

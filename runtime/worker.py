@@ -65,7 +65,8 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, conn, transfe
         if transfer is not None:  # started before "ready", so the front finds every agent registered
             from dserve.transfer.agent import start_agent
 
-            start_agent(transfer, runner.model_config, runner.pool, ctx.dp.rank, ctx.attn.rank, ctx.attn.size)
+            start_agent(transfer, runner.model_config, runner.pool, ctx.dp.rank, ctx.attn.rank, ctx.attn.size,
+                        runner.draft_pool)
         shapes = {name: tuple(p.shape) for name, p in runner.model.named_parameters()}
         conn.send(("ready", RankInfo(rank, ctx.dp.rank, ctx.attn.rank, runner.pool.num_pages,
                                      runner.parameter_bytes, shapes)))

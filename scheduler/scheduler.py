@@ -70,12 +70,11 @@ class Scheduler:
                 break
             if req.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, self.config.chunked_prefill_size, budget)
-            draft = tuple(req.draft_tokens) if n == 1 and budget > len(req.draft_tokens) else ()
-            if not self._grow(req, n + len(draft)):
+            span = self._next_span(req, budget)
+            if not self._grow(req, span.length):
                 continue
-            spans.append(Span(req, req.num_computed_tokens, n + len(draft), draft))
-            budget -= n + len(draft)
+            spans.append(span)
+            budget -= span.length
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
             if req.num_computed_tokens == 0 and req.rid not in self.kv.tables:
@@ -83,17 +82,23 @@ class Scheduler:
                 req.num_computed_tokens = cached
                 if req.num_preemptions == 0:
                     req.num_cached_tokens = cached
-            n = min(req.num_tokens - req.num_computed_tokens, self.config.chunked_prefill_size, budget)
-            if not self.kv.allocate_slots(req.rid, req.num_computed_tokens + n):
+            span = self._next_span(req, budget)  # a decode joining from its prefill may bring drafts
+            if not self.kv.allocate_slots(req.rid, req.num_computed_tokens + span.length):
                 self.kv.free(req.rid)  # hold nothing while waiting
                 req.num_computed_tokens = 0
                 break
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
-            spans.append(Span(req, req.num_computed_tokens, n))
-            budget -= n
+            spans.append(span)
+            budget -= span.length
         return spans
+
+    def _next_span(self, req: Request, budget: int) -> Span:
+        """The request's next chunk of prompt, or its newest token followed by its draft tokens."""
+        n = min(req.num_tokens - req.num_computed_tokens, self.config.chunked_prefill_size, budget)
+        draft = tuple(req.draft_tokens) if n == 1 and budget > len(req.draft_tokens) else ()
+        return Span(req, req.num_computed_tokens, n + len(draft), draft)
 
     def _grow(self, req: Request, n: int) -> bool:
         """Pages for `n` more tokens of a running request, preempting from the back when short.

@@ -81,12 +81,16 @@ class Speculator:
             self.accepted[j] += j < accepted
         req.accepted_per_step.append(accepted)
         steps = req.accepted_per_step
-        req.extra_meta.update(spec_verify_ct=len(steps), spec_accept_length=round(sum(steps) / len(steps) + 1, 4))
+        req.extra_meta.update(spec_verify_ct=len(steps), spec_accept_length=round(sum(steps) / len(steps) + 1, 4),
+                              spec_accepted_per_step=list(steps))
         return tokens
 
-    def propose(self, plans: list[list[Span]], kvs: list[KVCacheManager]) -> None:
+    def propose(self, plans: list[list[Span]], kvs: list[KVCacheManager], pages_of=lambda req: req.rid) -> None:
         """Draft passes after this step's target pass; leaves each drafting request's proposals in
-        `req.draft_tokens`."""
+        `req.draft_tokens`. `pages_of(req)` names the page table of a request, or None for one that
+        ended (a prefill instance's request ends at its first token, its pages held to be sent: it
+        still drafts, and the drafts travel with the first token)."""
+        self.pages_of = pages_of
         entries, owners = self._catch_up(plans)
         for step in range(self.num_steps):
             if not any(entries):
@@ -105,11 +109,11 @@ class Speculator:
         for spans in plans:
             group, reqs, row = [], [], 0
             for span in spans:
-                req, kept = span.req, span.computed_end - span.start
-                if drafts_for(req) and not req.finished:
+                req, kept, table = span.req, span.computed_end - span.start, self.pages_of(span.req)
+                if drafts_for(req) and table is not None:
                     wants = req.num_computed_tokens == req.num_tokens - 1  # decoding: only the newest token is not in KV
                     tokens = req.all_ids[span.start + 1:span.computed_end + 1]
-                    group.append((req.rid, span.start, tokens, list(range(row, row + kept)),
+                    group.append((table, span.start, tokens, list(range(row, row + kept)),
                                   [kept - 1] if wants else []))
                     req.draft_tokens = []
                     if wants:
@@ -125,15 +129,16 @@ class Speculator:
         next_entries, next_owners = [], []
         for group, reqs, kv in zip(entries, owners, kvs):
             last_rows, row = {}, 0
-            for rid, _, tokens, _, _ in group:
+            for table, _, tokens, _, _ in group:
                 row += len(tokens)
-                last_rows[rid] = row - 1
+                last_rows[table] = row - 1
             out, keep = [], []
             for req in reqs:
+                table = self.pages_of(req)
                 position = req.num_computed_tokens + len(req.draft_tokens) - 1
-                if not kv.allocate_slots(req.rid, position + 1):
+                if not kv.allocate_slots(table, position + 1):
                     continue
-                out.append((req.rid, position, [req.draft_tokens[-1]], [last_rows[req.rid]], [0]))
+                out.append((table, position, [req.draft_tokens[-1]], [last_rows[table]], [0]))
                 keep.append(req)
             next_entries.append(out)
             next_owners.append(keep)

@@ -6,7 +6,14 @@ import gc
 import os
 import random
 
-import pytest
+# Two test workers on two cores, and each server a test starts, run torch with one thread: more
+# threads than cores make OpenMP workers spin against each other (steps 10x slower, and timeouts).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 ARCHES = ("deepseek_v3", "deepseek_v2", "glm4_moe")
 

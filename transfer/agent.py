@@ -47,13 +47,18 @@ class AgentConfig:
 
 
 def start_agent(config: AgentConfig, model_config, pool: KVPool, dp_rank: int, attn_rank: int,
-                attn_tp: int) -> "TransferAgent":
-    """The rank's agent over its target pool (a draft pool becomes a second list entry)."""
-    held = held_heads(attn_rank, attn_tp, model_config.num_key_value_heads) if pool.layout.kind == "mha" else []
-    total = model_config.num_key_value_heads if pool.layout.kind == "mha" else 0
-    desc = PoolDescriptor.from_layout("target", pool.layout, total, held, message_pages(pool.layout, config.message_mib))
-    return TransferAgent(config.front_address, dp_rank, attn_rank, attn_tp, [(desc, pool)], config.host,
-                         config.fail_rate)
+                attn_tp: int, draft_pool: KVPool | None = None) -> "TransferAgent":
+    """The rank's agent over its target pool and, with speculation, the draft's (same page ids)."""
+    pools = []
+    for name, p in (("target", pool), ("draft", draft_pool)):
+        if p is None:
+            continue
+        mha = p.layout.kind == "mha"
+        held = held_heads(attn_rank, attn_tp, model_config.num_key_value_heads) if mha else []
+        desc = PoolDescriptor.from_layout(name, p.layout, model_config.num_key_value_heads if mha else 0, held,
+                                          message_pages(p.layout, config.message_mib))
+        pools.append((desc, p))
+    return TransferAgent(config.front_address, dp_rank, attn_rank, attn_tp, pools, config.host, config.fail_rate)
 
 
 def message_pages(layout, message_mib: int) -> int:
@@ -215,7 +220,7 @@ class TransferAgent:
     async def _push(self, cmd: dict) -> None:
         room, me = cmd["room"], self.attn_rank
         deadline = time.monotonic() + cmd["timeout_s"]
-        decode_ranks = sorted({r[1] for r in cmd["routes"][0] if r[0] == me})
+        decode_ranks = sorted({r[1] for pool_routes in cmd["routes"] for r in pool_routes if r[0] == me})
         if self.pools[0][1].device.type == "cuda":
             torch.cuda.synchronize(self.pools[0][1].device)  # the forward that wrote the pages is done
         results = await asyncio.gather(*(self._push_to(cmd, d, deadline) for d in decode_ranks))

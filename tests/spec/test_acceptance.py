@@ -5,14 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.train_mtp import measure, train
-
-
-@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe"])
-def trained(request, tmp_path_factory):
-    out = str(tmp_path_factory.mktemp(f"mtp_trained_{request.param}"))
-    info = train(request.param, out, steps=150, log=lambda *_: None)
-    return out, info
+from bench.train_mtp import measure
 
 
 def test_trained_draft_is_accepted(trained):

@@ -108,7 +108,7 @@ def test_drafts_that_the_target_agrees_with_are_all_taken(tiny_dir, make_engine)
     engine = make_engine(path, speculative_algorithm="mtp", speculative_num_steps=3)
     oracle = ids + expected + [0] * 8
 
-    def propose(plans, kvs):  # the draft passes replaced by the known answer
+    def propose(plans, kvs, pages_of):  # the draft passes replaced by the known answer
         for spans in plans:
             for span in spans:
                 req = span.req

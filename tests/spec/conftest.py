@@ -1,0 +1,25 @@
+"""A tiny target and MTP draft trained on a phrase corpus (bench/train_mtp.py), once per session
+and worker, for tests whose drafts must be accepted often."""
+from __future__ import annotations
+
+import pytest
+
+from bench.train_mtp import train
+
+
+@pytest.fixture(scope="session")
+def trained_dir(tmp_path_factory):
+    made = {}
+
+    def get(arch: str):
+        if arch not in made:
+            out = str(tmp_path_factory.mktemp(f"mtp_trained_{arch}"))
+            made[arch] = (out, train(arch, out, steps=120, log=lambda *_: None))
+        return made[arch]
+
+    return get
+
+
+@pytest.fixture(params=["deepseek_v3", "glm4_moe"])
+def trained(request, trained_dir):
+    return trained_dir(request.param)

@@ -1,0 +1,51 @@
+"""Speculative decoding across a prefill/decode pair: the prefill runs the draft over the prompt and
+sends the draft's KV (its own pool, remapped by the same rules as the target's) and its proposals
+with the first token; the decode verifies them in its first step. Output equals the plain colocated
+engine's; with equal TP on both sides even the acceptance counts equal the colocated speculative
+engine's, so the draft KV and proposals arrived intact."""
+from __future__ import annotations
+
+import pytest
+
+from tests.servers import assert_all_pages_free, post, start_cluster
+
+pytest.importorskip("ucxx")
+
+GREEDY = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}
+SPEC = ["--speculative-algorithm", "mtp", "--speculative-num-steps", "2"]
+
+
+@pytest.mark.parametrize("arch,prefill_tp,decode_tp", [("deepseek_v3", 1, 1), ("deepseek_v3", 2, 1),
+                                                       ("glm4_moe", 1, 2)])
+def test_pair_with_mtp_matches_colocated(arch, prefill_tp, decode_tp, trained_dir, tmp_path, make_engine):
+    path, info = trained_dir(arch)
+    prompts = info["prompts"][:3]
+    plain = make_engine(path).generate(input_ids=prompts, sampling_params=GREEDY)
+    colocated = make_engine(path, speculative_algorithm="mtp", speculative_num_steps=2)
+    spec = [colocated.generate(input_ids=ids, sampling_params=GREEDY) for ids in prompts]  # one at a time, as posted
+    cluster = start_cluster(path, tmp_path, SPEC + ["--tp", str(prefill_tp)], SPEC + ["--tp", str(decode_tp)])
+    try:
+        answers = [post(cluster.url + "/generate", {"input_ids": ids, "sampling_params": GREEDY}) for ids in prompts]
+        for (status, body), want, colocated in zip(answers, plain, spec):
+            assert status == 200, body
+            assert body["output_ids"] == want.output_ids
+            meta = body["meta_info"]
+            assert meta["spec_accept_length"] > 1.5, meta
+            if prefill_tp == decode_tp:
+                assert meta["spec_accepted_per_step"] == colocated.meta["spec_accepted_per_step"]
+        assert_all_pages_free(cluster.prefill, cluster.decode)
+    finally:
+        cluster.stop()
+
+
+def test_pair_with_and_without_draft_is_refused(tiny_dir, tmp_path):
+    """A speculative prefill and a plain decode have different pool lists: refused at first contact
+    with the difference named (400, as any incompatible pair), and nothing held after."""
+    path = tiny_dir("deepseek_v3", mtp=True)
+    cluster = start_cluster(path, tmp_path, SPEC, [])
+    try:
+        status, body = post(cluster.url + "/generate", {"input_ids": [1, 2, 3], "sampling_params": GREEDY})
+        assert status == 400 and "KV pools differs" in body["error"]["message"], body
+        assert_all_pages_free(cluster.prefill, cluster.decode)
+    finally:
+        cluster.stop()
