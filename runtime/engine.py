@@ -253,10 +253,14 @@ class Engine:
         self.trackers.setdefault(req.rid, TextTracker(self.tokenizer, req))
 
     def join_prefilled(self, rid: str, first_token: int, logprob: float | None = None,
-                       top_logprobs: list | None = None, draft_tokens: list[int] | None = None) -> None:
+                       top_logprobs: list | None = None, draft_tokens: list[int] | None = None,
+                       rng_state: bytes | None = None) -> None:
         """Decode: the prompt's KV (and the draft's, with speculation) is in the pages; the prefill's
-        first token joins and decoding starts, verifying the prefill's draft tokens first."""
+        first token joins and decoding starts, verifying the prefill's draft tokens first. A seeded
+        request's generator continues from the prefill's state, so its draws are the colocated ones."""
         req = self.requests[rid]
+        if rng_state is not None and req.generator is not None:
+            req.generator.set_state(torch.frombuffer(bytearray(rng_state), dtype=torch.uint8))
         if self.speculator is not None and draft_tokens:
             req.draft_tokens = [int(t) for t in draft_tokens]
         req.num_computed_tokens = len(req.prompt_ids)

@@ -191,6 +191,8 @@ def _aux(req: Request) -> dict:
     aux = {"token": req.output_ids[0]}
     if req.draft_tokens:  # speculative: the draft's proposals after the prompt, verified first by the decode
         aux["draft"] = list(req.draft_tokens)
+    if req.generator is not None:  # seeded: the decode draws on from where the first token's draw left off
+        aux["rng"] = req.generator.get_state().numpy().tobytes()
     if req.params.return_logprob and req.token_logprobs:
         aux["logprob"] = req.token_logprobs[0]
         aux["top"] = [list(x) for x in req.top_logprobs[0]]
@@ -312,7 +314,8 @@ class DecodeSide:
             return
         self._drop(room)
         aux = outcome.aux
-        self.engine.join_prefilled(rid, int(aux["token"]), aux.get("logprob"), aux.get("top"), aux.get("draft"))
+        self.engine.join_prefilled(rid, int(aux["token"]), aux.get("logprob"), aux.get("top"), aux.get("draft"),
+                                   aux.get("rng"))
 
     def _drop(self, room: DecodeRoom) -> None:
         self.rooms.pop(room.rid, None)

@@ -49,6 +49,16 @@ def test_generate_stream_matches(cluster, prompts, make_engine):
     assert len(events) > 2  # tokens arrived incrementally, not in one piece
 
 
+def test_seeded_sampling_matches_colocated(cluster, prompts, make_engine):
+    """The decode continues the seeded generator from the prefill's state (sent with the first
+    token): the pair draws exactly the colocated engine's tokens."""
+    params = {"temperature": 0.9, "top_k": 40, "seed": 1234, "max_new_tokens": 12, "ignore_eos": True}
+    status, body = post(cluster.url + "/generate", {"input_ids": prompts[1], "sampling_params": params})
+    assert status == 200, body
+    assert body["output_ids"] == make_engine(cluster.model).generate(input_ids=prompts[1],
+                                                                     sampling_params=params).output_ids
+
+
 def test_openai_client_against_router(cluster, make_engine):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused")
