@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import logging
+import re
 import sys
 import typing
 
@@ -23,19 +25,38 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     _add_dataclass_flags(group, EngineConfig, {"model_path"}, SHORT_FLAGS)
 
 
+def field_comments(cls) -> dict[str, str]:
+    """A config dataclass's fields documented where they are declared: the comment after each field
+    (and comment lines right below it) becomes the flag's help, so the two never drift apart."""
+    comments, current = {}, None
+    for line in inspect.getsource(cls).splitlines():
+        declared = re.match(r"    (\w+)\s*:[^#]*#\s?(.*)$", line)
+        if declared:
+            current = declared.group(1)
+            comments[current] = declared.group(2).strip()
+        elif current and re.match(r"\s+#", line):
+            comments[current] += " " + line.strip().lstrip("#").strip()
+        else:
+            current = None
+    return comments
+
+
 def _add_dataclass_flags(group, cls, skip=(), short=None) -> None:
     hints = typing.get_type_hints(cls)
+    comments = field_comments(cls)
     for field in dataclasses.fields(cls):
         if field.name in skip:
             continue
         flags = ["--" + field.name.replace("_", "-")] + (short or {}).get(field.name, [])
         hint = hints[field.name]
+        text = comments.get(field.name, "").replace("%", "%%")
         if hint is bool:
-            group.add_argument(*flags, dest=field.name, action=argparse.BooleanOptionalAction, default=field.default)
+            group.add_argument(*flags, dest=field.name, action=argparse.BooleanOptionalAction, default=field.default,
+                               help=f"{text} (default: {'on' if field.default else 'off'})".strip())
         else:
             base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
-            group.add_argument(*flags, dest=field.name, type=base, default=field.default,
-                               help=f"(default: {field.default})")
+            default = "" if field.default is None else f" (default: {field.default})"
+            group.add_argument(*flags, dest=field.name, type=base, default=field.default, help=(text + default).strip())
 
 
 def add_server_flags(parser: argparse.ArgumentParser, role: str) -> None:
@@ -112,7 +133,7 @@ def _add_router(sub) -> None:
     router.add_argument("--decode", action="append", required=True, metavar="URL[,URL...]",
                         help="decode instance URL(s) (repeatable)")
     router.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
-    router.add_argument("--port", type=int, default=30000, help="(default: 30000)")
+    router.add_argument("--port", type=int, default=30000, help="HTTP port of the router (default: 30000)")
     router.add_argument("--policy", choices=POLICIES, default="round_robin",
                         help="how to pick instances (default: round_robin)")
     router.add_argument("--health-interval-s", type=float, default=2.0,
@@ -123,26 +144,28 @@ def _add_router(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dserve", description="Disaggregated LLM inference for DeepSeek-V3/R1 and GLM-4.5 class MoE models.")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                        help="logging threshold (default: info)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     tiny = sub.add_parser("make-tiny", help="write a tiny random checkpoint (for tests and demos)",
                           description="Write a tiny random checkpoint through transformers' save_pretrained.")
-    tiny.add_argument("--arch", required=True, choices=["deepseek_v3", "deepseek_v2", "glm4_moe"])
+    tiny.add_argument("--arch", required=True, choices=["deepseek_v3", "deepseek_v2", "glm4_moe"],
+                      help="architecture of the checkpoint to write")
     tiny.add_argument("--out", required=True, help="output directory")
     tiny.add_argument("--mtp", action="store_true", help="append one MTP (NextN) layer in the public key layout")
-    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
     tiny.set_defaults(func=_cmd_make_tiny)
 
     gen = sub.add_parser("generate", help="generate offline for prompts given on the command line",
                          description="Run the engine in this process on the given prompts; one JSON line each.")
     gen.add_argument("prompt", nargs="+", help="prompt text (several allowed)")
-    gen.add_argument("--max-new-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate at most (default: 32)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: 0)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0)")
+    gen.add_argument("--top-k", type=int, default=-1, help="sample among the k likeliest tokens; -1: all (default: -1)")
+    gen.add_argument("--seed", type=int, default=None, help="seed of the request's sampling")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token")
     add_engine_flags(gen)
     gen.set_defaults(func=_cmd_generate)
 

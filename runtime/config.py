@@ -19,11 +19,11 @@ class EngineConfig:
     mem_fraction_static: float = 0.85  # GPU: fraction of device memory for weights + KV pool
     chunked_prefill_size: int = 2048  # most prompt tokens one request computes in one step
     max_num_batched_tokens: int = 8192  # token budget of one step
-    max_running_requests: int = 256
-    enable_prefix_caching: bool = True
-    attention_backend: str = "torch"
+    max_running_requests: int = 256  # requests decoding at once per DP group; more wait in the queue
+    enable_prefix_caching: bool = True  # reuse the KV pages of a prompt prefix seen before
+    attention_backend: str = "torch"  # torch (reference, any device); flashinfer with the GPU path
     random_seed: int = 0  # seeds unseeded sampling
-    load_progress: bool = True
+    load_progress: bool = True  # a progress bar while the checkpoint loads
     tp_size: int = 1  # ranks of the instance; attention groups of tp_size // dp_size ranks
     dp_size: int = 1  # DP attention: groups with their own requests and KV pages
     ep_size: int = 1  # MoE experts split over ep_size slots of all ranks

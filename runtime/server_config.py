@@ -9,7 +9,7 @@ from dataclasses import dataclass
 class ServerConfig:
     role: str = "colocated"  # colocated | prefill | decode
     host: str = "127.0.0.1"  # bind address of the HTTP API (and of the bootstrap server and UCX listeners)
-    port: int = 30000
+    port: int = 30000  # HTTP port of the instance
     bootstrap_port: int = 8998  # prefill: where decode instances register rooms
     served_model_name: str | None = None  # the model name in /v1/models (default: the checkpoint's directory)
     bootstrap_timeout_s: float = 30.0  # prefill: wait for the decode's pages of a computed prompt
