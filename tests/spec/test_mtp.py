@@ -135,7 +135,7 @@ def test_bad_speculative_settings_are_refused(tiny_dir, make_engine):
 def test_served_with_mtp(tiny_dir, tmp_path, make_engine):
     """`dserve serve --speculative-algorithm mtp`: the HTTP answer equals the plain engine's, carries
     the acceptance figures in meta_info, and /metrics counts drafts and accepted tokens per position."""
-    from tests.servers import assert_all_pages_free, get, post, start_instance
+    from tests.servers import assert_all_pages_free, get, post, start_instance, stream
 
     path = tiny_dir("glm4_moe", mtp=True)
     ids = prompts(2)
@@ -148,6 +148,8 @@ def test_served_with_mtp(tiny_dir, tmp_path, make_engine):
             assert status == 200, body
             assert body["output_ids"] == want.output_ids
             assert body["meta_info"]["spec_verify_ct"] >= 1
+        events = stream(server.url + "/generate", {"input_ids": ids[0], "sampling_params": GREEDY})
+        assert [t for e in events for t in e["output_ids"]] == expected[0].output_ids  # several tokens a step
         status, text = get(server.url + "/metrics")
         assert status == 200
         assert 'dserve_spec_draft_tokens_total{position="1"}' in text
