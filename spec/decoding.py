@@ -53,7 +53,10 @@ def accept_sampled(draft: tuple[int, ...], logits: torch.Tensor, req: Request) -
             out.append(token)
             continue
         residual = probs[j].clone()
-        residual[token] = 0.0  # p(token) < 1 here, so something is left
+        residual[token] = 0.0
+        if residual.sum() <= 0:  # p(token) rounded below 1 with nothing else left: it is the only choice
+            out.append(token)
+            continue
         return out + [int(torch.multinomial(residual / residual.sum(), 1, generator=req.generator))]
     return out + [int(torch.multinomial(probs[len(draft)], 1, generator=req.generator))]
 
