@@ -7,7 +7,7 @@ copy bandwidth measured in the same run (GPU: cuda:0 -> cuda:1 `copy_`; CPU: a h
 
 The layout defaults to DeepSeek-V3's MLA cache (61 layers, 576-wide latent, bf16). Each size is one
 room of consecutive pages: one UCX message, since pools are page-major. Size 0 is a one-page room,
-i.e. the fixed cost of a room. Prints a table and writes JSON.
+i.e. the fixed cost of a room. Prints a table, writes JSON and (with matplotlib) a PNG of GB/s by size.
 """
 from __future__ import annotations
 
@@ -141,6 +141,33 @@ def run(args) -> dict:
                                                                        "dtype": args.dtype}, "rows": rows}
 
 
+def plot(result: dict, path: str) -> bool:
+    """GB/s by room size, a line per page size, under the plain copy's bandwidth; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for page_size in sorted({r["page_size"] for r in result["rows"]}):
+        rows = [r for r in result["rows"] if r["page_size"] == page_size]
+        ax.plot([r["size_mib"] for r in rows], [r["gb_per_s"] for r in rows], "o-", label=f"page {page_size} (best)")
+        ax.plot([r["size_mib"] for r in rows], [r["median_gb_per_s"] for r in rows], "x:", label=f"page {page_size} (median)")
+    ax.axhline(result["copy_gb_per_s"], color="gray", linestyle="--", label="plain copy")
+    ax.axhline(0.8 * result["copy_gb_per_s"], color="gray", linestyle=":", label="80% of copy")
+    ax.set_xscale("log")
+    ax.set_xlabel("room size (MiB)")
+    ax.set_ylabel("GB/s")
+    ax.set_title(f"KV transfer, {result['gpu'] or result['device']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.device_count() >= 2 else "cpu")
@@ -167,6 +194,8 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
+    png = os.path.splitext(args.out)[0] + ".png"
+    print(f"wrote {args.out}" + (f" and {png}" if plot(result, png) else " (no plot: matplotlib missing)"))
 
 
 if __name__ == "__main__":
