@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import multiprocessing as mp
 import os
 import statistics
@@ -30,8 +31,6 @@ from dserve.transfer.manager import TransferManager
 def rank_process(front_address: str, device: str, layout: KVLayout, num_pages: int, env: dict,
                  message_mib: int) -> None:
     os.environ.update(env)
-    import logging
-
     logging.basicConfig(level=int(os.environ.get("BENCH_LOG", "30")), format=f"[{device} agent] %(message)s")
     from dserve.transfer.agent import TransferAgent, message_pages
 
@@ -86,6 +85,7 @@ def one_room(sender: TransferManager, receiver: TransferManager, peers, room: in
             if not o.ok:
                 raise RuntimeError(f"room {room} failed: {o.error}")
     elapsed = time.perf_counter() - t
+    logging.getLogger("bench").debug("room %d: started %.6f, both reported +%.3f ms", room, t, elapsed * 1e3)
     bad = [o.error for o in outcomes.values() if not o.ok]
     if bad:
         raise RuntimeError(f"room {room} failed: {bad}")
@@ -187,6 +187,7 @@ def main() -> None:
                         help="cap on one UCX message (the receiver's AgentConfig.message_mib; 0: a whole page run)")
     parser.add_argument("--out", default="bench/results/kv_transfer.json")
     args = parser.parse_args()
+    logging.basicConfig(level=int(os.environ.get("BENCH_LOG", "30")), format="[bench] %(message)s")
     print(f"{'page_size':>9} {'MiB':>10} {'pages':>7} {'best ms':>10} {'GB/s':>8} {'of copy':>8} {'median GB/s':>11}")
     result = run(args)
     print(f"plain copy ({'cuda:0 -> cuda:1' if args.device == 'cuda' else 'host memcpy'}): "

@@ -124,6 +124,7 @@ class TransferAgent:
         tasks = set()
         while True:
             cmd = msgpack.unpackb(await self.sock.recv())
+            cmd["arrived"] = time.perf_counter()  # monotonic, comparable across processes: timelines in debug logs
             if cmd["kind"] == "stop":
                 break
             task = asyncio.ensure_future(self._dispatch(cmd))
@@ -223,8 +224,11 @@ class TransferAgent:
         decode_ranks = sorted({r[1] for pool_routes in cmd["routes"] for r in pool_routes if r[0] == me})
         if self.pools[0][1].device.type == "cuda":
             torch.cuda.synchronize(self.pools[0][1].device)  # the forward that wrote the pages is done
+        synced = time.perf_counter()
         results = await asyncio.gather(*(self._push_to(cmd, d, deadline) for d in decode_ranks))
         errors = [e for _, e in results if e]
+        log.debug("room %d push timeline: command %.6f, synced +%.3f ms, sent +%.3f ms", room, cmd["arrived"],
+                  (synced - cmd["arrived"]) * 1e3, (time.perf_counter() - cmd["arrived"]) * 1e3)
         await self._emit({"kind": "pushed", "room": room, "ok": not errors, "error": "; ".join(errors) or None,
                           "bytes": sum(n for n, _ in results)})
 
@@ -295,6 +299,7 @@ class TransferAgent:
                 await self._cancel(room)
 
         tasks = [asyncio.ensure_future(ctrl(p, tag, buf) if p is not None else one(tag, buf)) for p, tag, buf in recvs]
+        posted = time.perf_counter()
         error, aux, received = None, None, 0
         try:
             error = await self._settle(room, state, tasks, cmd["timeout_s"])
@@ -312,6 +317,8 @@ class TransferAgent:
         finally:
             settled = await self._settle_after_error(room, tasks)
             self.rooms.pop(room, None)
+        log.debug("room %d expect timeline: command %.6f, posted +%.3f ms, arrived +%.3f ms", room, cmd["arrived"],
+                  (posted - cmd["arrived"]) * 1e3, (time.perf_counter() - cmd["arrived"]) * 1e3)
         await self._emit({"kind": "received", "room": room, "ok": error is None, "error": error, "aux": aux,
                           "bytes": received, "settled": settled})
 
