@@ -24,7 +24,7 @@ import zmq
 
 from dserve.runtime.config import _DTYPES
 from dserve.scheduler.kv_pool import KVLayout, KVPool
-from dserve.transfer.descriptor import InstanceDescriptor, PoolDescriptor
+from dserve.transfer.descriptor import PoolDescriptor
 from dserve.transfer.manager import TransferManager
 
 

@@ -2,8 +2,8 @@
 
 Two layouts, described by a `KVLayout` so transfer and sizing read one description:
 MLA stores one latent vector per token (`kv_lora_rank + qk_rope_head_dim`, replicated over
-attention-TP ranks); MHA/GQA stores K and V per KV head this rank holds. A page of one layer is
-page-major in memory: one page holds its slots of every layer and buffer, back to back, so a run of
+attention-TP ranks); MHA/GQA stores K and V per KV head this rank holds. A pool is page-major in
+memory: one page holds its slots of every layer and buffer, back to back, so a run of
 consecutive pages is one contiguous block and moves as one copy (one UCX message) for all layers.
 Each layer's buffers are views of that block, [num_pages, page_size, *token_shape] with a page stride
 of the whole page.

@@ -3,8 +3,6 @@ phrase corpus (bench/train_mtp.py, ~10 s on the CPU) accept well over one draft 
 with the output equal to the plain engine's, also split over ranks (TP=2, DP attention 2)."""
 from __future__ import annotations
 
-import pytest
-
 from bench.train_mtp import measure
 
 
