@@ -56,7 +56,8 @@ class NextN(nn.Module):
         return self.head(self.norm(y[0] if isinstance(y, tuple) else y))
 
 
-def corpus(num_phrases: int, length: int, seed: int):
+def corpus(num_phrases: int, seed: int):
+    """A sampler of token sequences made of `num_phrases` fixed phrases strung together at random."""
     rng = random.Random(seed)
     phrases = [[rng.randrange(10, VOCAB) for _ in range(rng.randrange(4, 9))] for _ in range(num_phrases)]
 
@@ -79,7 +80,7 @@ def train(arch: str, out: str, steps: int, seed: int = 0, log=print) -> dict:
     nextn = NextN(donor, cfg)
     params = list(target.parameters()) + list(nextn.parameters())
     opt = torch.optim.AdamW(params, lr=3e-3)
-    sample = corpus(24, 64, seed)
+    sample = corpus(24, seed)
     ce = nn.CrossEntropyLoss()
     losses = []
     for step in range(steps):

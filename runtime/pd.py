@@ -296,26 +296,23 @@ class DecodeSide:
         room = self.rooms.get(rid) if rid else None
         if room is None:
             return
-        if room.state == "quarantined":
-            self.engine.release(room.key)
-            self._drop(room)
-            return
-        self.metrics.transfer(outcome.ok, outcome.bytes, outcome.seconds)
-        req = self.engine.requests[rid]
-        req.extra_meta["kv_transfer"] = {"bytes": outcome.bytes, "seconds": round(outcome.seconds, 6)}
-        if not outcome.ok or not outcome.aux:
+        if room.state != "quarantined":
+            self.metrics.transfer(outcome.ok, outcome.bytes, outcome.seconds)
+            req = self.engine.requests[rid]
+            req.extra_meta["kv_transfer"] = {"bytes": outcome.bytes, "seconds": round(outcome.seconds, 6)}
+            if outcome.ok and outcome.aux:
+                self._drop(room)
+                aux = outcome.aux
+                self.engine.join_prefilled(rid, int(aux["token"]), aux.get("logprob"), aux.get("top"),
+                                           aux.get("draft"), aux.get("rng"))
+                return
             req.finish("abort", error=f"KV transfer failed: {outcome.error or 'no first token from the prefill'}")
-            if outcome.settled:
-                self.engine.groups[room.group].kv.free(rid)
-            else:  # a late message could still write into them: they never go back into use
-                log.error("room %d: receives never settled; its pages stay out of use", room.room)
-                self.engine.hold(rid, "recv")
-            self._drop(room)
-            return
+            room.key = self.engine.hold(rid, "recv")
+        if outcome.settled:  # quarantined or failed: the pages go back only once no receive can land
+            self.engine.release(room.key)
+        else:
+            log.error("room %d: receives never settled; its pages stay out of use", room.room)
         self._drop(room)
-        aux = outcome.aux
-        self.engine.join_prefilled(rid, int(aux["token"]), aux.get("logprob"), aux.get("top"), aux.get("draft"),
-                                   aux.get("rng"))
 
     def _drop(self, room: DecodeRoom) -> None:
         self.rooms.pop(room.rid, None)

@@ -93,8 +93,7 @@ class Speculator:
         `req.draft_tokens`. `pages_of(req)` names the page table of a request, or None for one that
         ended (a prefill instance's request ends at its first token, its pages held to be sent: it
         still drafts, and the drafts travel with the first token)."""
-        self.pages_of = pages_of
-        entries, owners = self._catch_up(plans)
+        entries, owners = self._catch_up(plans, pages_of)
         for step in range(self.num_steps):
             if not any(entries):
                 return
@@ -104,15 +103,15 @@ class Speculator:
                 for req, token in zip(reqs, logits.argmax(dim=-1).tolist()):
                     req.draft_tokens.append(token)
             if step + 1 < self.num_steps:
-                entries, owners = self._next_step(entries, owners, kvs)
+                entries, owners = self._next_step(entries, owners, kvs, pages_of)
 
-    def _catch_up(self, plans: list[list[Span]]):
+    def _catch_up(self, plans: list[list[Span]], pages_of):
         """The draft over every kept position of every drafting request's span in this step."""
         entries, owners = [], []
         for spans in plans:
             group, reqs, row = [], [], 0
             for span in spans:
-                req, kept, table = span.req, span.computed_end - span.start, self.pages_of(span.req)
+                req, kept, table = span.req, span.computed_end - span.start, pages_of(span.req)
                 if drafts_for(req) and table is not None:
                     wants = req.num_computed_tokens == req.num_tokens - 1  # decoding: only the newest token is not in KV
                     tokens = req.all_ids[span.start + 1:span.computed_end + 1]
@@ -126,7 +125,7 @@ class Speculator:
             owners.append(reqs)
         return entries, owners
 
-    def _next_step(self, entries, owners, kvs):
+    def _next_step(self, entries, owners, kvs, pages_of):
         """One more draft token per request: d_j at the next position, reading the draft's own
         hidden state after d_{j-1}. A request the pool cannot grow for stops drafting."""
         next_entries, next_owners = [], []
@@ -137,7 +136,7 @@ class Speculator:
                 last_rows[table] = row - 1
             out, keep = [], []
             for req in reqs:
-                table = self.pages_of(req)
+                table = pages_of(req)
                 position = req.num_computed_tokens + len(req.draft_tokens) - 1
                 if not kv.allocate_slots(table, position + 1):
                     continue

@@ -302,7 +302,7 @@ class TransferAgent:
         posted = time.perf_counter()
         error, aux, received = None, None, 0
         try:
-            error = await self._settle(room, state, tasks, cmd["timeout_s"])
+            error = await self._wait_receives(room, state, tasks, cmd["timeout_s"])
             error = state["sender_error"] or error
             aux = state["aux"]
             if error is None:
@@ -314,33 +314,35 @@ class TransferAgent:
         except Exception as e:  # noqa: BLE001 - the room fails; its receives are settled below first
             log.exception("room %d: receiving failed", room)
             error = f"{type(e).__name__}: {e}"
-        finally:
-            settled = await self._settle_after_error(room, tasks)
+        finally:  # every way out: no receive may still be posted when the room is reported
+            settled = await self._complete_receives(room, tasks)
             self.rooms.pop(room, None)
         log.debug("room %d expect timeline: command %.6f, posted +%.3f ms, arrived +%.3f ms", room, cmd["arrived"],
                   (posted - cmd["arrived"]) * 1e3, (time.perf_counter() - cmd["arrived"]) * 1e3)
         await self._emit({"kind": "received", "room": room, "ok": error is None, "error": error, "aux": aux,
                           "bytes": received, "settled": settled})
 
-    async def _settle(self, room: int, state: dict, tasks: list, timeout_s: float) -> str | None:
-        """Wait for every receive of the room; on timeout cancel the rest. The first error, if any."""
+    async def _wait_receives(self, room: int, state: dict, tasks: list, timeout_s: float) -> str | None:
+        """Wait for every receive of the room (those left after a timeout are cancelled by
+        `_complete_receives`). The first error, if any."""
         done, pending = await asyncio.wait(tasks, timeout=timeout_s)
         error = next((f"receive failed: {t.exception()}" for t in done if t.exception() is not None), None)
         if pending:
             error = error or f"KV of room {room} did not arrive within {timeout_s:.0f}s"
-            await self._cancel(room)
-            await asyncio.wait(pending, timeout=10)
         if state["cancelled"] and error is None:
             error = "the request was cancelled"
         return error
 
-    async def _settle_after_error(self, room: int, tasks: list) -> bool:
-        """True once no receive of the room can still write into its pages."""
+    async def _complete_receives(self, room: int, tasks: list) -> bool:
+        """Cancel the room's receives still posted and wait for them; True once none of them can
+        still write into its pages."""
         if all(t.done() for t in tasks):
             return True
         try:
             await self._cancel(room)
-            await asyncio.wait([t for t in tasks if not t.done()], timeout=10)
+            left = [t for t in tasks if not t.done()]  # the cancel may already have completed them all
+            if left:
+                await asyncio.wait(left, timeout=10)
         except Exception:  # noqa: BLE001 - reported as unsettled: the decode keeps the pages out of use
             log.exception("room %d: cancelling its receives failed", room)
         return all(t.done() for t in tasks)

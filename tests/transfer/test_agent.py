@@ -42,7 +42,7 @@ def rank_process(front: str, kind: str, rank: int, tp: int, prefill: bool, dump:
     if break_settle:  # the room fails after its receives were posted, before any arrived
         async def broken(self, room, state, tasks, timeout_s):
             raise RuntimeError("broken on purpose after posting")
-        TransferAgent._settle = broken
+        TransferAgent._wait_receives = broken
     lay = layout(kind, tp)
     pool = KVPool(lay, PAGES, "cpu")
     heads = held_heads(rank, tp, HEADS) if kind == "mha" else []
