@@ -70,12 +70,21 @@ class CausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         """Hidden states after the final norm for every new token of the batch, [T, hidden]."""
+        return self.forward_with_aux(batch, backend, ())[0]
+
+    def forward_with_aux(self, batch: ForwardBatch, backend: AttentionBackend,
+                         aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The final hidden states, and the outputs of layers `aux_layers` (-1: the embedding)
+        side by side, [T, len(aux_layers) * hidden] (None when none are asked for)."""
         backend.plan(batch)
         hidden = self.embed_tokens(batch.input_ids)
+        aux = [hidden] if -1 in aux_layers else []
         cos_sin = self.rotary.cos_sin(batch.positions, hidden.dtype)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             hidden = layer(hidden, cos_sin, backend, batch.dp_num_tokens)
-        return self.norm(hidden)
+            if i in aux_layers:
+                aux.append(hidden)
+        return self.norm(hidden), torch.cat(aux, dim=-1) if aux else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.lm_head if self.lm_head is not None else self.embed_tokens

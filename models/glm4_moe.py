@@ -13,11 +13,11 @@ from dserve.models.parallel import ParallelContext
 
 
 class GQAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, ctx: ParallelContext):
+    def __init__(self, cfg: ModelConfig, layer_id: int, ctx: ParallelContext, input_size: int | None = None):
         super().__init__()
         self.cfg, self.layer_id = cfg, layer_id
         parts = qkv_parts(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, ctx.attn)
-        self.qkv_proj = MergedColumnLinear(cfg.hidden_size, parts, bias=cfg.attention_bias)
+        self.qkv_proj = MergedColumnLinear(input_size or cfg.hidden_size, parts, bias=cfg.attention_bias)
         self.q_size, self.kv_size = parts[0].local_size, parts[1].local_size
         if cfg.use_qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)

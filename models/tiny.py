@@ -149,3 +149,55 @@ def append_mtp_layer(out: str, deeper, nextn: dict[str, torch.Tensor], random_bi
     config["num_nextn_predict_layers"] = 1
     with open(config_path, "w") as f:
         json.dump(config, f, indent=2)
+
+
+def tiny_aux_layer_ids(num_layers: int) -> list[int]:
+    """SGLang's default target layers for EAGLE-3 where they fit, else the first, second and last
+    layers that can be read (-1 is the embedding)."""
+    default = [1, num_layers // 2 - 1, num_layers - 4]
+    if len(set(default)) == 3 and all(-1 <= i <= num_layers - 2 for i in default):
+        return default
+    return [-1, 0, num_layers - 2]
+
+
+def make_tiny_eagle3(target_dir: str, out: str, seed: int = 0, draft_vocab_size: int | None = None) -> str:
+    """A random EAGLE-3 draft for the checkpoint in `target_dir`, in the public layout (see
+    `dserve.spec.eagle3`): a Llama GQA layer (4 heads, 2 KV heads) whatever the target's attention,
+    and a reduced vocabulary of half the target's tokens."""
+    import transformers as tf
+    from safetensors.torch import save_file
+
+    with open(os.path.join(target_dir, "config.json")) as f:
+        target = json.load(f)
+    torch.manual_seed(seed + 2)
+    h, vocab, n = target["hidden_size"], target["vocab_size"], target["num_hidden_layers"]
+    draft_vocab = draft_vocab_size or vocab // 2
+    cfg = tf.LlamaConfig(vocab_size=vocab, hidden_size=h, intermediate_size=2 * h, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         rms_norm_eps=1e-6, tie_word_embeddings=False).to_dict()
+    cfg.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=draft_vocab, target_hidden_size=h,
+               eagle_config={"eagle_aux_hidden_state_layer_ids": tiny_aux_layer_ids(n)})
+    heads, kv_heads, d, inter = 4, 2, h // 4, 2 * h
+    hot = torch.randperm(vocab)[:draft_vocab].sort().values  # the target ids of the draft vocabulary
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[hot] = True
+    rand = lambda *shape: 0.1 * torch.randn(*shape)  # noqa: E731
+    norm = lambda: 1 + 0.1 * torch.randn(h)  # noqa: E731
+    tensors = {
+        "fc.weight": rand(h, 3 * h), "norm.weight": norm(), "lm_head.weight": rand(draft_vocab, h),
+        "d2t": hot - torch.arange(draft_vocab), "t2d": t2d,
+        "midlayer.input_layernorm.weight": norm(), "midlayer.hidden_norm.weight": norm(),
+        "midlayer.post_attention_layernorm.weight": norm(),
+        "midlayer.self_attn.q_proj.weight": rand(heads * d, 2 * h),
+        "midlayer.self_attn.k_proj.weight": rand(kv_heads * d, 2 * h),
+        "midlayer.self_attn.v_proj.weight": rand(kv_heads * d, 2 * h),
+        "midlayer.self_attn.o_proj.weight": rand(h, heads * d),
+        "midlayer.mlp.gate_proj.weight": rand(inter, h), "midlayer.mlp.up_proj.weight": rand(inter, h),
+        "midlayer.mlp.down_proj.weight": rand(h, inter),
+    }
+    os.makedirs(out, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(out, "model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    return out

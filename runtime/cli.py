@@ -86,6 +86,14 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 def _cmd_make_tiny(args: argparse.Namespace) -> None:
     from dserve.models.tiny import make_tiny
 
+    if args.eagle3_for:
+        from dserve.models.tiny import make_tiny_eagle3
+
+        out = make_tiny_eagle3(args.eagle3_for, args.out, seed=args.seed)
+        print(f"wrote a tiny EAGLE-3 draft for {args.eagle3_for} to {out}")
+        return
+    if not args.arch:
+        raise SystemExit("dserve make-tiny: give --arch (a target) or --eagle3-for TARGET_DIR (a draft)")
     out = make_tiny(args.arch, args.out, mtp=args.mtp, seed=args.seed)
     print(f"wrote a tiny {args.arch} checkpoint{' with an MTP layer' if args.mtp else ''} to {out}")
 
@@ -150,10 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     tiny = sub.add_parser("make-tiny", help="write a tiny random checkpoint (for tests and demos)",
                           description="Write a tiny random checkpoint through transformers' save_pretrained.")
-    tiny.add_argument("--arch", required=True, choices=["deepseek_v3", "deepseek_v2", "glm4_moe"],
+    tiny.add_argument("--arch", choices=["deepseek_v3", "deepseek_v2", "glm4_moe"],
                       help="architecture of the checkpoint to write")
     tiny.add_argument("--out", required=True, help="output directory")
     tiny.add_argument("--mtp", action="store_true", help="append one MTP (NextN) layer in the public key layout")
+    tiny.add_argument("--eagle3-for", metavar="TARGET_DIR",
+                      help="instead, write a random EAGLE-3 draft (public layout) for the checkpoint in TARGET_DIR")
     tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
     tiny.set_defaults(func=_cmd_make_tiny)
 

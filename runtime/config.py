@@ -29,7 +29,7 @@ class EngineConfig:
     ep_size: int = 1  # MoE experts split over ep_size slots of all ranks
     collective_timeout_s: float = 120.0  # a collective waiting longer fails its rank
     step_timeout_s: float = 600.0  # the front gives up on ranks that return no step result in this time
-    speculative_algorithm: str | None = None  # "mtp": the checkpoint's NextN layer drafts
+    speculative_algorithm: str | None = None  # "mtp" (the checkpoint's NextN layer) or "eagle3" (a separate draft)
     speculative_draft_model_path: str | None = None  # EAGLE-3 draft checkpoint
     speculative_num_steps: int = 1  # draft passes per step (a chain of this many draft tokens)
     speculative_eagle_topk: int = 1  # draft branches per step (1: a chain)
@@ -66,10 +66,11 @@ class EngineConfig:
         algo = self.speculative_algorithm
         if algo is None:
             return
-        if algo == "eagle3":
-            raise ValueError("speculative_algorithm='eagle3' is not available yet; use 'mtp'")
-        if algo != "mtp":
+        if algo not in ("mtp", "eagle3"):
             raise ValueError(f"speculative_algorithm must be mtp or eagle3, got {algo!r}")
+        if algo == "eagle3" and not self.speculative_draft_model_path:
+            raise ValueError("speculative_algorithm='eagle3' needs speculative_draft_model_path (the EAGLE-3 "
+                             "checkpoint directory)")
         if self.speculative_num_steps < 1:
             raise ValueError(f"speculative_num_steps must be >= 1, got {self.speculative_num_steps}")
         if self.speculative_eagle_topk != 1:

@@ -37,7 +37,7 @@ class LocalExecutor:
         if transfer is not None:
             from dserve.transfer.agent import start_agent
 
-            self.agent = start_agent(transfer, self.model_config, self.runner.pool, 0, 0, 1, self.runner.draft_pool)
+            self.agent = start_agent(transfer, self.runner.transfer_pools, 0, 0, 1)
 
     def execute(self, batches: list[ForwardBatch]) -> list[torch.Tensor]:
         return [self.runner.forward(batches[0]).cpu()]

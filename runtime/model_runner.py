@@ -15,7 +15,6 @@ from dserve.models.loader import load_model, parameter_bytes
 from dserve.models.parallel import SINGLE, ParallelContext
 from dserve.runtime.config import EngineConfig
 from dserve.scheduler.kv_pool import KVLayout, KVPool
-from dserve.spec.mtp import load_mtp_draft
 
 log = logging.getLogger("dserve.runtime")
 CPU_DEFAULT_TOKENS = 16384
@@ -23,7 +22,7 @@ CPU_DEFAULT_TOKENS = 16384
 
 def kv_layout(cfg: ModelConfig, page_size: int, dtype: torch.dtype, attn_tp_size: int = 1,
               num_layers: int | None = None) -> KVLayout:
-    """The target's KV layout; with `num_layers`, that of a draft made of such layers (MTP)."""
+    """The KV layout of `cfg`'s layers (the target's); with `num_layers`, of a draft with that many."""
     layers = cfg.num_hidden_layers if num_layers is None else num_layers
     if cfg.attention_kind == "mla":  # the latent is replicated over attention-TP ranks
         return KVLayout("mla", layers, page_size, dtype,
@@ -52,6 +51,19 @@ def pool_pages(config: EngineConfig, layouts: list[KVLayout], device: torch.devi
     return max(tokens // layout.page_size, 1)
 
 
+def load_draft(config: EngineConfig, target, device: torch.device, ctx: ParallelContext):
+    """The speculative draft model, or None: MTP from the target's checkpoint, EAGLE-3 from its own."""
+    if config.speculative_algorithm == "mtp":
+        from dserve.spec.mtp import load_mtp_draft
+
+        return load_mtp_draft(config.model_path, target.cfg, target, device, config.torch_dtype, ctx)
+    if config.speculative_algorithm == "eagle3":
+        from dserve.spec.eagle3 import load_eagle3_draft
+
+        return load_eagle3_draft(config.speculative_draft_model_path, target, device, config.torch_dtype, ctx)
+    return None
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, ctx: ParallelContext = SINGLE, device: str | None = None):
         self.config, self.ctx = config, ctx
@@ -59,12 +71,11 @@ class ModelRunner:
         self.model_config, self.model = load_model(config.model_path, self.device, config.torch_dtype, ctx,
                                                    progress=config.load_progress)
         layout = kv_layout(self.model_config, config.page_size, config.torch_dtype, ctx.attn.size)
-        self.draft, self.draft_pool, self.last_hidden = None, None, None
+        self.draft, self.draft_pool, self.last_hidden = load_draft(config, self.model, self.device, ctx), None, None
+        self.aux_layers = getattr(self.draft, "aux_layers", ())  # EAGLE-3 reads these target layers' outputs
         layouts = [layout]
-        if config.speculative_algorithm == "mtp":
-            self.draft = load_mtp_draft(config.model_path, self.model_config, self.model, self.device,
-                                        config.torch_dtype, ctx)
-            layouts.append(kv_layout(self.model_config, config.page_size, config.torch_dtype, ctx.attn.size, 1))
+        if self.draft is not None:
+            layouts.append(kv_layout(self.draft.cfg, config.page_size, config.torch_dtype, ctx.attn.size, 1))
         num_pages = pool_pages(config, layouts, self.device)
         self.pool = KVPool(layout, num_pages, self.device)
         self.backend = create_backend(config.attention_backend, self.pool)
@@ -76,6 +87,12 @@ class ModelRunner:
                  layout.num_layers, config.dtype)
 
     @property
+    def transfer_pools(self) -> list:
+        """(pool, config of its layers) for the transfer agent: the target's, then the draft's."""
+        pools = [(self.pool, self.model_config)]
+        return pools + [(self.draft_pool, self.draft.cfg)] if self.draft_pool is not None else pools
+
+    @property
     def parameter_bytes(self) -> int:
         return parameter_bytes(self.model)
 
@@ -85,8 +102,10 @@ class ModelRunner:
         batch = batch.to(self.device)
         if batch.hidden_rows is not None:  # a draft pass reads the previous pass's hidden states
             model, hidden = self.draft, self.draft(batch, self.last_hidden[batch.hidden_rows], self.draft_backend)
+            feed = hidden
         else:
-            model, hidden = self.model, self.model(batch, self.backend)
+            model, (hidden, aux) = self.model, self.model.forward_with_aux(batch, self.backend, self.aux_layers)
+            feed = hidden if aux is None else aux
         if self.draft is not None:
-            self.last_hidden = hidden
+            self.last_hidden = feed
         return model.compute_logits(hidden[batch.logits_indices])

@@ -65,8 +65,7 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, conn, transfe
         if transfer is not None:  # started before "ready", so the front finds every agent registered
             from dserve.transfer.agent import start_agent
 
-            start_agent(transfer, runner.model_config, runner.pool, ctx.dp.rank, ctx.attn.rank, ctx.attn.size,
-                        runner.draft_pool)
+            start_agent(transfer, runner.transfer_pools, ctx.dp.rank, ctx.attn.rank, ctx.attn.size)
         shapes = {name: tuple(p.shape) for name, p in runner.model.named_parameters()}
         conn.send(("ready", RankInfo(rank, ctx.dp.rank, ctx.attn.rank, runner.pool.num_pages,
                                      runner.parameter_bytes, shapes)))

@@ -46,19 +46,17 @@ class AgentConfig:
     message_mib: int = 0  # the most MiB one UCX message brings into this rank's pages (0: a whole page run)
 
 
-def start_agent(config: AgentConfig, model_config, pool: KVPool, dp_rank: int, attn_rank: int,
-                attn_tp: int, draft_pool: KVPool | None = None) -> "TransferAgent":
-    """The rank's agent over its target pool and, with speculation, the draft's (same page ids)."""
-    pools = []
-    for name, p in (("target", pool), ("draft", draft_pool)):
-        if p is None:
-            continue
+def start_agent(config: AgentConfig, pools: list, dp_rank: int, attn_rank: int, attn_tp: int) -> "TransferAgent":
+    """The rank's agent over its pools: `pools` lists (KVPool, ModelConfig of the layers it holds),
+    the target's first, then with speculation the draft's (same page ids, maybe another layout)."""
+    described = []
+    for name, (p, model_config) in zip(("target", "draft"), pools):
         mha = p.layout.kind == "mha"
         held = held_heads(attn_rank, attn_tp, model_config.num_key_value_heads) if mha else []
         desc = PoolDescriptor.from_layout(name, p.layout, model_config.num_key_value_heads if mha else 0, held,
                                           message_pages(p.layout, config.message_mib))
-        pools.append((desc, p))
-    return TransferAgent(config.front_address, dp_rank, attn_rank, attn_tp, pools, config.host, config.fail_rate)
+        described.append((desc, p))
+    return TransferAgent(config.front_address, dp_rank, attn_rank, attn_tp, described, config.host, config.fail_rate)
 
 
 def message_pages(layout, message_mib: int) -> int:

@@ -1,5 +1,6 @@
-"""A tiny target and MTP draft trained on a phrase corpus (bench/train_mtp.py), once per session
-and worker, for tests whose drafts must be accepted often."""
+"""Draft checkpoints for the speculative tests: a tiny target and MTP draft trained on a phrase
+corpus (bench/train_mtp.py), once per session and worker, for tests whose drafts must be accepted
+often; and random EAGLE-3 drafts written for the tiny targets."""
 from __future__ import annotations
 
 import pytest
@@ -23,3 +24,19 @@ def trained_dir(tmp_path_factory):
 @pytest.fixture(params=["deepseek_v3", "glm4_moe"])
 def trained(request, trained_dir):
     return trained_dir(request.param)
+
+
+@pytest.fixture(scope="session")
+def eagle3_dir(tiny_dir, tmp_path_factory):
+    """(target, draft) directories: a tiny target and a random EAGLE-3 draft written for it."""
+    made = {}
+
+    def get(arch: str) -> tuple[str, str]:
+        if arch not in made:
+            from dserve.models.tiny import make_tiny_eagle3
+
+            target = tiny_dir(arch)
+            made[arch] = target, make_tiny_eagle3(target, str(tmp_path_factory.mktemp(f"eagle3_{arch}")))
+        return made[arch]
+
+    return get

@@ -15,27 +15,49 @@ GREEDY = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}
 SPEC = ["--speculative-algorithm", "mtp", "--speculative-num-steps", "2"]
 
 
-@pytest.mark.parametrize("arch,prefill_tp,decode_tp", [("deepseek_v3", 1, 1), ("deepseek_v3", 2, 1),
-                                                       ("glm4_moe", 1, 2)])
-def test_pair_with_mtp_matches_colocated(arch, prefill_tp, decode_tp, trained_dir, tmp_path, make_engine):
-    path, info = trained_dir(arch)
-    prompts = info["prompts"][:3]
+PAIRS = [("deepseek_v3", 1, 1), ("deepseek_v3", 2, 1), ("glm4_moe", 1, 2)]
+
+
+def check_pair(path: str, prompts, spec_kwargs: dict, prefill_tp: int, decode_tp: int, tmp_path, make_engine,
+               min_accept_length: float = 0.0) -> None:
+    """Pair with the speculative flags of `spec_kwargs` on both sides: its output equals the plain
+    colocated engine's, and at equal TP the acceptance per step equals the colocated speculative
+    engine's (so the draft KV and proposals arrived intact); every page free after."""
     plain = make_engine(path).generate(input_ids=prompts, sampling_params=GREEDY)
-    colocated = make_engine(path, speculative_algorithm="mtp", speculative_num_steps=2)
+    colocated = make_engine(path, **spec_kwargs)
     spec = [colocated.generate(input_ids=ids, sampling_params=GREEDY) for ids in prompts]  # one at a time, as posted
-    cluster = start_cluster(path, tmp_path, SPEC + ["--tp", str(prefill_tp)], SPEC + ["--tp", str(decode_tp)])
+    flags = [x for k, v in spec_kwargs.items() for x in ("--" + k.replace("_", "-"), str(v))]
+    cluster = start_cluster(path, tmp_path, flags + ["--tp", str(prefill_tp)], flags + ["--tp", str(decode_tp)])
     try:
         answers = [post(cluster.url + "/generate", {"input_ids": ids, "sampling_params": GREEDY}) for ids in prompts]
         for (status, body), want, colocated in zip(answers, plain, spec):
             assert status == 200, body
             assert body["output_ids"] == want.output_ids
             meta = body["meta_info"]
-            assert meta["spec_accept_length"] > 1.5, meta
+            assert meta["spec_accept_length"] > min_accept_length, meta
             if prefill_tp == decode_tp:
                 assert meta["spec_accepted_per_step"] == colocated.meta["spec_accepted_per_step"]
         assert_all_pages_free(cluster.prefill, cluster.decode)
     finally:
         cluster.stop()
+
+
+@pytest.mark.parametrize("arch,prefill_tp,decode_tp", PAIRS)
+def test_pair_with_mtp_matches_colocated(arch, prefill_tp, decode_tp, trained_dir, tmp_path, make_engine):
+    """A trained draft: most drafts are taken (> 1.5 tokens per verify) across the pair too."""
+    path, info = trained_dir(arch)
+    check_pair(path, info["prompts"][:3], dict(speculative_algorithm="mtp", speculative_num_steps=2),
+               prefill_tp, decode_tp, tmp_path, make_engine, min_accept_length=1.5)
+
+
+@pytest.mark.parametrize("arch,prefill_tp,decode_tp", PAIRS)
+def test_pair_with_eagle3_matches_colocated(arch, prefill_tp, decode_tp, eagle3_dir, tmp_path, make_engine):
+    """An MHA draft beside an MLA target (DeepSeek) or an MHA one (GLM): the draft pool travels in its
+    own layout, head-sliced where the TP differs. Random draft weights, so few drafts are taken."""
+    target, draft = eagle3_dir(arch)
+    prompts = [[(7 * i + 3 * j) % 500 + 5 for j in range(9 + 11 * i)] for i in range(3)]
+    check_pair(target, prompts, dict(speculative_algorithm="eagle3", speculative_draft_model_path=draft,
+                                     speculative_num_steps=2), prefill_tp, decode_tp, tmp_path, make_engine)
 
 
 def test_pair_with_and_without_draft_is_refused(tiny_dir, tmp_path):

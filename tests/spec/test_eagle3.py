@@ -1,0 +1,119 @@
+"""EAGLE-3 speculative decoding, colocated: the target hands the draft the outputs of the configured
+layers (as transformers' own hidden states say they are), the draft layer computes what transformers'
+Llama attention and MLP compute when wired the EAGLE-3 way, and speculation changes no output while
+target and draft pools (MLA + MHA for DeepSeek) stay accounted for."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dserve.runtime.batch import assemble, build_draft_batch
+from dserve.scheduler.kv_manager import KVCacheManager
+from tests.reference import relative_error
+from tests.spec.test_mtp import GREEDY, checkpoint_tensors, prompts, rms
+
+ARCHES = ("deepseek_v3", "glm4_moe")
+
+
+def eagle3_engine(make_engine, target: str, draft: str, **kwargs):
+    return make_engine(target, speculative_algorithm="eagle3", speculative_draft_model_path=draft, **kwargs)
+
+
+@torch.no_grad()
+def reference_draft_logits(draft: str, embed: torch.Tensor, tokens: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+    """The EAGLE-3 layer written with transformers' LlamaAttention (its q/k/v read 2 * hidden, its
+    o_proj writes hidden), LlamaMLP and rotary embedding; logits over the draft vocabulary."""
+    import transformers
+    from transformers.models.llama import modeling_llama as ml
+
+    cfg = transformers.AutoConfig.from_pretrained(draft)
+    w = checkpoint_tensors(draft, "")
+    h, eps = cfg.hidden_size, cfg.rms_norm_eps
+    wide = transformers.LlamaConfig(**{**cfg.to_dict(), "hidden_size": 2 * h, "head_dim": h // cfg.num_attention_heads})
+    wide._attn_implementation = "sdpa"
+    attn = ml.LlamaAttention(wide, layer_idx=0).eval()
+    attn.o_proj = torch.nn.Linear(cfg.num_attention_heads * wide.head_dim, h, bias=False)
+    mlp = ml.LlamaMLP(cfg).eval()
+    for name, module in (("self_attn", attn), ("mlp", mlp)):
+        module.load_state_dict({k[len(f"midlayer.{name}."):]: v for k, v in w.items()
+                                if k.startswith(f"midlayer.{name}.")})
+    hidden = aux @ w["fc.weight"].T
+    x = torch.cat([rms(embed[tokens], w["midlayer.input_layernorm.weight"], eps),
+                   rms(hidden, w["midlayer.hidden_norm.weight"], eps)], -1)
+    pos = torch.arange(len(tokens))[None]
+    cos_sin = ml.LlamaRotaryEmbedding(wide)(x[None], pos)
+    residual = hidden + attn(x[None], position_embeddings=cos_sin, attention_mask=None)[0][0]
+    y = residual + mlp(rms(residual, w["midlayer.post_attention_layernorm.weight"], eps))
+    return rms(y, w["norm.weight"], eps) @ w["lm_head.weight"].T
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_target_hands_over_the_configured_layer_outputs(arch, eagle3_dir, make_engine):
+    """Our aux states are transformers' hidden states at the configured layers (-1: the embedding)."""
+    import transformers
+
+    target, draft = eagle3_dir(arch)
+    engine = eagle3_engine(make_engine, target, draft)
+    runner = engine.executor.runner
+    ids = prompts(2)[1]
+    kv = KVCacheManager(runner.pool.num_pages, runner.pool.layout.page_size)
+    assert kv.allocate_slots("r", len(ids))
+    runner.forward(assemble([("r", 0, ids, [len(ids) - 1])], kv))  # a target pass over the prompt
+    transformers.logging.set_verbosity_error()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    with torch.no_grad():
+        states = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    want = torch.cat([states[i + 1][0] for i in runner.aux_layers], dim=-1)
+    assert runner.last_hidden.shape == want.shape
+    assert relative_error(runner.last_hidden, want) < 1e-4
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_draft_layer_matches_transformers(arch, eagle3_dir, make_engine):
+    target, draft = eagle3_dir(arch)
+    engine = eagle3_engine(make_engine, target, draft)
+    runner = engine.executor.runner
+    assert runner.draft_pool.layout.kind == "mha"  # on an MLA target too
+    gen = torch.Generator().manual_seed(0)
+    T, h = 21, engine.model_config.hidden_size
+    tokens = torch.randint(0, engine.model_config.vocab_size, (T,), generator=gen)
+    aux = torch.randn(T, 3 * h, generator=gen)
+    kv = KVCacheManager(runner.draft_pool.num_pages, runner.draft_pool.layout.page_size)
+    assert kv.allocate_slots("r", T)
+    runner.last_hidden = aux
+    ours = runner.forward(build_draft_batch([("r", 0, tokens.tolist(), list(range(T)), list(range(T)))], kv))
+    embed = runner.model.embed_tokens.weight
+    ref = reference_draft_logits(draft, embed, tokens, aux)
+    hot = torch.arange(ref.shape[-1]) + checkpoint_tensors(draft, "")["d2t"]
+    assert relative_error(ours[:, hot], ref) < 1e-4
+    others = torch.ones(ours.shape[-1], dtype=torch.bool)
+    others[hot] = False
+    assert torch.isneginf(ours[:, others]).all()  # a draft proposes only tokens of its vocabulary
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize("steps", [1, 3])
+def test_speculation_changes_no_output(arch, steps, eagle3_dir, make_engine):
+    """As for MTP: greedy drafting requests and a seeded sampling one with logprobs, chunked prefill,
+    small pages; every page of both pools back at the end (the fixture checks the invariants)."""
+    target, draft = eagle3_dir(arch)
+    params = [GREEDY] * 3 + [{"temperature": 0.8, "seed": 7, "max_new_tokens": 24, "ignore_eos": True,
+                              "return_logprob": True}]
+    kwargs = dict(chunked_prefill_size=16, page_size=4)
+    expected = make_engine(target, **kwargs).generate(input_ids=prompts(4), sampling_params=params)
+    engine = eagle3_engine(make_engine, target, draft, speculative_num_steps=steps, **kwargs)
+    got = engine.generate(input_ids=prompts(4), sampling_params=params)
+    assert [g.output_ids for g in got] == [e.output_ids for e in expected]
+    assert all(g.meta["spec_verify_ct"] >= 1 for g in got[:3])
+    engine.check_invariants()
+    assert all(not g.kv.tables for g in engine.groups)
+
+
+def test_bad_draft_is_refused(eagle3_dir, tiny_dir, make_engine):
+    from dserve.runtime.config import EngineConfig
+
+    target, draft = eagle3_dir("deepseek_v3")
+    with pytest.raises(ValueError, match="needs speculative_draft_model_path"):
+        EngineConfig(target, speculative_algorithm="eagle3")
+    with pytest.raises(ValueError, match="LlamaForCausalLMEagle3"):
+        eagle3_engine(make_engine, target, target)  # a target checkpoint is no EAGLE-3 draft
