@@ -1,7 +1,7 @@
 """The control plane between a decode instance and a prefill instance (HTTP + JSON, size-limited).
 
 The prefill runs a bootstrap server on its `bootstrap_port`:
-  GET  /bootstrap/info    -> the prefill's InstanceDescriptor (model identity, ranks, UCX listeners, pools)
+  GET  /bootstrap/info    -> the prefill's InstanceDescriptor (model identity, ranks, UCX worker addresses, pools)
   POST /bootstrap/peer    {peer_id, descriptor}: a decode instance registers once; incompatible -> 400
   POST /bootstrap/room    {room, peer_id, dp_rank, pages}: where the decode wants a room's KV
   POST /bootstrap/cancel  {room}: the decode gave the room up

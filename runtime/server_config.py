@@ -8,7 +8,7 @@ from dataclasses import dataclass
 @dataclass
 class ServerConfig:
     role: str = "colocated"  # colocated | prefill | decode
-    host: str = "127.0.0.1"  # bind address of the HTTP API (and of the bootstrap server and UCX listeners)
+    host: str = "127.0.0.1"  # bind address of the HTTP API and bootstrap server; 127.0.0.1 also keeps UCX on loopback
     port: int = 30000  # HTTP port of the instance
     bootstrap_port: int = 8998  # prefill: where decode instances register rooms
     served_model_name: str | None = None  # the model name in /v1/models (default: the checkpoint's directory)

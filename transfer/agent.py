@@ -11,7 +11,11 @@ to its instance's front over one ZMQ DEALER socket (commands in, events out, msg
 - `cancel` (decode) completes the room's outstanding receives with empty messages sent to itself, so
            no late byte can land in pages that are then freed; the room reports failed.
 
-Every wait has a deadline. A failing endpoint is aborted and forgotten (the next room reconnects).
+Peers reach each other by UCX worker address (exchanged in the rank descriptors through the
+bootstrap), not through a listener: making an endpoint is local and needs no handshake. (ucxx's
+listener handshake, a stream exchange with a 5 s deadline, timed out for whole runs of connections
+between busy rank processes on a loaded 2-core host.) Every wait has a deadline. A failing endpoint
+is aborted and forgotten (the next room makes a new one).
 """
 from __future__ import annotations
 
@@ -37,8 +41,9 @@ log = logging.getLogger("dserve.transfer")
 
 @dataclass(frozen=True)
 class AgentConfig:
-    """What a rank needs to start its agent: the front's ZMQ address, the host its UCX listener binds
-    to, and the test-only fraction of rooms whose sending fails on purpose."""
+    """What a rank needs to start its agent: the front's ZMQ address, the host the instance binds
+    to (127.0.0.1 keeps UCX's network transports on the loopback device), and the test-only
+    fraction of rooms whose sending fails on purpose."""
 
     front_address: str
     host: str = "127.0.0.1"
@@ -77,8 +82,7 @@ class TransferAgent:
         self.front_address, self.host, self.fail_rate = front_address, host, fail_rate
         self.dp_rank, self.attn_rank, self.attn_tp = dp_rank, attn_rank, attn_tp
         self.pools = pools
-        self.endpoints: dict[tuple[str, int], asyncio.Future] = {}  # (host, port) -> endpoint being made or made
-        self.accepted: list = []
+        self.endpoints: dict[str, asyncio.Future] = {}  # peer worker address -> endpoint being made or made
         self.rooms: dict[int, dict] = {}  # decode: room -> outstanding receive tags
         self.ready = threading.Event()
         self.error: BaseException | None = None
@@ -109,13 +113,15 @@ class TransferAgent:
             # every room (78% instead of 72% of the copy bandwidth for 1 GiB) for one busy core per rank.
             os.environ.setdefault("UCX_RNDV_SCHEME", "put_zcopy")
             os.environ.setdefault("UCXPY_PROGRESS_MODE", "thread-polling")
-        self.listener = ucxx.create_listener(self._on_peer, port=0)
+        if self.host in ("127.0.0.1", "localhost"):  # shared memory and CUDA IPC are not network devices
+            os.environ.setdefault("UCX_NET_DEVICES", "lo")
+        self.address = ucxx.get_worker_address().tobytes().hex()  # makes the context; progress on this loop
         self.zctx = zmq.asyncio.Context()
         self.sock = self.zctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.IDENTITY, f"{self.dp_rank}-{self.attn_rank}".encode())
         self.sock.connect(self.front_address)
-        self.descriptor = RankDescriptor(self.dp_rank, self.attn_rank, self.attn_tp, self.host, self.listener.port,
+        self.descriptor = RankDescriptor(self.dp_rank, self.attn_rank, self.attn_tp, self.address,
                                          [d for d, _ in self.pools])
         await self._emit({"kind": "hello", "descriptor": self.descriptor.to_dict()})
         self.ready.set()
@@ -129,16 +135,13 @@ class TransferAgent:
             tasks.add(task)
             task.add_done_callback(tasks.discard)
         made = [f.result() for f in self.endpoints.values() if _made(f)]
-        for ep in made + self.accepted:
+        for ep in made:
             ep.abort()
         self.sock.close()
 
     async def _emit(self, event: dict) -> None:
         log.debug("rank %d/%d: event %s", self.dp_rank, self.attn_rank, {k: v for k, v in event.items() if k != "aux"})
         await self.sock.send(msgpack.packb(event))
-
-    async def _on_peer(self, ep) -> None:
-        self.accepted.append(ep)
 
     async def _dispatch(self, cmd: dict) -> None:
         log.debug("rank %d/%d: %s room %s", self.dp_rank, self.attn_rank, cmd["kind"], cmd.get("room"))
@@ -155,25 +158,25 @@ class TransferAgent:
                               "ok": False, "error": f"{type(e).__name__}: {e}", "aux": None, "bytes": 0,
                               "settled": True})  # _expect settles its own receives; it fails here before posting any
 
-    async def _endpoint(self, host: str, port: int):
+    async def _endpoint(self, address: str):
         """One endpoint per peer, shared by all rooms. Rooms that start together wait on the same
-        connection: two endpoints made at once would leave one unreferenced, and ucxx closing it under
-        its in-flight sends resets the peer's receives."""
+        endpoint: two made at once would leave one unreferenced, and ucxx closing it under its
+        in-flight sends resets the peer's receives."""
         import ucxx
 
-        key = (host, port)
-        if key not in self.endpoints:
-            self.endpoints[key] = asyncio.ensure_future(ucxx.create_endpoint(host, port))
-        making = self.endpoints[key]
+        if address not in self.endpoints:
+            worker = ucxx.get_ucx_address_from_buffer(bytes.fromhex(address))
+            self.endpoints[address] = asyncio.ensure_future(ucxx.create_endpoint_from_worker_address(worker))
+        making = self.endpoints[address]
         try:
             return await asyncio.shield(making)
         except Exception:
-            if self.endpoints.get(key) is making:
-                del self.endpoints[key]
+            if self.endpoints.get(address) is making:
+                del self.endpoints[address]
             raise
 
-    def _drop_endpoint(self, host: str, port: int) -> None:
-        making = self.endpoints.pop((host, port), None)
+    def _drop_endpoint(self, address: str) -> None:
+        making = self.endpoints.pop(address, None)
         if making is not None and _made(making):
             making.result().abort()
 
@@ -235,11 +238,11 @@ class TransferAgent:
         The control message need not wait for the data: the decode counts a room only once every
         receive completed, so a data send that fails after an "ok" still fails the room."""
         room, me = cmd["room"], self.attn_rank
-        host, port = cmd["dst_ranks"][d]
+        address = cmd["dst_ranks"][d]
         left = lambda: max(deadline - time.monotonic(), 0.01)
         sent, error, data = 0, None, []
         try:
-            ep = await asyncio.wait_for(self._endpoint(host, port), left())
+            ep = await asyncio.wait_for(self._endpoint(address), left())
             if self.fail_rate > 0 and random.Random(room).random() < self.fail_rate:
                 error = "transfer failed (injected by transfer_fail_rate)"
             else:
@@ -251,9 +254,9 @@ class TransferAgent:
             await asyncio.wait_for(asyncio.gather(*sends), left())
             sent = sum(t.numel() * t.element_size() for _, t in data)
         except Exception as e:  # noqa: BLE001 - the room fails with the reason; the endpoint is redone
-            self._drop_endpoint(host, port)
+            self._drop_endpoint(address)
             reason = "timed out" if isinstance(e, asyncio.TimeoutError) else f"{type(e).__name__}: {e}"
-            error = f"sending to decode rank {d} at {host}:{port} failed: {reason}"
+            error = f"sending to decode rank {d} failed: {reason}"
         return sent, error
 
     def _pair_routes(self, cmd: dict, p: int, d: int) -> list[Route]:
@@ -350,7 +353,7 @@ class TransferAgent:
         if state is None:
             return
         state["cancelled"] = True
-        ep = await self._endpoint(self.host, self.listener.port)
+        ep = await self._endpoint(self.address)
         empty = np.zeros(0, dtype=np.uint8)
         for tag in list(state["tags"]):
             await ep.send(empty, tag=tag, force_tag=True)

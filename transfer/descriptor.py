@@ -1,7 +1,7 @@
 """What a rank tells its transfer peers about itself, once, at registration.
 
-A `RankDescriptor` names the rank (DP group, attention-TP rank of how many), where its UCX listener
-is, and one `PoolDescriptor` per KV pool it holds: the target model's pool first, a draft model's pool
+A `RankDescriptor` names the rank (DP group, attention-TP rank of how many), its UCX worker address,
+and one `PoolDescriptor` per KV pool it holds: the target model's pool first, a draft model's pool
 (possibly of another layout) as a further list entry. Decode and prefill compare descriptors before
 any page moves and refuse a peer whose pools would not line up, naming the difference.
 """
@@ -49,8 +49,7 @@ class RankDescriptor:
     dp_rank: int
     attn_rank: int
     attn_tp: int
-    host: str  # the rank's UCX listener
-    port: int
+    address: str  # the rank's UCX worker address (hex): peers make endpoints from it, no listener
     pools: list[PoolDescriptor]
 
     def to_dict(self) -> dict:
@@ -59,7 +58,7 @@ class RankDescriptor:
     @classmethod
     def from_dict(cls, d: dict) -> "RankDescriptor":
         pools = [PoolDescriptor(**p) for p in d["pools"]]
-        return cls(int(d["dp_rank"]), int(d["attn_rank"]), int(d["attn_tp"]), str(d["host"]), int(d["port"]), pools)
+        return cls(int(d["dp_rank"]), int(d["attn_rank"]), int(d["attn_tp"]), str(d["address"]), pools)
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,7 @@ class TransferManager:
         theirs = peer.group(peer_dp)
         cmd = {"kind": "push", "room": room, "src_pages": src_pages, "dst_pages": dst_pages, "aux": aux,
                "timeout_s": timeout_s, "routes": self._routes(room, len(mine), len(theirs), mine[0]),
-               "dst_ranks": [[r.host, r.port] for r in theirs],
+               "dst_ranks": [r.address for r in theirs],
                "dst_heads_held": [len(p.held_heads) for p in theirs[0].pools],
                "message_pages": [p.message_pages for p in theirs[0].pools]}
         self._start("pushed", room, dp_rank, mine, cmd)

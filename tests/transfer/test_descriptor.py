@@ -25,7 +25,7 @@ def instance(page_size=16, dtype=torch.float32, tp=1, model=MODEL, kind="mla", e
     if order is not None:
         pools = [dataclasses.replace(p, order=order) for p in pools]
     pools += list(extra_pools)
-    ranks = [RankDescriptor(0, r, tp, "127.0.0.1", 1000 + r, pools) for r in range(tp)]
+    ranks = [RankDescriptor(0, r, tp, f"{r:04x}", pools) for r in range(tp)]
     return InstanceDescriptor(dict(model), 1, tp, ranks)
 
 
