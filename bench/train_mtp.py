@@ -10,8 +10,8 @@ hidden states detached. The result is a checkpoint in the published layout (targ
     python -m bench.train_mtp --out /tmp/mtp-trained [--arch deepseek_v3] [--steps 300]
 
 prints the training losses, then decode tokens/s and the mean acceptance length (tokens per verify)
-with speculation off and with MTP at 1, 2 and 3 draft steps, and writes JSON. EAGLE-3 and the
-naive mode join the table when they land.
+with speculation off and with MTP at 1, 2 and 3 draft steps, and writes JSON. bench/train_eagle3.py
+trains an EAGLE-3 draft for the same target and measures it the same way.
 """
 from __future__ import annotations
 
@@ -107,9 +107,10 @@ def train(arch: str, out: str, steps: int, seed: int = 0, log=print) -> dict:
             "prompts": [sample(12) for _ in range(8)]}
 
 
-def measure(path: str, prompts: list[list[int]], steps_list=(1, 2, 3), max_new_tokens: int = 48) -> list[dict]:
+def measure(path: str, prompts: list[list[int]], steps_list=(1, 2, 3), max_new_tokens: int = 48,
+            speculative: dict | None = None) -> list[dict]:
     """Mean acceptance length (tokens per verify) and tokens/s per draft-step count; output checked
-    equal to the plain engine's."""
+    equal to the plain engine's. `speculative`: the Engine's draft arguments (default: MTP)."""
     from dserve.runtime import Engine
 
     params = {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
@@ -121,8 +122,8 @@ def measure(path: str, prompts: list[list[int]], steps_list=(1, 2, 3), max_new_t
     tokens = sum(map(len, expected))
     rows = [{"steps": 0, "accept_length": 1.0, "tokens_per_s": tokens / seconds}]  # speculation off
     for steps in steps_list:
-        engine = Engine(path, device="cpu", load_progress=False, speculative_algorithm="mtp",
-                        speculative_num_steps=steps)
+        engine = Engine(path, device="cpu", load_progress=False, speculative_num_steps=steps,
+                        **(speculative or {"speculative_algorithm": "mtp"}))
         start = time.perf_counter()
         got = engine.generate(input_ids=prompts, sampling_params=params)
         seconds = time.perf_counter() - start
@@ -143,13 +144,17 @@ def main() -> None:
     parser.add_argument("--json", default="bench/results/train_mtp.json")
     args = parser.parse_args()
     info = train(args.arch, args.out, args.steps)
-    rows = measure(args.out, info["prompts"])
+    report("mtp", measure(args.out, info["prompts"]), info, args.json)
+
+
+def report(algorithm: str, rows: list[dict], info: dict, json_path: str) -> None:
+    """Print the table of `measure` rows and write them with `info` as JSON."""
     print(f"{'speculation':>11} {'accept length':>14} {'tokens/s (CPU)':>15}")
     for r in rows:
-        name = f"mtp x{r['steps']}" if r["steps"] else "off"
+        name = f"{algorithm} x{r['steps']}" if r["steps"] else "off"
         print(f"{name:>11} {r['accept_length']:>14.2f} {r['tokens_per_s']:>15.1f}")
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
+    os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
+    with open(json_path, "w") as f:
         json.dump({**info, "rows": rows}, f, indent=2)
 
 

@@ -78,13 +78,14 @@ class CausalLM(nn.Module):
         side by side, [T, len(aux_layers) * hidden] (None when none are asked for)."""
         backend.plan(batch)
         hidden = self.embed_tokens(batch.input_ids)
-        aux = [hidden] if -1 in aux_layers else []
+        outputs = {-1: hidden}
         cos_sin = self.rotary.cos_sin(batch.positions, hidden.dtype)
         for i, layer in enumerate(self.layers):
             hidden = layer(hidden, cos_sin, backend, batch.dp_num_tokens)
             if i in aux_layers:
-                aux.append(hidden)
-        return self.norm(hidden), torch.cat(aux, dim=-1) if aux else None
+                outputs[i] = hidden
+        aux = torch.cat([outputs[i] for i in aux_layers], dim=-1) if aux_layers else None
+        return self.norm(hidden), aux
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.lm_head if self.lm_head is not None else self.embed_tokens

@@ -157,35 +157,54 @@ def tiny_aux_layer_ids(num_layers: int) -> list[int]:
     default = [1, num_layers // 2 - 1, num_layers - 4]
     if len(set(default)) == 3 and all(-1 <= i <= num_layers - 2 for i in default):
         return default
-    return [-1, 0, num_layers - 2]
+    return [-1, 0, num_layers - 2]  # a repeat where the target has only two layers
+
+
+def eagle3_config(target: dict, draft_vocab: int) -> dict:
+    """config.json of a small EAGLE-3 draft for the target config `target`: a Llama GQA layer (4
+    heads, 2 KV heads) whatever the target's attention."""
+    import transformers as tf
+
+    h = target["hidden_size"]
+    cfg = tf.LlamaConfig(vocab_size=target["vocab_size"], hidden_size=h, intermediate_size=2 * h,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False).to_dict()
+    cfg.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=draft_vocab, target_hidden_size=h,
+               eagle_config={"eagle_aux_hidden_state_layer_ids": tiny_aux_layer_ids(target["num_hidden_layers"])})
+    return cfg
+
+
+def save_eagle3(out: str, config: dict, tensors: dict[str, torch.Tensor], hot: torch.Tensor) -> str:
+    """Write an EAGLE-3 checkpoint: `tensors` (keys of the public layout, without d2t/t2d) and the
+    draft vocabulary `hot` (sorted target ids) as `d2t` / `t2d`."""
+    from safetensors.torch import save_file
+
+    t2d = torch.zeros(config["vocab_size"], dtype=torch.bool)
+    t2d[hot] = True
+    tensors = {**tensors, "d2t": hot - torch.arange(len(hot)), "t2d": t2d}
+    os.makedirs(out, exist_ok=True)
+    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, os.path.join(out, "model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return out
 
 
 def make_tiny_eagle3(target_dir: str, out: str, seed: int = 0, draft_vocab_size: int | None = None) -> str:
     """A random EAGLE-3 draft for the checkpoint in `target_dir`, in the public layout (see
-    `dserve.spec.eagle3`): a Llama GQA layer (4 heads, 2 KV heads) whatever the target's attention,
-    and a reduced vocabulary of half the target's tokens."""
-    import transformers as tf
-    from safetensors.torch import save_file
-
+    `dserve.spec.eagle3`), over a random half of the target's vocabulary."""
     with open(os.path.join(target_dir, "config.json")) as f:
         target = json.load(f)
     torch.manual_seed(seed + 2)
-    h, vocab, n = target["hidden_size"], target["vocab_size"], target["num_hidden_layers"]
-    draft_vocab = draft_vocab_size or vocab // 2
-    cfg = tf.LlamaConfig(vocab_size=vocab, hidden_size=h, intermediate_size=2 * h, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         rms_norm_eps=1e-6, tie_word_embeddings=False).to_dict()
-    cfg.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=draft_vocab, target_hidden_size=h,
-               eagle_config={"eagle_aux_hidden_state_layer_ids": tiny_aux_layer_ids(n)})
-    heads, kv_heads, d, inter = 4, 2, h // 4, 2 * h
-    hot = torch.randperm(vocab)[:draft_vocab].sort().values  # the target ids of the draft vocabulary
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[hot] = True
+    cfg = eagle3_config(target, draft_vocab_size or target["vocab_size"] // 2)
+    h, draft_vocab = cfg["hidden_size"], cfg["draft_vocab_size"]
+    heads, kv_heads, inter = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"]
+    d = h // heads
+    hot = torch.randperm(cfg["vocab_size"])[:draft_vocab].sort().values  # the target ids of the draft vocabulary
     rand = lambda *shape: 0.1 * torch.randn(*shape)  # noqa: E731
     norm = lambda: 1 + 0.1 * torch.randn(h)  # noqa: E731
-    tensors = {
+    return save_eagle3(out, cfg, {
         "fc.weight": rand(h, 3 * h), "norm.weight": norm(), "lm_head.weight": rand(draft_vocab, h),
-        "d2t": hot - torch.arange(draft_vocab), "t2d": t2d,
         "midlayer.input_layernorm.weight": norm(), "midlayer.hidden_norm.weight": norm(),
         "midlayer.post_attention_layernorm.weight": norm(),
         "midlayer.self_attn.q_proj.weight": rand(heads * d, 2 * h),
@@ -194,10 +213,4 @@ def make_tiny_eagle3(target_dir: str, out: str, seed: int = 0, draft_vocab_size:
         "midlayer.self_attn.o_proj.weight": rand(h, heads * d),
         "midlayer.mlp.gate_proj.weight": rand(inter, h), "midlayer.mlp.up_proj.weight": rand(inter, h),
         "midlayer.mlp.down_proj.weight": rand(h, inter),
-    }
-    os.makedirs(out, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(out, "model.safetensors"),
-              metadata={"format": "pt"})
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=2)
-    return out
+    }, hot)

@@ -40,3 +40,21 @@ def eagle3_dir(tiny_dir, tmp_path_factory):
         return made[arch]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def trained_eagle3(trained_dir, tmp_path_factory):
+    """(target, draft, target info): an EAGLE-3 draft trained (bench/train_eagle3.py) for the trained
+    target of `trained_dir`, once per session and worker."""
+    made = {}
+
+    def get(arch: str):
+        if arch not in made:
+            from bench.train_eagle3 import train_eagle3
+
+            target, info = trained_dir(arch)
+            out = str(tmp_path_factory.mktemp(f"eagle3_trained_{arch}"))
+            made[arch] = target, out, {**info, **train_eagle3(target, out, steps=150, log=lambda *_: None)}
+        return made[arch]
+
+    return get

@@ -1,7 +1,10 @@
 """Acceptance that means something: a tiny target and its MTP draft trained briefly on a synthetic
 phrase corpus (bench/train_mtp.py, ~10 s on the CPU) accept well over one draft token per verify,
-with the output equal to the plain engine's, also split over ranks (TP=2, DP attention 2)."""
+with the output equal to the plain engine's, also split over ranks (TP=2, DP attention 2); so does
+an EAGLE-3 draft trained for that target (bench/train_eagle3.py)."""
 from __future__ import annotations
+
+import pytest
 
 from bench.train_mtp import measure
 
@@ -12,6 +15,16 @@ def test_trained_draft_is_accepted(trained):
     rows = {r["steps"]: r["accept_length"] for r in measure(path, info["prompts"], steps_list=(1, 3))}
     assert rows[1] > 1.5, rows  # measure() also checks the output equals the plain engine's
     assert rows[3] > 2.0, rows
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
+def test_trained_eagle3_draft_is_accepted(arch, trained_eagle3):
+    """Its first step is trained (no training-time-test unrolling), so one draft step is measured."""
+    target, draft, info = trained_eagle3(arch)
+    assert info["final_draft_loss"] < 1.0, info
+    rows = measure(target, info["prompts"], steps_list=(1,), speculative={
+        "speculative_algorithm": "eagle3", "speculative_draft_model_path": draft})
+    assert rows[1]["accept_length"] > 1.5, rows
 
 
 def test_speculation_across_ranks_is_lossless(trained, make_engine):

@@ -51,13 +51,13 @@ def test_pair_with_mtp_matches_colocated(arch, prefill_tp, decode_tp, trained_di
 
 
 @pytest.mark.parametrize("arch,prefill_tp,decode_tp", PAIRS)
-def test_pair_with_eagle3_matches_colocated(arch, prefill_tp, decode_tp, eagle3_dir, tmp_path, make_engine):
+def test_pair_with_eagle3_matches_colocated(arch, prefill_tp, decode_tp, trained_eagle3, tmp_path, make_engine):
     """An MHA draft beside an MLA target (DeepSeek) or an MHA one (GLM): the draft pool travels in its
-    own layout, head-sliced where the TP differs. Random draft weights, so few drafts are taken."""
-    target, draft = eagle3_dir(arch)
-    prompts = [[(7 * i + 3 * j) % 500 + 5 for j in range(9 + 11 * i)] for i in range(3)]
-    check_pair(target, prompts, dict(speculative_algorithm="eagle3", speculative_draft_model_path=draft,
-                                     speculative_num_steps=2), prefill_tp, decode_tp, tmp_path, make_engine)
+    own layout, head-sliced where the TP differs. A trained draft, one step: most drafts are taken."""
+    target, draft, info = trained_eagle3(arch)
+    check_pair(target, info["prompts"][:3], dict(speculative_algorithm="eagle3", speculative_draft_model_path=draft,
+                                                 speculative_num_steps=1),
+               prefill_tp, decode_tp, tmp_path, make_engine, min_accept_length=1.5)
 
 
 def test_pair_with_and_without_draft_is_refused(tiny_dir, tmp_path):
