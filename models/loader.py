@@ -1,5 +1,6 @@
 """Build a served model from a checkpoint directory: resolve the architecture, create the modules on
-the target device and dtype, and load this rank's slice of every tensor."""
+the target device and dtype, and load this rank's slice of every tensor (or, with
+`load_format="dummy"`, fill them at random from config.json alone)."""
 from __future__ import annotations
 
 import logging
@@ -10,13 +11,14 @@ import torch
 from dserve.models.config import ModelConfig
 from dserve.models.parallel import SINGLE, ParallelContext
 from dserve.models.registry import resolve
-from dserve.models.weights import load_weights
+from dserve.models.weights import fill_weights
 
 log = logging.getLogger("dserve.models")
 
 
 def load_model(model_path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               ctx: ParallelContext = SINGLE, progress: bool = True) -> tuple[ModelConfig, torch.nn.Module]:
+               ctx: ParallelContext = SINGLE, progress: bool = True,
+               load_format: str = "auto") -> tuple[ModelConfig, torch.nn.Module]:
     cfg, model_cls = resolve(model_path)
     start = time.perf_counter()
     previous = torch.get_default_dtype()
@@ -26,9 +28,11 @@ def load_model(model_path: str, device: str | torch.device = "cpu", dtype: torch
             model = model_cls(cfg, ctx)
     finally:
         torch.set_default_dtype(previous)
-    load_weights(model, model_path, model.map_checkpoint_key, progress=progress)
+    fill_weights(model, model_path, model.map_checkpoint_key, load_format, progress)
     model.eval()
-    log.info("loaded %s (%s) in %.1fs: %.1f MB of parameters on %s", model_path, cfg.architecture,
+    log.info("%s %s (%s) in %.1fs: %.1f MB of parameters on %s",
+             "random weights (load_format=dummy) for" if load_format == "dummy" else "loaded", model_path,
+             cfg.architecture,
              time.perf_counter() - start, parameter_bytes(model) / 1e6, device)
     return cfg, model
 

@@ -132,3 +132,36 @@ def _with_progress(items: Iterator[TensorSource], progress: bool, model_path: st
             last = item.file
             yield item
         bar.update(1)
+
+
+LOAD_FORMATS = ("auto", "dummy")
+
+
+def init_dummy(model: torch.nn.Module, std: float = 0.02) -> None:
+    """Random weights instead of a checkpoint's (`load_format="dummy"`, as vLLM and SGLang name it):
+    made on the parameters' own device, so real shapes can be timed without a checkpoint on disk.
+    Norm weights 1, biases 0, every other loadable tensor N(0, std)."""
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+            if getattr(p, "weight_loader", None) is None:
+                continue
+            leaf = name.rsplit(".", 1)[-1]
+            if not p.is_floating_point():
+                p.zero_()
+            elif "norm" in name and leaf == "weight":
+                p.fill_(1.0)
+            elif leaf == "bias" or name.endswith("correction_bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, std)
+
+
+def fill_weights(model: torch.nn.Module, model_path: str, map_key: KeyMapper, load_format: str = "auto",
+                 progress: bool = True) -> None:
+    """The checkpoint's tensors (`auto`) or random ones (`dummy`) into `model`."""
+    if load_format == "dummy":
+        init_dummy(model)
+    elif load_format == "auto":
+        load_weights(model, model_path, map_key, progress)
+    else:
+        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")

@@ -21,6 +21,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192  # token budget of one step
     max_running_requests: int = 256  # requests decoding at once per DP group; more wait in the queue
     enable_prefix_caching: bool = True  # reuse the KV pages of a prompt prefix seen before
+    load_format: str = "auto"  # auto: the checkpoint's weights; dummy: random ones from config.json alone
     attention_backend: str = "torch"  # torch (reference, any device); flashinfer with the GPU path
     random_seed: int = 0  # seeds unseeded sampling
     load_progress: bool = True  # a progress bar while the checkpoint loads
@@ -58,6 +59,8 @@ class EngineConfig:
             raise ValueError(f"tp_size = {self.tp_size} does not divide by dp_size = {self.dp_size}")
         if self.tp_size % self.ep_size:
             raise ValueError(f"tp_size = {self.tp_size} does not divide by ep_size = {self.ep_size}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         self._check_speculative()

@@ -43,6 +43,30 @@ class DPGroup:
         return sum(r.num_tokens for r in self.scheduler.running) + sum(r.num_tokens for r in self.scheduler.waiting)
 
 
+class NoTokenizer:
+    """Stands in where a dummy-weight model directory has config.json only: prompts must come as
+    input_ids, and outputs carry ids and no text."""
+
+    eos_token_id = None
+
+    def encode(self, text: str) -> list[int]:
+        raise ValueError("this model directory has no tokenizer (load_format=dummy): send input_ids")
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return ""
+
+
+def load_tokenizer(model_path: str, load_format: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError):
+        if load_format != "dummy":
+            raise
+        return NoTokenizer()
+
+
 class Engine:
     def __init__(self, model_path: str, transfer: "AgentConfig | None" = None, **kwargs):
         """`transfer` starts a KV transfer agent on every rank (prefill and decode instances)."""
@@ -50,9 +74,7 @@ class Engine:
         torch.manual_seed(self.config.random_seed)
         self.executor = make_executor(self.config, transfer)
         self.model_config = self.executor.model_config
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.tokenizer = load_tokenizer(model_path, self.config.load_format)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)

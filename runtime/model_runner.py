@@ -56,11 +56,13 @@ def load_draft(config: EngineConfig, target, device: torch.device, ctx: Parallel
     if config.speculative_algorithm == "mtp":
         from dserve.spec.mtp import load_mtp_draft
 
-        return load_mtp_draft(config.model_path, target.cfg, target, device, config.torch_dtype, ctx)
+        return load_mtp_draft(config.model_path, target.cfg, target, device, config.torch_dtype, ctx,
+                              config.load_format)
     if config.speculative_algorithm == "eagle3":
         from dserve.spec.eagle3 import load_eagle3_draft
 
-        return load_eagle3_draft(config.speculative_draft_model_path, target, device, config.torch_dtype, ctx)
+        return load_eagle3_draft(config.speculative_draft_model_path, target, device, config.torch_dtype, ctx,
+                                 config.load_format)
     return None
 
 
@@ -69,7 +71,7 @@ class ModelRunner:
         self.config, self.ctx = config, ctx
         self.device = torch.device(device or config.device)
         self.model_config, self.model = load_model(config.model_path, self.device, config.torch_dtype, ctx,
-                                                   progress=config.load_progress)
+                                                   progress=config.load_progress, load_format=config.load_format)
         layout = kv_layout(self.model_config, config.page_size, config.torch_dtype, ctx.attn.size)
         self.draft, self.draft_pool, self.last_hidden = load_draft(config, self.model, self.device, ctx), None, None
         self.aux_layers = getattr(self.draft, "aux_layers", ())  # EAGLE-3 reads these target layers' outputs

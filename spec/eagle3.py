@@ -36,7 +36,7 @@ from dserve.models.layers.mlp import GatedMLP
 from dserve.models.layers.norm import RMSNorm
 from dserve.models.layers.rotary import RotaryEmbedding
 from dserve.models.parallel import SINGLE, ParallelContext
-from dserve.models.weights import SKIP, attach_loader, iter_checkpoint, load_weights, prefixed, replicated_loader
+from dserve.models.weights import SKIP, attach_loader, fill_weights, iter_checkpoint, prefixed, replicated_loader
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 _LAYER_PREFIXES = ("midlayer.", "model.midlayer.", "layers.0.", "model.layers.0.")
@@ -135,8 +135,9 @@ class Eagle3Draft(nn.Module):
 
 
 def load_eagle3_draft(draft_path: str | None, target, device: torch.device, dtype: torch.dtype,
-                      ctx: ParallelContext = SINGLE) -> Eagle3Draft:
-    """The EAGLE-3 checkpoint at `draft_path` on `device`, checked against the target."""
+                      ctx: ParallelContext = SINGLE, load_format: str = "auto") -> Eagle3Draft:
+    """The EAGLE-3 checkpoint at `draft_path` on `device`, checked against the target (with
+    load_format="dummy" its config.json alone, random weights, the identity vocabulary map)."""
     if not draft_path or not os.path.isdir(draft_path):
         raise ValueError(f"speculative_algorithm='eagle3' needs speculative_draft_model_path, a directory with "
                          f"the EAGLE-3 checkpoint; got {draft_path!r}")
@@ -144,7 +145,7 @@ def load_eagle3_draft(draft_path: str | None, target, device: torch.device, dtyp
     if cfg.target_hidden_size != target.cfg.hidden_size:
         raise ValueError(f"the EAGLE-3 draft at {draft_path!r} was made for a target of hidden size "
                          f"{cfg.target_hidden_size}; this target's is {target.cfg.hidden_size}")
-    names = {src.name.removeprefix("model.") for src in iter_checkpoint(draft_path)}
+    names = set() if load_format == "dummy" else {src.name.removeprefix("model.") for src in iter_checkpoint(draft_path)}
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -152,5 +153,5 @@ def load_eagle3_draft(draft_path: str | None, target, device: torch.device, dtyp
             draft = Eagle3Draft(cfg, target, ctx, own_embedding="embed_tokens.weight" in names)
     finally:
         torch.set_default_dtype(previous)
-    load_weights(draft, draft_path, draft.map_checkpoint_key, progress=False)
+    fill_weights(draft, draft_path, draft.map_checkpoint_key, load_format, progress=False)
     return draft.eval()

@@ -23,7 +23,7 @@ from dserve.models.config import ModelConfig
 from dserve.models.layers.linear import ParallelLMHead, ReplicatedLinear, VocabParallelEmbedding
 from dserve.models.layers.norm import RMSNorm
 from dserve.models.parallel import SINGLE, ParallelContext
-from dserve.models.weights import SKIP, iter_checkpoint, load_weights, prefixed
+from dserve.models.weights import SKIP, fill_weights, iter_checkpoint, prefixed
 
 _OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
 
@@ -74,11 +74,13 @@ class MTPDraft(nn.Module):
 
 
 def load_mtp_draft(model_path: str, cfg: ModelConfig, target: CausalLM, device: torch.device,
-                   dtype: torch.dtype, ctx: ParallelContext = SINGLE) -> MTPDraft:
-    """The checkpoint's NextN layer on `device`; a clear error when the checkpoint has none."""
-    names = {src.name for src in iter_checkpoint(model_path)}
+                   dtype: torch.dtype, ctx: ParallelContext = SINGLE, load_format: str = "auto") -> MTPDraft:
+    """The checkpoint's NextN layer on `device` (random with load_format="dummy", on the target's
+    embedding); a clear error when the checkpoint has none."""
+    dummy = load_format == "dummy"
+    names = set() if dummy else {src.name for src in iter_checkpoint(model_path)}
     prefix = f"model.layers.{cfg.num_hidden_layers}."
-    if not any(n.startswith(prefix) for n in names):
+    if not dummy and not any(n.startswith(prefix) for n in names):
         raise ValueError(f"speculative_algorithm='mtp' needs the checkpoint's MTP (NextN) layer, but {model_path!r} "
                          f"has no {prefix}* tensors")
     previous = torch.get_default_dtype()
@@ -88,5 +90,5 @@ def load_mtp_draft(model_path: str, cfg: ModelConfig, target: CausalLM, device: 
             draft = MTPDraft(cfg, target, ctx, own_embedding=prefix + "embed_tokens.weight" in names)
     finally:
         torch.set_default_dtype(previous)
-    load_weights(draft, model_path, draft.map_checkpoint_key, progress=False)
+    fill_weights(draft, model_path, draft.map_checkpoint_key, load_format, progress=False)
     return draft.eval()
