@@ -1,0 +1,111 @@
+"""Cost of one speculative verify step against a plain decode step, at real DeepSeek-V3 shapes.
+
+A verify step runs the target over each request's last token and its k draft tokens (k + 1 query
+tokens per request, logits at every one of them); a decode step runs one token per request. Both
+read the same context. The model is DeepSeek-V3-shaped (hidden 7168, real MLA and MoE expert sizes)
+with fewer layers and experts so it fits one GPU, random weights made on the device
+(`load_format="dummy"`, no checkpoint needed):
+
+    python -m bench.spec_verify [--layers 4 --experts 32] [--batches 1,8,32] [--drafts 1,2,3]
+
+prints decode ms, verify ms and their ratio per batch and k, and writes JSON. The issue's goal is a
+ratio of at most 1.15 for k = 2 at batch <= 32. Timings are of eager forward passes (no CUDA graphs
+yet), CUDA events around `ModelRunner.forward`, median of the repeats.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+
+import torch
+
+
+def deepseek_v3_config_dir(layers: int, experts: int) -> str:
+    """A config.json of DeepSeek-V3's shapes with `layers` layers (the first dense) and `experts`
+    routed experts (8 per token, groups scaled down to fit)."""
+    import transformers as tf
+
+    groups = min(8, experts // 4)
+    cfg = tf.DeepseekV3Config(
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=layers, num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
+        n_routed_experts=experts, num_experts_per_tok=8, n_group=groups, topk_group=min(4, groups),
+        first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128,
+        v_head_dim=128, routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=163840,
+        architectures=["DeepseekV3ForCausalLM"],
+        rope_scaling={"type": "yarn", "rope_type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
+    out = tempfile.mkdtemp(prefix="dsv3-shape-")
+    cfg.to_json_file(os.path.join(out, "config.json"))
+    return out
+
+
+def step_batch(runner, kv, batch_size: int, context: int, q_len: int):
+    """`batch_size` requests with `context` tokens in KV, each adding `q_len` tokens with logits at all."""
+    from dserve.runtime.batch import assemble
+
+    entries = []
+    for i in range(batch_size):
+        rid = f"r{i}"
+        if rid not in kv.tables:
+            assert kv.allocate_slots(rid, context + 8), "pool too small"
+        entries.append((rid, context, [100 + i] * q_len, list(range(q_len))))
+    return assemble(entries, kv)
+
+
+def time_forward(runner, batch, repeats: int) -> float:
+    """Median ms of `runner.forward(batch)`."""
+    for _ in range(3):
+        runner.forward(batch)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        runner.forward(batch)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
+    parser.add_argument("--drafts", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 3])
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--out", default="bench/results/spec_verify.json")
+    args = parser.parse_args()
+
+    from dserve.runtime.config import EngineConfig
+    from dserve.runtime.model_runner import ModelRunner
+    from dserve.scheduler.kv_manager import KVCacheManager
+
+    path = deepseek_v3_config_dir(args.layers, args.experts)
+    tokens = max(args.batches) * (args.context + 8 + 64)
+    config = EngineConfig(path, device="cuda", dtype="bfloat16", load_format="dummy", max_total_tokens=tokens,
+                          load_progress=False)
+    runner = ModelRunner(config)
+    kv = KVCacheManager(runner.pool.num_pages, runner.pool.layout.page_size, False)
+    rows = []
+    print(f"{'batch':>5} {'k':>3} {'decode ms':>10} {'verify ms':>10} {'ratio':>6}")
+    for b in args.batches:
+        decode = time_forward(runner, step_batch(runner, kv, b, args.context, 1), args.repeats)
+        for k in args.drafts:
+            verify = time_forward(runner, step_batch(runner, kv, b, args.context, k + 1), args.repeats)
+            rows.append({"batch": b, "k": k, "decode_ms": decode, "verify_ms": verify, "ratio": verify / decode})
+            print(f"{b:>5} {k:>3} {decode:>10.2f} {verify:>10.2f} {verify / decode:>6.2f}")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "layers": args.layers, "experts": args.experts,
+                   "context": args.context, "parameter_bytes": runner.parameter_bytes, "rows": rows}, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
