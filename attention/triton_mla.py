@@ -1,0 +1,116 @@
+"""Triton MLA decode over the paged latent cache: absorbed form, split-KV for long contexts.
+
+One query token per sequence (decode). Every head of a sequence reads the same latent cache
+entries (c_kv | k_rope, R + P wide), so a program takes a block of heads of one sequence and one
+split of its context: it walks the split's tokens through the page table, keeps an online softmax
+per head and accumulates the attention-weighted latents. A second kernel merges the splits by
+their log-sum-exp. Checked against the torch reference backend (`tests/attention`), under
+`TRITON_INTERPRET=1` on the CPU at small shapes.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _split_kernel(QL, QR, Cache, PageTable, SeqLens, MidO, MidLse,
+                  s_ql_b, s_ql_h, s_qr_b, s_qr_h, s_c_page, s_c_tok, s_pt_b,
+                  s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
+                  num_heads, scale, page_size,
+                  R: tl.constexpr, P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                  NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr):
+    b, hb, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < num_heads
+    r, p = tl.arange(0, R), tl.arange(0, P)
+    ql = tl.load(QL + b * s_ql_b + heads[:, None] * s_ql_h + r[None, :], mask=hmask[:, None], other=0.0)
+    qr = tl.load(QR + b * s_qr_b + heads[:, None] * s_qr_h + p[None, :], mask=hmask[:, None], other=0.0)
+    seq_len = tl.load(SeqLens + b)
+    per_split = tl.cdiv(seq_len, NUM_SPLITS)
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, R], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        toks = n0 + tl.arange(0, BLOCK_N)
+        tmask = toks < end
+        page = tl.load(PageTable + b * s_pt_b + toks // page_size, mask=tmask, other=0)
+        base = page.to(tl.int64) * s_c_page + (toks % page_size) * s_c_tok
+        ckv = tl.load(Cache + base[:, None] + r[None, :], mask=tmask[:, None], other=0.0)
+        kr = tl.load(Cache + base[:, None] + R + p[None, :], mask=tmask[:, None], other=0.0)
+        if IEEE:  # float32 inputs: exact products, not TF32 (the parity tests run in float32)
+            s = tl.dot(ql, tl.trans(ckv), input_precision="ieee") + tl.dot(qr, tl.trans(kr), input_precision="ieee")
+        else:
+            s = tl.dot(ql, tl.trans(ckv)) + tl.dot(qr, tl.trans(kr))
+        s = s * scale
+        s = tl.where(tmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        probs = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(probs, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(probs.to(ckv.dtype), ckv, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(probs.to(ckv.dtype), ckv)
+        m = m_new
+    filled = l > 0
+    out = acc / tl.where(filled, l, 1.0)[:, None]
+    lse = tl.where(filled, m + tl.log(tl.where(filled, l, 1.0)), float("-inf"))
+    tl.store(MidO + b * s_mo_b + heads[:, None] * s_mo_h + split * s_mo_s + r[None, :], out, mask=hmask[:, None])
+    tl.store(MidLse + b * s_ml_b + heads * s_ml_h + split, lse, mask=hmask)
+
+
+@triton.jit
+def _combine_kernel(MidO, MidLse, Out, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h, s_o_b, s_o_h,
+                    R: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    b, h = tl.program_id(0), tl.program_id(1)
+    splits, r = tl.arange(0, NUM_SPLITS), tl.arange(0, R)
+    lse = tl.load(MidLse + b * s_ml_b + h * s_ml_h + splits)
+    weights = tl.exp(lse - tl.max(lse, 0))  # empty splits (-inf) weigh nothing
+    weights = weights / tl.sum(weights, 0)
+    parts = tl.load(MidO + b * s_mo_b + h * s_mo_h + splits[:, None] * s_mo_s + r[None, :])
+    out = tl.sum(parts * weights[:, None], 0)
+    tl.store(Out + b * s_o_b + h * s_o_h + r, out.to(Out.dtype.element_ty))
+
+
+def default_splits(batch: int, heads: int, max_len: int, block_n: int, device: torch.device,
+                   block_h: int = 16) -> int:
+    """Enough programs to fill the GPU twice over, no split shorter than a block; a power of two."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    want = max(1, min(64, -(-2 * sms // (batch * triton.cdiv(heads, block_h))), max_len // (4 * block_n)))
+    return 1 << (want - 1).bit_length()
+
+
+def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
+               seq_lens: torch.Tensor, scale: float, num_splits: int | None = None, block_n: int = 32,
+               max_len: int | None = None, block_h: int = 64, num_warps: int = 8) -> torch.Tensor:
+    """q_latent [B, H, R], q_rope [B, H, P] (one decode token per sequence); `cache` one layer's
+    latent pages [num_pages, page_size, R + P] (any page stride); `page_table` [B, max_pages],
+    `seq_lens` [B] tokens in KV per sequence (the new one's latent already stored). Returns the
+    attention-weighted latents [B, H, R]. R and P must be powers of two, `num_splits` too (by
+    default from the batch and `max_len`, the longest context, so no host sync is needed)."""
+    batch, heads, rank = q_latent.shape
+    if num_splits is None:
+        num_splits = default_splits(batch, heads, max_len or 1 << 16, block_n, q_latent.device, block_h)
+    rope = q_rope.shape[-1]
+    assert cache.shape[-1] == rank + rope and cache.stride(-1) == 1 and cache.stride(1) == rank + rope
+    assert q_latent.stride(-1) == 1 and q_rope.stride(-1) == 1 and page_table.stride(-1) == 1
+    mid_out = torch.empty(batch, heads, num_splits, rank, dtype=torch.float32, device=q_latent.device)
+    mid_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q_latent.device)
+    seq_lens = seq_lens.to(device=q_latent.device, dtype=torch.int32)
+    _split_kernel[(batch, triton.cdiv(heads, block_h), num_splits)](
+        q_latent, q_rope, cache, page_table, seq_lens, mid_out, mid_lse,
+        q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
+        cache.stride(0), cache.stride(1), page_table.stride(0),
+        mid_out.stride(0), mid_out.stride(1), mid_out.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        heads, scale, cache.shape[1],
+        R=rank, P=rope, BLOCK_H=block_h, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        IEEE=q_latent.dtype == torch.float32, num_warps=num_warps)
+    out = torch.empty_like(q_latent)
+    _combine_kernel[(batch, heads)](
+        mid_out, mid_lse, out, mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), R=rank, NUM_SPLITS=num_splits)
+    return out

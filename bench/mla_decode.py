@@ -1,0 +1,83 @@
+"""MLA decode kernel bandwidth: bytes of latent cache read per second by the Triton kernel
+(`dserve.attention.triton_mla.mla_decode`) at DeepSeek-V3's attention shapes (128 heads,
+kv_lora_rank 512, rope 64, page size 64, bf16), by batch and context, next to the copy bandwidth
+measured in the same run (a 1 GiB device-to-device copy, read + write bytes per second):
+
+    python -m bench.mla_decode [--batches 1,32,128] [--contexts 1024,8192,32768]
+
+prints a table and writes JSON. Pages are scattered over the pool, as in serving.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+
+
+def timed(fn, repeats: int) -> float:
+    """Median seconds of fn() on the current stream."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * nbytes / timed(lambda: dst.copy_(src), repeats)
+
+
+def run_case(batch: int, context: int, repeats: int, heads=128, rank=512, rope=64, page_size=64, **tune) -> dict:
+    from dserve.attention.triton_mla import mla_decode
+
+    pages_per_seq = context // page_size
+    num_pages = batch * pages_per_seq
+    cache = torch.randn(num_pages, page_size, rank + rope, device="cuda", dtype=torch.bfloat16)
+    table = torch.randperm(num_pages, device="cuda", dtype=torch.int64).to(torch.int32).view(batch, pages_per_seq)
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    q_latent = torch.randn(batch, heads, rank, device="cuda", dtype=torch.bfloat16)
+    q_rope = torch.randn(batch, heads, rope, device="cuda", dtype=torch.bfloat16)
+    seconds = timed(lambda: mla_decode(q_latent, q_rope, cache, table, lens, 0.07, max_len=context, **tune), repeats)
+    nbytes = batch * context * (rank + rope) * 2
+    return {"batch": batch, "context": context, "ms": seconds * 1e3, "bytes": nbytes, "gb_s": nbytes / seconds / 1e9}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32, 128])
+    parser.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 8192, 32768])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--tune", type=json.loads, default={},
+                        help='kernel parameters as JSON, e.g. \'{"block_h": 32, "block_n": 32, "num_warps": 8}\'')
+    parser.add_argument("--out", default="bench/results/mla_decode.json")
+    args = parser.parse_args()
+    copy = copy_bandwidth()
+    print(f"copy bandwidth (device to device, read + write): {copy / 1e9:.0f} GB/s")
+    print(f"{'batch':>5} {'context':>8} {'ms':>8} {'GB/s':>8} {'of copy':>8}")
+    rows = []
+    for b in args.batches:
+        for c in args.contexts:
+            row = run_case(b, c, args.repeats, **args.tune)
+            row["of_copy"] = row["gb_s"] * 1e9 / copy
+            rows.append(row)
+            print(f"{b:>5} {c:>8} {row['ms']:>8.3f} {row['gb_s']:>8.0f} {row['of_copy']:>8.1%}")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "copy_gb_s": copy / 1e9, "tune": args.tune, "rows": rows},
+                  f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
