@@ -68,7 +68,11 @@ def create_backend(name: str, pool: KVPool) -> AttentionBackend:
         from dserve.attention.torch_backend import TorchBackend
 
         return TorchBackend(pool)
+    if name == "triton":
+        from dserve.attention.triton_backend import TritonBackend
+
+        return TritonBackend(pool)
     if name == "flashinfer":
         raise ValueError("the flashinfer backend comes with the GPU path; install it with "
                          "`pip install dserve[flashinfer]` once that lands, or use --attention-backend torch")
-    raise ValueError(f"unknown attention backend {name!r} (choose from: torch)")
+    raise ValueError(f"unknown attention backend {name!r} (choose from: torch, triton)")

@@ -22,7 +22,7 @@ class EngineConfig:
     max_running_requests: int = 256  # requests decoding at once per DP group; more wait in the queue
     enable_prefix_caching: bool = True  # reuse the KV pages of a prompt prefix seen before
     load_format: str = "auto"  # auto: the checkpoint's weights; dummy: random ones from config.json alone
-    attention_backend: str = "torch"  # torch (reference, any device); flashinfer with the GPU path
+    attention_backend: str = "torch"  # torch (reference, any device); triton (MLA decode kernel so far)
     random_seed: int = 0  # seeds unseeded sampling
     load_progress: bool = True  # a progress bar while the checkpoint loads
     tp_size: int = 1  # ranks of the instance; attention groups of tp_size // dp_size ranks

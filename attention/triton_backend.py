@@ -1,0 +1,38 @@
+"""Attention backend with Triton kernels where they exist, the torch reference elsewhere.
+
+Decode steps of MLA models (one new token per sequence) run `triton_mla.mla_decode` over the paged
+latent cache; prompt and extend spans, MHA models and draft verification still run the reference
+code until their kernels land. Select it with `--attention-backend triton`.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from dserve.attention.backend import ForwardBatch
+from dserve.attention.torch_backend import TorchBackend
+
+
+class TritonBackend(TorchBackend):
+    def __init__(self, pool):
+        if pool.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("attention_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1, which "
+                             "runs its kernels in Triton's interpreter, for tests); use the torch backend on the CPU")
+        super().__init__(pool)
+
+    def plan(self, batch: ForwardBatch) -> None:
+        super().plan(batch)
+        self.decode = bool(batch.q_lens) and all(n == 1 for n in batch.q_lens)
+        if self.decode:
+            self.seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int32, device=batch.page_table.device)
+            self.max_len = max(batch.seq_lens)
+
+    def forward_mla(self, layer, q_latent, q_rope, latent, scale):
+        if not self.decode:
+            return super().forward_mla(layer, q_latent, q_rope, latent, scale)
+        from dserve.attention.triton_mla import mla_decode
+
+        self.pool.write(layer, 0, self.batch.out_slots, latent)
+        return mla_decode(q_latent.contiguous(), q_rope.contiguous(), self.pool.buffers[layer][0],
+                          self.batch.page_table, self.seq_lens, scale, max_len=self.max_len)
