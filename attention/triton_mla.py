@@ -86,7 +86,8 @@ def default_splits(batch: int, heads: int, max_len: int, block_n: int, device: t
 
 def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
                seq_lens: torch.Tensor, scale: float, num_splits: int | None = None, block_n: int = 32,
-               max_len: int | None = None, block_h: int = 64, num_warps: int = 8) -> torch.Tensor:
+               max_len: int | None = None, block_h: int = 64, num_warps: int = 8,
+               num_stages: int = 2) -> torch.Tensor:
     """q_latent [B, H, R], q_rope [B, H, P] (one decode token per sequence); `cache` one layer's
     latent pages [num_pages, page_size, R + P] (any page stride); `page_table` [B, max_pages],
     `seq_lens` [B] tokens in KV per sequence (the new one's latent already stored). Returns the
@@ -108,7 +109,7 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
         mid_out.stride(0), mid_out.stride(1), mid_out.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         heads, scale, cache.shape[1],
         R=rank, P=rope, BLOCK_H=block_h, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        IEEE=q_latent.dtype == torch.float32, num_warps=num_warps)
+        IEEE=q_latent.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
     out = torch.empty_like(q_latent)
     _combine_kernel[(batch, heads)](
         mid_out, mid_lse, out, mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
