@@ -17,6 +17,8 @@ with EAGLE-3 at 1, 2 and 3 draft steps, and writes JSON.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 from collections import Counter
 
 import torch
@@ -57,6 +59,7 @@ class Eagle3Head(nn.Module):
         return self.lm_head(self.norm(y))
 
     def public_tensors(self) -> dict[str, torch.Tensor]:
+        """The weights under the public checkpoint's keys (the layer's under `midlayer.`)."""
         out = {}
         for name, t in self.state_dict().items():
             if name.startswith(("self_attn.", "mlp.", "input_layernorm.", "hidden_norm.", "post_attention_layernorm.")):
@@ -64,6 +67,17 @@ class Eagle3Head(nn.Module):
             elif not name.startswith("rotary."):
                 out[name] = t
         return out
+
+    @classmethod
+    def from_checkpoint(cls, path: str) -> "Eagle3Head":
+        """The head of a public-layout EAGLE-3 checkpoint (its `d2t`/`t2d` left out)."""
+        from safetensors.torch import load_file
+
+        with open(os.path.join(path, "config.json")) as f:
+            head = cls(json.load(f))
+        tensors = load_file(os.path.join(path, "model.safetensors"))
+        head.load_state_dict({k.removeprefix("midlayer."): v for k, v in tensors.items() if k not in ("d2t", "t2d")})
+        return head.eval()
 
 
 def train_eagle3(target_dir: str, out: str, steps: int, seed: int = 0, draft_vocab: int = 256, log=print) -> dict:

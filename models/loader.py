@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 import torch
 
@@ -21,20 +22,25 @@ def load_model(model_path: str, device: str | torch.device = "cpu", dtype: torch
                load_format: str = "auto") -> tuple[ModelConfig, torch.nn.Module]:
     cfg, model_cls = resolve(model_path)
     start = time.perf_counter()
+    model = build_on(device, dtype, lambda: model_cls(cfg, ctx))
+    fill_weights(model, model_path, model.map_checkpoint_key, load_format, progress)
+    model.eval()
+    what = "random weights (load_format=dummy) for" if load_format == "dummy" else "loaded"
+    log.info("%s %s (%s) in %.1fs: %.1f MB of parameters on %s", what, model_path, cfg.architecture,
+             time.perf_counter() - start, parameter_bytes(model) / 1e6, device)
+    return cfg, model
+
+
+def build_on(device: str | torch.device, dtype: torch.dtype,
+             make: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    """`make()`'s module with its parameters created on `device` in `dtype` (no copy afterwards)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = model_cls(cfg, ctx)
+            return make()
     finally:
         torch.set_default_dtype(previous)
-    fill_weights(model, model_path, model.map_checkpoint_key, load_format, progress)
-    model.eval()
-    log.info("%s %s (%s) in %.1fs: %.1f MB of parameters on %s",
-             "random weights (load_format=dummy) for" if load_format == "dummy" else "loaded", model_path,
-             cfg.architecture,
-             time.perf_counter() - start, parameter_bytes(model) / 1e6, device)
-    return cfg, model
 
 
 def parameter_bytes(model: torch.nn.Module) -> int:

@@ -6,6 +6,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from dserve.models.weights import LOAD_FORMATS
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -59,7 +61,7 @@ class EngineConfig:
             raise ValueError(f"tp_size = {self.tp_size} does not divide by dp_size = {self.dp_size}")
         if self.tp_size % self.ep_size:
             raise ValueError(f"tp_size = {self.tp_size} does not divide by ep_size = {self.ep_size}")
-        if self.load_format not in ("auto", "dummy"):
+        if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")

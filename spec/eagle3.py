@@ -35,6 +35,7 @@ from dserve.models.layers.linear import ParallelLMHead, ReplicatedLinear, VocabP
 from dserve.models.layers.mlp import GatedMLP
 from dserve.models.layers.norm import RMSNorm
 from dserve.models.layers.rotary import RotaryEmbedding
+from dserve.models.loader import build_on
 from dserve.models.parallel import SINGLE, ParallelContext
 from dserve.models.weights import SKIP, attach_loader, fill_weights, iter_checkpoint, prefixed, replicated_loader
 
@@ -145,13 +146,8 @@ def load_eagle3_draft(draft_path: str | None, target, device: torch.device, dtyp
     if cfg.target_hidden_size != target.cfg.hidden_size:
         raise ValueError(f"the EAGLE-3 draft at {draft_path!r} was made for a target of hidden size "
                          f"{cfg.target_hidden_size}; this target's is {target.cfg.hidden_size}")
-    names = set() if load_format == "dummy" else {src.name.removeprefix("model.") for src in iter_checkpoint(draft_path)}
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            draft = Eagle3Draft(cfg, target, ctx, own_embedding="embed_tokens.weight" in names)
-    finally:
-        torch.set_default_dtype(previous)
+    own_embedding = load_format != "dummy" and any(src.name.removeprefix("model.") == "embed_tokens.weight"
+                                                   for src in iter_checkpoint(draft_path))
+    draft = build_on(device, dtype, lambda: Eagle3Draft(cfg, target, ctx, own_embedding))
     fill_weights(draft, draft_path, draft.map_checkpoint_key, load_format, progress=False)
     return draft.eval()

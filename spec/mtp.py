@@ -22,6 +22,7 @@ from dserve.models.base import CausalLM, DecoderLayer
 from dserve.models.config import ModelConfig
 from dserve.models.layers.linear import ParallelLMHead, ReplicatedLinear, VocabParallelEmbedding
 from dserve.models.layers.norm import RMSNorm
+from dserve.models.loader import build_on
 from dserve.models.parallel import SINGLE, ParallelContext
 from dserve.models.weights import SKIP, fill_weights, iter_checkpoint, prefixed
 
@@ -83,12 +84,7 @@ def load_mtp_draft(model_path: str, cfg: ModelConfig, target: CausalLM, device: 
     if not dummy and not any(n.startswith(prefix) for n in names):
         raise ValueError(f"speculative_algorithm='mtp' needs the checkpoint's MTP (NextN) layer, but {model_path!r} "
                          f"has no {prefix}* tensors")
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            draft = MTPDraft(cfg, target, ctx, own_embedding=prefix + "embed_tokens.weight" in names)
-    finally:
-        torch.set_default_dtype(previous)
+    own_embedding = prefix + "embed_tokens.weight" in names
+    draft = build_on(device, dtype, lambda: MTPDraft(cfg, target, ctx, own_embedding))
     fill_weights(draft, model_path, draft.map_checkpoint_key, load_format, progress=False)
     return draft.eval()

@@ -10,7 +10,7 @@ import torch
 from dserve.runtime.batch import assemble, build_draft_batch
 from dserve.scheduler.kv_manager import KVCacheManager
 from tests.reference import relative_error
-from tests.spec.test_mtp import GREEDY, checkpoint_tensors, prompts, rms
+from tests.spec.test_mtp import GREEDY, checkpoint_tensors, prompts
 
 ARCHES = ("deepseek_v3", "glm4_moe")
 
@@ -22,29 +22,11 @@ def eagle3_engine(make_engine, target: str, draft: str, **kwargs):
 @torch.no_grad()
 def reference_draft_logits(draft: str, embed: torch.Tensor, tokens: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
     """The EAGLE-3 layer written with transformers' LlamaAttention (its q/k/v read 2 * hidden, its
-    o_proj writes hidden), LlamaMLP and rotary embedding; logits over the draft vocabulary."""
-    import transformers
-    from transformers.models.llama import modeling_llama as ml
+    o_proj writes hidden), LlamaMLP and rotary embedding (the module bench/train_eagle3.py trains);
+    logits over the draft vocabulary."""
+    from bench.train_eagle3 import Eagle3Head
 
-    cfg = transformers.AutoConfig.from_pretrained(draft)
-    w = checkpoint_tensors(draft, "")
-    h, eps = cfg.hidden_size, cfg.rms_norm_eps
-    wide = transformers.LlamaConfig(**{**cfg.to_dict(), "hidden_size": 2 * h, "head_dim": h // cfg.num_attention_heads})
-    wide._attn_implementation = "sdpa"
-    attn = ml.LlamaAttention(wide, layer_idx=0).eval()
-    attn.o_proj = torch.nn.Linear(cfg.num_attention_heads * wide.head_dim, h, bias=False)
-    mlp = ml.LlamaMLP(cfg).eval()
-    for name, module in (("self_attn", attn), ("mlp", mlp)):
-        module.load_state_dict({k[len(f"midlayer.{name}."):]: v for k, v in w.items()
-                                if k.startswith(f"midlayer.{name}.")})
-    hidden = aux @ w["fc.weight"].T
-    x = torch.cat([rms(embed[tokens], w["midlayer.input_layernorm.weight"], eps),
-                   rms(hidden, w["midlayer.hidden_norm.weight"], eps)], -1)
-    pos = torch.arange(len(tokens))[None]
-    cos_sin = ml.LlamaRotaryEmbedding(wide)(x[None], pos)
-    residual = hidden + attn(x[None], position_embeddings=cos_sin, attention_mask=None)[0][0]
-    y = residual + mlp(rms(residual, w["midlayer.post_attention_layernorm.weight"], eps))
-    return rms(y, w["norm.weight"], eps) @ w["lm_head.weight"].T
+    return Eagle3Head.from_checkpoint(draft)(embed[tokens][None], aux[None])[0]
 
 
 @pytest.mark.parametrize("arch", ARCHES)
