@@ -22,11 +22,13 @@ class TritonBackend(TorchBackend):
         super().__init__(pool)
 
     def plan(self, batch: ForwardBatch) -> None:
-        super().plan(batch)
-        self.decode = bool(batch.q_lens) and all(n == 1 for n in batch.q_lens)
-        if self.decode:
+        self.batch = batch
+        self.decode = self.pool.layout.kind == "mla" and bool(batch.q_lens) and all(n == 1 for n in batch.q_lens)
+        if self.decode:  # the kernel reads the page table itself: no per-sequence reference plan
             self.seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int32, device=batch.page_table.device)
             self.max_len = max(batch.seq_lens)
+        else:
+            super().plan(batch)
 
     def forward_mla(self, layer, q_latent, q_rope, latent, scale):
         if not self.decode:

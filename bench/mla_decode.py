@@ -12,30 +12,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 
 import torch
 
-
-def timed(fn, repeats: int) -> float:
-    """Median seconds of fn() on the current stream."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+from bench.cuda_timing import median_seconds
 
 
 def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    return 2 * nbytes / timed(lambda: dst.copy_(src), repeats)
+    return 2 * nbytes / median_seconds(lambda: dst.copy_(src), repeats)
 
 
 def run_case(batch: int, context: int, repeats: int, heads=128, rank=512, rope=64, page_size=64, **tune) -> dict:
@@ -48,7 +34,8 @@ def run_case(batch: int, context: int, repeats: int, heads=128, rank=512, rope=6
     lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     q_latent = torch.randn(batch, heads, rank, device="cuda", dtype=torch.bfloat16)
     q_rope = torch.randn(batch, heads, rope, device="cuda", dtype=torch.bfloat16)
-    seconds = timed(lambda: mla_decode(q_latent, q_rope, cache, table, lens, 0.07, max_len=context, **tune), repeats)
+    seconds = median_seconds(lambda: mla_decode(q_latent, q_rope, cache, table, lens, 0.07, max_len=context, **tune),
+                             repeats)
     nbytes = batch * context * (rank + rope) * 2
     return {"batch": batch, "context": context, "ms": seconds * 1e3, "bytes": nbytes, "gb_s": nbytes / seconds / 1e9}
 

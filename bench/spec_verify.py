@@ -17,10 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import tempfile
 
 import torch
+
+from bench.cuda_timing import median_seconds
 
 
 def deepseek_v3_config_dir(layers: int, experts: int) -> str:
@@ -43,7 +44,7 @@ def deepseek_v3_config_dir(layers: int, experts: int) -> str:
     return out
 
 
-def step_batch(runner, kv, batch_size: int, context: int, q_len: int):
+def step_batch(kv, batch_size: int, context: int, q_len: int):
     """`batch_size` requests with `context` tokens in KV, each adding `q_len` tokens with logits at all."""
     from dserve.runtime.batch import assemble
 
@@ -56,19 +57,9 @@ def step_batch(runner, kv, batch_size: int, context: int, q_len: int):
     return assemble(entries, kv)
 
 
-def time_forward(runner, batch, repeats: int) -> float:
-    """Median ms of `runner.forward(batch)`."""
-    for _ in range(3):
-        runner.forward(batch)
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        runner.forward(batch)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def forward_ms(runner, batch, repeats: int) -> float:
+    """Median ms of `runner.forward(batch)` (the batch built once, outside the timing)."""
+    return 1e3 * median_seconds(lambda: runner.forward(batch), repeats)
 
 
 def main() -> None:
@@ -95,9 +86,9 @@ def main() -> None:
     rows = []
     print(f"{'batch':>5} {'k':>3} {'decode ms':>10} {'verify ms':>10} {'ratio':>6}")
     for b in args.batches:
-        decode = time_forward(runner, step_batch(runner, kv, b, args.context, 1), args.repeats)
+        decode = forward_ms(runner, step_batch(kv, b, args.context, 1), args.repeats)
         for k in args.drafts:
-            verify = time_forward(runner, step_batch(runner, kv, b, args.context, k + 1), args.repeats)
+            verify = forward_ms(runner, step_batch(kv, b, args.context, k + 1), args.repeats)
             rows.append({"batch": b, "k": k, "decode_ms": decode, "verify_ms": verify, "ratio": verify / decode})
             print(f"{b:>5} {k:>3} {decode:>10.2f} {verify:>10.2f} {verify / decode:>6.2f}")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
