@@ -2,7 +2,8 @@
 
 A batch is a list of spans: sequence i computes `q_lens[i]` new tokens at the end of a context of
 `seq_lens[i]` tokens (prompt chunk, one decode token or several draft tokens alike). There is no
-prefill/decode mode: a backend may pick a kernel per span shape, but the model never asks.
+prefill/decode mode: a backend may pick a kernel per span shape, but the model never asks. A span
+sees its context causally unless it carries a draft tree's mask.
 
 A backend is bound to one KV pool. `plan(batch)` runs once per forward for per-batch metadata;
 `forward_mha` / `forward_mla` run one layer: store the new tokens' K/V (or latent) into their
@@ -11,7 +12,7 @@ slots, then attend over the whole context through the page table.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -21,7 +22,7 @@ from dserve.scheduler.kv_pool import KVPool
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] new tokens of all spans, span after span
-    positions: torch.Tensor  # [T] their positions in their sequences
+    positions: torch.Tensor  # [T] their rotary positions in their sequences
     q_lens: list[int]  # new tokens per span
     seq_lens: list[int]  # context length per span after this step (cached + new)
     page_table: torch.Tensor  # [B, max_pages] page ids of each sequence (padding beyond its pages)
@@ -30,6 +31,11 @@ class ForwardBatch:
     dp_num_tokens: list[int] | None = None  # with DP attention: every DP group's token count this step
     hidden_rows: torch.Tensor | None = None  # a draft pass: per token, the row of the previous pass's
     #                                          hidden states it reads (the target's or the draft's own)
+    tree_masks: list[torch.Tensor | None] | None = None  # per span, None (causal) or a draft tree's
+    #   bool [q_len, tail]: which of the context's last `tail` positions each new token sees (all
+    #   positions before those are seen by every token of the span)
+    kv_moves: torch.Tensor | None = None  # [2, M] target-pool slots copied src -> dst before the pass
+    #                                       (the accepted path of a verified draft tree)
 
     @property
     def num_tokens(self) -> int:
@@ -38,10 +44,22 @@ class ForwardBatch:
     def to(self, device: torch.device) -> "ForwardBatch":
         if self.input_ids.device == device:
             return self
-        move = lambda t: t.to(device, non_blocking=True)
-        return ForwardBatch(move(self.input_ids), move(self.positions), self.q_lens, self.seq_lens,
-                            move(self.page_table), move(self.out_slots), move(self.logits_indices),
-                            self.dp_num_tokens, None if self.hidden_rows is None else move(self.hidden_rows))
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)
+        return replace(self, input_ids=move(self.input_ids), positions=move(self.positions),
+                       page_table=move(self.page_table), out_slots=move(self.out_slots),
+                       logits_indices=move(self.logits_indices), hidden_rows=move(self.hidden_rows),
+                       tree_masks=None if self.tree_masks is None else [move(m) for m in self.tree_masks],
+                       kv_moves=move(self.kv_moves))
+
+    def span_mask(self, i: int, causal_from: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Span i's [q_len, seq_len] visibility: causal over cache positions `positions` for queries
+        at `causal_from`, or its tree mask over the tail."""
+        tree = None if self.tree_masks is None else self.tree_masks[i]
+        if tree is None:
+            return positions[None, :] <= causal_from[:, None]
+        mask = torch.ones(tree.shape[0], self.seq_lens[i], dtype=torch.bool, device=tree.device)
+        mask[:, self.seq_lens[i] - tree.shape[1]:] = tree
+        return mask
 
 
 class AttentionBackend(ABC):

@@ -1,7 +1,7 @@
 """Pure-torch reference attention over the paged cache: runs on any device, one sequence at a time.
 
 It gathers each sequence's context through its page table and applies a causal mask at the span's
-offset. Fast kernels are checked against this backend.
+offset (or the span's draft-tree mask). Fast kernels are checked against this backend.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ class TorchBackend(AttentionBackend):
             pos = torch.arange(seq_len, device=batch.page_table.device)
             self.ctx_slots.append(batch.page_table[i, pos // ps] * ps + pos % ps)
             q_pos = torch.arange(seq_len - q_len, seq_len, device=pos.device)
-            self.masks.append(pos[None, :] <= q_pos[:, None])  # [q_len, seq_len]
+            self.masks.append(batch.span_mask(i, q_pos, pos))  # [q_len, seq_len]
             self.q_starts.append(start)
             start += q_len
 

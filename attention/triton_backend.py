@@ -23,7 +23,8 @@ class TritonBackend(TorchBackend):
 
     def plan(self, batch: ForwardBatch) -> None:
         self.batch = batch
-        self.decode = self.pool.layout.kind == "mla" and bool(batch.q_lens) and all(n == 1 for n in batch.q_lens)
+        self.decode = (self.pool.layout.kind == "mla" and bool(batch.q_lens) and all(n == 1 for n in batch.q_lens)
+                       and batch.tree_masks is None)
         if self.decode:  # the kernel reads the page table itself: no per-sequence reference plan
             self.seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int32, device=batch.page_table.device)
             self.max_len = max(batch.seq_lens)

@@ -46,14 +46,14 @@ def deepseek_v3_config_dir(layers: int, experts: int) -> str:
 
 def step_batch(kv, batch_size: int, context: int, q_len: int):
     """`batch_size` requests with `context` tokens in KV, each adding `q_len` tokens with logits at all."""
-    from dserve.runtime.batch import assemble
+    from dserve.runtime.batch import Seq, assemble
 
     entries = []
     for i in range(batch_size):
         rid = f"r{i}"
         if rid not in kv.tables:
             assert kv.allocate_slots(rid, context + 8), "pool too small"
-        entries.append((rid, context, [100 + i] * q_len, list(range(q_len))))
+        entries.append(Seq(rid, context, [100 + i] * q_len, list(range(q_len))))
     return assemble(entries, kv)
 
 

@@ -108,9 +108,10 @@ def train(arch: str, out: str, steps: int, seed: int = 0, log=print) -> dict:
 
 
 def measure(path: str, prompts: list[list[int]], steps_list=(1, 2, 3), max_new_tokens: int = 48,
-            speculative: dict | None = None) -> list[dict]:
-    """Mean acceptance length (tokens per verify) and tokens/s per draft-step count; output checked
-    equal to the plain engine's. `speculative`: the Engine's draft arguments (default: MTP)."""
+            speculative: dict | None = None, topk: int = 1) -> list[dict]:
+    """Mean acceptance length (tokens per verify) and tokens/s per draft-step count (draft trees of
+    `topk` branches per pass); output checked equal to the plain engine's. `speculative`: the
+    Engine's draft arguments (default: MTP)."""
     from dserve.runtime import Engine
 
     params = {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
@@ -120,10 +121,10 @@ def measure(path: str, prompts: list[list[int]], steps_list=(1, 2, 3), max_new_t
     seconds = time.perf_counter() - start
     plain.shutdown()
     tokens = sum(map(len, expected))
-    rows = [{"steps": 0, "accept_length": 1.0, "tokens_per_s": tokens / seconds}]  # speculation off
+    rows = [{"steps": 0, "topk": 0, "accept_length": 1.0, "tokens_per_s": tokens / seconds}]  # speculation off
     for steps in steps_list:
         engine = Engine(path, device="cpu", load_progress=False, speculative_num_steps=steps,
-                        **(speculative or {"speculative_algorithm": "mtp"}))
+                        speculative_eagle_topk=topk, **(speculative or {"speculative_algorithm": "mtp"}))
         start = time.perf_counter()
         got = engine.generate(input_ids=prompts, sampling_params=params)
         seconds = time.perf_counter() - start
@@ -132,7 +133,8 @@ def measure(path: str, prompts: list[list[int]], steps_list=(1, 2, 3), max_new_t
             raise AssertionError(f"speculation with {steps} steps changed the output")
         tokens = sum(len(r.output_ids) for r in got)
         verifies = sum(r.meta["spec_verify_ct"] for r in got)
-        rows.append({"steps": steps, "accept_length": tokens / verifies, "tokens_per_s": tokens / seconds})
+        rows.append({"steps": steps, "topk": topk, "accept_length": tokens / verifies,
+                     "tokens_per_s": tokens / seconds})
     return rows
 
 
@@ -144,15 +146,17 @@ def main() -> None:
     parser.add_argument("--json", default="bench/results/train_mtp.json")
     args = parser.parse_args()
     info = train(args.arch, args.out, args.steps)
-    report("mtp", measure(args.out, info["prompts"]), info, args.json)
+    rows = measure(args.out, info["prompts"]) + measure(args.out, info["prompts"], (3,), topk=4)[1:]
+    report("mtp", rows, info, args.json)
 
 
 def report(algorithm: str, rows: list[dict], info: dict, json_path: str) -> None:
     """Print the table of `measure` rows and write them with `info` as JSON."""
-    print(f"{'speculation':>11} {'accept length':>14} {'tokens/s (CPU)':>15}")
+    print(f"{'speculation':>16} {'accept length':>14} {'tokens/s (CPU)':>15}")
     for r in rows:
         name = f"{algorithm} x{r['steps']}" if r["steps"] else "off"
-        print(f"{name:>11} {r['accept_length']:>14.2f} {r['tokens_per_s']:>15.1f}")
+        name += f" topk {r['topk']}" if r["topk"] > 1 else ""
+        print(f"{name:>16} {r['accept_length']:>14.2f} {r['tokens_per_s']:>15.1f}")
     os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
     with open(json_path, "w") as f:
         json.dump({**info, "rows": rows}, f, indent=2)

@@ -34,9 +34,9 @@ class EngineConfig:
     step_timeout_s: float = 600.0  # the front gives up on ranks that return no step result in this time
     speculative_algorithm: str | None = None  # "mtp" (the checkpoint's NextN layer) or "eagle3" (a separate draft)
     speculative_draft_model_path: str | None = None  # EAGLE-3 draft checkpoint
-    speculative_num_steps: int = 1  # draft passes per step (a chain of this many draft tokens)
-    speculative_eagle_topk: int = 1  # draft branches per step (1: a chain)
-    speculative_num_draft_tokens: int | None = None  # tokens one verify checks (default steps + 1)
+    speculative_num_steps: int = 1  # draft passes per step (the depth of the draft tree)
+    speculative_eagle_topk: int = 1  # branches kept per draft pass (1: a chain; more: a tree)
+    speculative_num_draft_tokens: int | None = None  # tokens per verify, root included (default steps*topk+1)
     speculative_naive: bool = False  # verify and draft extend as one step
 
     def __post_init__(self) -> None:
@@ -78,14 +78,19 @@ class EngineConfig:
                              "checkpoint directory)")
         if self.speculative_num_steps < 1:
             raise ValueError(f"speculative_num_steps must be >= 1, got {self.speculative_num_steps}")
-        if self.speculative_eagle_topk != 1:
-            raise ValueError("speculative_eagle_topk > 1 (tree drafts) is not available yet; use 1")
+        steps, topk = self.speculative_num_steps, self.speculative_eagle_topk
+        if topk < 1:
+            raise ValueError(f"speculative_eagle_topk must be >= 1, got {topk}")
         if self.speculative_num_draft_tokens is None:
-            self.speculative_num_draft_tokens = self.speculative_num_steps + 1
-        if self.speculative_num_draft_tokens != self.speculative_num_steps + 1:
+            self.speculative_num_draft_tokens = steps * topk + 1
+        most = topk + (steps - 1) * topk * topk + 1  # the root and every node the draft passes propose
+        if topk == 1 and self.speculative_num_draft_tokens != steps + 1:
             raise ValueError(f"with speculative_eagle_topk=1 a verify checks speculative_num_steps + 1 = "
-                             f"{self.speculative_num_steps + 1} tokens, got speculative_num_draft_tokens="
+                             f"{steps + 1} tokens, got speculative_num_draft_tokens="
                              f"{self.speculative_num_draft_tokens}")
+        if not 2 <= self.speculative_num_draft_tokens <= most:
+            raise ValueError(f"speculative_num_draft_tokens must be in [2, {most}] with speculative_num_steps={steps} "
+                             f"and speculative_eagle_topk={topk}, got {self.speculative_num_draft_tokens}")
         if self.speculative_naive:
             raise ValueError("speculative_naive is not available yet")
 

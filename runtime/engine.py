@@ -90,8 +90,9 @@ class Engine:
         self.group_of: dict[str, int] = {}
         self.keep_pages: set[str] = set()  # prefill: requests whose pages outlive them, to be sent
         self.held: dict[str, tuple[int, str]] = {}  # holder key -> (DP group, rid) of pages in flight
-        self.speculator = (Speculator(self.config.speculative_num_steps, self._execute)
-                           if self.config.speculative_algorithm else None)
+        c = self.config
+        self.speculator = (Speculator(c.speculative_num_steps, self._execute, c.speculative_eagle_topk,
+                                      c.speculative_num_draft_tokens) if c.speculative_algorithm else None)
 
     # ---- request lifecycle -------------------------------------------------------------------
     def tokenize(self, prompt: str | None, input_ids: list[int] | None) -> list[int]:
@@ -165,11 +166,12 @@ class Engine:
             return [r for r in self.requests.values() if r.finished]
         group_logits = self._execute(build_step_batches(plans, [g.kv for g in self.groups]))
         done, rows, verified = [], [], []
-        for spans, group, logits in zip(plans, self.groups, group_logits):
+        for g, (spans, group, logits) in enumerate(zip(plans, self.groups, group_logits)):
             row = 0
             for span in spans:
                 if span.draft:  # speculative: the drafts the target agrees with, then its own next token
-                    verified.append((span.req, self.speculator.verify(span, logits[row:row + span.length])))
+                    tokens = self.speculator.verify(span, logits[row:row + span.length], group.kv, g)
+                    verified.append((span.req, tokens))
                     row += span.length
                 elif span.completes:
                     done.append(span.req)
@@ -197,6 +199,8 @@ class Engine:
         return key if key in self.held else None
 
     def _execute(self, batches):
+        if self.speculator is not None:
+            self.speculator.attach_moves(batches)
         try:
             return self.executor.execute(batches)
         except RankFailure as e:
@@ -276,7 +280,7 @@ class Engine:
 
     def join_prefilled(self, rid: str, first_token: int, logprob: float | None = None,
                        top_logprobs: list | None = None, draft_tokens: list[int] | None = None,
-                       rng_state: bytes | None = None) -> None:
+                       rng_state: bytes | None = None, draft_parents: list[int] | None = None) -> None:
         """Decode: the prompt's KV (and the draft's, with speculation) is in the pages; the prefill's
         first token joins and decoding starts, verifying the prefill's draft tokens first. A seeded
         request's generator continues from the prefill's state, so its draws are the colocated ones."""
@@ -285,6 +289,8 @@ class Engine:
             req.generator.set_state(torch.frombuffer(bytearray(rng_state), dtype=torch.uint8))
         if self.speculator is not None and draft_tokens:
             req.draft_tokens = [int(t) for t in draft_tokens]
+            req.draft_parents = ([int(p) for p in draft_parents] if draft_parents is not None
+                                 else list(range(-1, len(draft_tokens) - 1)))
         req.num_computed_tokens = len(req.prompt_ids)
         req.output_ids.append(first_token)
         req.first_token_time = time.perf_counter()

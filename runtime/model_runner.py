@@ -102,6 +102,8 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [N, vocab] (float32, on the rank's device) for the batch's `logits_indices` rows."""
         batch = batch.to(self.device)
+        if batch.kv_moves is not None:  # the accepted path of last step's draft tree, into place
+            self.pool.move(batch.kv_moves[0], batch.kv_moves[1])
         if batch.hidden_rows is not None:  # a draft pass reads the previous pass's hidden states
             model, hidden = self.draft, self.draft(batch, self.last_hidden[batch.hidden_rows], self.draft_backend)
             feed = hidden

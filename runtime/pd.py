@@ -191,6 +191,7 @@ def _aux(req: Request) -> dict:
     aux = {"token": req.output_ids[0]}
     if req.draft_tokens:  # speculative: the draft's proposals after the prompt, verified first by the decode
         aux["draft"] = list(req.draft_tokens)
+        aux["draft_parents"] = list(req.draft_parents)
     if req.generator is not None:  # seeded: the decode draws on from where the first token's draw left off
         aux["rng"] = req.generator.get_state().numpy().tobytes()
     if req.params.return_logprob and req.token_logprobs:
@@ -304,7 +305,7 @@ class DecodeSide:
                 self._drop(room)
                 aux = outcome.aux
                 self.engine.join_prefilled(rid, int(aux["token"]), aux.get("logprob"), aux.get("top"),
-                                           aux.get("draft"), aux.get("rng"))
+                                           aux.get("draft"), aux.get("rng"), aux.get("draft_parents"))
                 return
             req.finish("abort", error=f"KV transfer failed: {outcome.error or 'no first token from the prefill'}")
             room.key = self.engine.hold(rid, "recv")

@@ -80,3 +80,9 @@ class KVPool:
         """The entries of `slots`, gathered, [len(slots), *token_shape]."""
         b, ps = self.buffers[layer][buffer], self.layout.page_size
         return b[slots // ps, slots % ps]
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's entries of slots `src` to slots `dst` (all read before any is written)."""
+        for layer in range(self.layout.num_layers):
+            for b in range(self.layout.buffers_per_layer):
+                self.write(layer, b, dst, self.read(layer, b, src))

@@ -107,6 +107,7 @@ class Request:
     finish_time: float | None = None
     extra_meta: dict = field(default_factory=dict)  # e.g. KV transfer figures, merged into the result's meta
     draft_tokens: list[int] = field(default_factory=list)  # speculative: proposals the next step verifies
+    draft_parents: list[int] = field(default_factory=list)  # their tree: each one's parent (-1: the newest token)
     accepted_per_step: list[int] = field(default_factory=list)  # speculative: drafts accepted by each verify
 
     @property

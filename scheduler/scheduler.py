@@ -25,13 +25,17 @@ class SchedulerConfig:
 @dataclass
 class Span:
     """Compute tokens [start, start + length) of `req` in this step; with speculation the last
-    `len(draft)` of them are draft tokens to verify, of which `rejected` turn out wrong."""
+    `len(draft)` of them are draft tokens to verify (a tree: node i hangs from node `parents[i]`,
+    -1 being the token before them), of which `rejected` turn out wrong. `kept` lists, once
+    verified, the span's rows whose tokens stay: the first, then the accepted path's nodes."""
 
     req: Request
     start: int
     length: int
     draft: tuple[int, ...] = ()
+    parents: tuple[int, ...] = ()
     rejected: int = 0
+    kept: list[int] | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -97,8 +101,10 @@ class Scheduler:
     def _next_span(self, req: Request, budget: int) -> Span:
         """The request's next chunk of prompt, or its newest token followed by its draft tokens."""
         n = min(req.num_tokens - req.num_computed_tokens, self.config.chunked_prefill_size, budget)
-        draft = tuple(req.draft_tokens) if n == 1 and budget > len(req.draft_tokens) else ()
-        return Span(req, req.num_computed_tokens, n + len(draft), draft)
+        if n == 1 and req.draft_tokens and budget > len(req.draft_tokens):
+            return Span(req, req.num_computed_tokens, 1 + len(req.draft_tokens), tuple(req.draft_tokens),
+                        tuple(req.draft_parents))
+        return Span(req, req.num_computed_tokens, n)
 
     def _grow(self, req: Request, n: int) -> bool:
         """Pages for `n` more tokens of a running request, preempting from the back when short.
@@ -116,7 +122,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req.rid)
-        req.draft_tokens = []  # the recomputed prompt drafts anew
+        req.draft_tokens, req.draft_parents = [], []  # the recomputed prompt drafts anew
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = Status.WAITING

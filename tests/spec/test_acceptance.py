@@ -15,6 +15,8 @@ def test_trained_draft_is_accepted(trained):
     rows = {r["steps"]: r["accept_length"] for r in measure(path, info["prompts"], steps_list=(1, 3))}
     assert rows[1] > 1.5, rows  # measure() also checks the output equals the plain engine's
     assert rows[3] > 2.0, rows
+    tree = measure(path, info["prompts"], steps_list=(3,), topk=4)[1]["accept_length"]
+    assert tree > 2.0, (tree, rows)  # a draft tree of 4 branches per pass, 12 nodes
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
@@ -22,16 +24,20 @@ def test_trained_eagle3_draft_is_accepted(arch, trained_eagle3):
     """Its first step is trained (no training-time-test unrolling), so one draft step is measured."""
     target, draft, info = trained_eagle3(arch)
     assert info["final_draft_loss"] < 1.0, info
-    rows = measure(target, info["prompts"], steps_list=(1,), speculative={
-        "speculative_algorithm": "eagle3", "speculative_draft_model_path": draft})
+    spec = {"speculative_algorithm": "eagle3", "speculative_draft_model_path": draft}
+    rows = measure(target, info["prompts"], steps_list=(1,), speculative=spec)
     assert rows[1]["accept_length"] > 1.5, rows
+    tree = measure(target, info["prompts"], steps_list=(1,), speculative=spec, topk=4)[1]["accept_length"]
+    assert tree >= rows[1]["accept_length"], (tree, rows)  # the chain's guess is one of the root's 4 children
 
 
-def test_speculation_across_ranks_is_lossless(trained, make_engine):
+@pytest.mark.parametrize("topk", [1, 4])
+def test_speculation_across_ranks_is_lossless(topk, trained, make_engine):
     path, info = trained
     params = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}
     expected = make_engine(path).generate(input_ids=info["prompts"][:4], sampling_params=params)
-    engine = make_engine(path, tp_size=2, dp_size=2, speculative_algorithm="mtp", speculative_num_steps=2)
+    engine = make_engine(path, tp_size=2, dp_size=2, speculative_algorithm="mtp", speculative_num_steps=2,
+                         speculative_eagle_topk=topk)
     got = engine.generate(input_ids=info["prompts"][:4], sampling_params=params)
     assert [g.output_ids for g in got] == [e.output_ids for e in expected]
     assert sum(len(g.output_ids) for g in got) / sum(g.meta["spec_verify_ct"] for g in got) > 1.5
@@ -63,13 +69,16 @@ def sampled_tokens(engine, prompt: list[int]) -> list[list[int]]:
     return [r.output_ids for r in engine.generate(input_ids=[prompt] * SAMPLES, sampling_params=params)]
 
 
-def test_speculative_sampling_keeps_the_target_distribution(trained, make_engine):
-    """Seeded sampling with drafts (accepted with probability p(d), else a draw from the rest)
-    against the plain engine's: the tokens at each verified position are one distribution."""
+@pytest.mark.parametrize("topk", [1, 4])
+def test_speculative_sampling_keeps_the_target_distribution(topk, trained, make_engine):
+    """Seeded sampling with drafts (accepted with probability p(d), else a draw from the rest; in a
+    tree the next sibling is tried on what is left) against the plain engine's: the tokens at each
+    verified position are one distribution."""
     path, info = trained
     prompt = info["prompts"][0]
     plain = sampled_tokens(make_engine(path, max_running_requests=512), prompt)
-    engine = make_engine(path, max_running_requests=512, speculative_algorithm="mtp", speculative_num_steps=2)
+    engine = make_engine(path, max_running_requests=512, speculative_algorithm="mtp", speculative_num_steps=2,
+                         speculative_eagle_topk=topk)
     spec = sampled_tokens(engine, prompt)
     assert [s[0] for s in spec] == [p[0] for p in plain]  # the first token comes from the prefill alike
     stats = engine.speculator

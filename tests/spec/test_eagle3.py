@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dserve.runtime.batch import assemble, build_draft_batch
+from dserve.runtime.batch import Seq, assemble, build_draft_batch
 from dserve.scheduler.kv_manager import KVCacheManager
 from tests.reference import relative_error
 from tests.spec.test_mtp import GREEDY, checkpoint_tensors, prompts
@@ -40,7 +40,7 @@ def test_target_hands_over_the_configured_layer_outputs(arch, eagle3_dir, make_e
     ids = prompts(2)[1]
     kv = KVCacheManager(runner.pool.num_pages, runner.pool.layout.page_size)
     assert kv.allocate_slots("r", len(ids))
-    runner.forward(assemble([("r", 0, ids, [len(ids) - 1])], kv))  # a target pass over the prompt
+    runner.forward(assemble([Seq("r", 0, ids, [len(ids) - 1])], kv))  # a target pass over the prompt
     transformers.logging.set_verbosity_error()
     hf = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -63,7 +63,7 @@ def test_draft_layer_matches_transformers(arch, eagle3_dir, make_engine):
     kv = KVCacheManager(runner.draft_pool.num_pages, runner.draft_pool.layout.page_size)
     assert kv.allocate_slots("r", T)
     runner.last_hidden = aux
-    ours = runner.forward(build_draft_batch([("r", 0, tokens.tolist(), list(range(T)), list(range(T)))], kv))
+    ours = runner.forward(build_draft_batch([Seq("r", 0, tokens.tolist(), list(range(T)), list(range(T)))], kv))
     embed = runner.model.embed_tokens.weight
     ref = reference_draft_logits(draft, embed, tokens, aux)
     hot = torch.arange(ref.shape[-1]) + checkpoint_tensors(draft, "")["d2t"]
@@ -74,8 +74,8 @@ def test_draft_layer_matches_transformers(arch, eagle3_dir, make_engine):
 
 
 @pytest.mark.parametrize("arch", ARCHES)
-@pytest.mark.parametrize("steps", [1, 3])
-def test_speculation_changes_no_output(arch, steps, eagle3_dir, make_engine):
+@pytest.mark.parametrize("steps,topk", [(1, 1), (3, 1), (3, 4)])
+def test_speculation_changes_no_output(arch, steps, topk, eagle3_dir, make_engine):
     """As for MTP: greedy drafting requests and a seeded sampling one with logprobs, chunked prefill,
     small pages; every page of both pools back at the end (the fixture checks the invariants)."""
     target, draft = eagle3_dir(arch)
@@ -83,7 +83,8 @@ def test_speculation_changes_no_output(arch, steps, eagle3_dir, make_engine):
                               "return_logprob": True}]
     kwargs = dict(chunked_prefill_size=16, page_size=4)
     expected = make_engine(target, **kwargs).generate(input_ids=prompts(4), sampling_params=params)
-    engine = eagle3_engine(make_engine, target, draft, speculative_num_steps=steps, **kwargs)
+    engine = eagle3_engine(make_engine, target, draft, speculative_num_steps=steps,
+                             speculative_eagle_topk=topk, **kwargs)
     got = engine.generate(input_ids=prompts(4), sampling_params=params)
     assert [g.output_ids for g in got] == [e.output_ids for e in expected]
     assert all(g.meta["spec_verify_ct"] >= 1 for g in got[:3])

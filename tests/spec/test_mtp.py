@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dserve.runtime.batch import build_draft_batch
+from dserve.runtime.batch import Seq, build_draft_batch
 from dserve.scheduler.kv_manager import KVCacheManager
 from tests.reference import relative_error
 
@@ -66,7 +66,7 @@ def test_draft_layer_matches_transformers(arch, tiny_dir, make_engine):
     kv = KVCacheManager(runner.draft_pool.num_pages, runner.draft_pool.layout.page_size)
     assert kv.allocate_slots("r", T)
     runner.last_hidden = hidden
-    batch = build_draft_batch([("r", 0, tokens.tolist(), list(range(T)), list(range(T)))], kv)
+    batch = build_draft_batch([Seq("r", 0, tokens.tolist(), list(range(T)), list(range(T)))], kv)
     ours = runner.forward(batch)
     ref = reference_draft_logits(path, tokens, hidden)
     assert relative_error(ours, ref) < 1e-4
@@ -78,8 +78,8 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("arch", MTP_ARCHES)
-@pytest.mark.parametrize("steps", [1, 3])
-def test_speculation_changes_no_output(arch, steps, tiny_dir, make_engine):
+@pytest.mark.parametrize("steps,topk", [(1, 1), (3, 1), (3, 4)])
+def test_speculation_changes_no_output(arch, steps, topk, tiny_dir, make_engine):
     """Greedy drafting requests and a seeded sampling request with logprobs (which does not draft) in
     one batch; chunked prefill so the draft catches up over prompt chunks too. Random weights: most
     drafts are rejected, so pages come and go every step (the fixture's invariant checker runs after)."""
@@ -88,7 +88,8 @@ def test_speculation_changes_no_output(arch, steps, tiny_dir, make_engine):
                               "return_logprob": True}]
     kwargs = dict(chunked_prefill_size=16, page_size=4)
     expected = make_engine(path, **kwargs).generate(input_ids=prompts(4), sampling_params=params)
-    engine = make_engine(path, speculative_algorithm="mtp", speculative_num_steps=steps, **kwargs)
+    engine = make_engine(path, speculative_algorithm="mtp", speculative_num_steps=steps,
+                             speculative_eagle_topk=topk, **kwargs)
     got = engine.generate(input_ids=prompts(4), sampling_params=params)
     assert [g.output_ids for g in got] == [e.output_ids for e in expected]
     for g in got[:3]:
@@ -114,6 +115,7 @@ def test_drafts_that_the_target_agrees_with_are_all_taken(tiny_dir, make_engine)
                 req = span.req
                 if not req.finished:
                     req.draft_tokens = oracle[req.num_tokens:req.num_tokens + 3]
+                    req.draft_parents = [-1, 0, 1]
     engine.speculator.propose = propose
     got = engine.generate(input_ids=[ids], sampling_params=GREEDY)[0]
     assert got.output_ids == expected
@@ -126,6 +128,10 @@ def test_bad_speculative_settings_are_refused(tiny_dir, make_engine):
 
     with pytest.raises(ValueError, match="num_draft_tokens"):
         EngineConfig("x", speculative_algorithm="mtp", speculative_num_steps=2, speculative_num_draft_tokens=5)
+    with pytest.raises(ValueError, match=r"num_draft_tokens must be in \[2, 5\]"):  # 4 root children at most
+        EngineConfig("x", speculative_algorithm="mtp", speculative_eagle_topk=4, speculative_num_draft_tokens=6)
+    with pytest.raises(ValueError, match="topk must be >= 1"):
+        EngineConfig("x", speculative_algorithm="mtp", speculative_eagle_topk=0)
     with pytest.raises(ValueError, match="must be mtp or eagle3"):
         EngineConfig("x", speculative_algorithm="medusa")
     with pytest.raises(ValueError, match="no model.layers.3"):

@@ -71,3 +71,23 @@ def test_pair_with_and_without_draft_is_refused(tiny_dir, tmp_path):
         assert_all_pages_free(cluster.prefill, cluster.decode)
     finally:
         cluster.stop()
+
+
+TREES = [("mtp", "deepseek_v3", 2, 1), ("mtp", "glm4_moe", 1, 2), ("eagle3", "deepseek_v3", 1, 1),
+         ("eagle3", "glm4_moe", 2, 1)]
+
+
+@pytest.mark.parametrize("algorithm,arch,prefill_tp,decode_tp", TREES)
+def test_pair_with_draft_trees_matches_colocated(algorithm, arch, prefill_tp, decode_tp, trained_dir, trained_eagle3,
+                                                 tmp_path, make_engine):
+    """topk 4: the prefill's first draft tree (tokens and parents) travels with the first token and
+    the decode verifies it, then grows its own; at equal TP every verify takes what the colocated
+    engine's takes."""
+    if algorithm == "mtp":
+        path, info = trained_dir(arch)
+        spec = dict(speculative_algorithm="mtp", speculative_num_steps=3, speculative_eagle_topk=4)
+    else:
+        path, draft, info = trained_eagle3(arch)
+        spec = dict(speculative_algorithm="eagle3", speculative_draft_model_path=draft, speculative_num_steps=2,
+                    speculative_eagle_topk=4)
+    check_pair(path, info["prompts"][:3], spec, prefill_tp, decode_tp, tmp_path, make_engine, min_accept_length=1.5)
