@@ -20,6 +20,21 @@ from dserve.scheduler.kv_pool import KVPool
 
 
 @dataclass
+class FusedDraft:
+    """Naive speculation (`spec/naive.py`): the draft runs over the batch's own tokens in the same
+    call. Its input at row r is `next_ids[r]`, or where `from_target[r]` >= 0 the target's argmax in
+    that row of the target's logits; the draft's logits are wanted at rows `logits_indices`."""
+
+    next_ids: torch.Tensor  # [T]
+    from_target: torch.Tensor  # [T]
+    logits_indices: torch.Tensor  # [M]
+
+    def to(self, device: torch.device) -> "FusedDraft":
+        return FusedDraft(*(t.to(device, non_blocking=True) for t in (self.next_ids, self.from_target,
+                                                                      self.logits_indices)))
+
+
+@dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] new tokens of all spans, span after span
     positions: torch.Tensor  # [T] their rotary positions in their sequences
@@ -36,6 +51,8 @@ class ForwardBatch:
     #   positions before those are seen by every token of the span)
     kv_moves: torch.Tensor | None = None  # [2, M] target-pool slots copied src -> dst before the pass
     #                                       (the accepted path of a verified draft tree)
+    fused_draft: FusedDraft | None = None  # naive speculation: the draft's pass over these tokens too;
+    #                                        the logits returned are the target's rows, then the draft's
 
     @property
     def num_tokens(self) -> int:
@@ -49,7 +66,8 @@ class ForwardBatch:
                        page_table=move(self.page_table), out_slots=move(self.out_slots),
                        logits_indices=move(self.logits_indices), hidden_rows=move(self.hidden_rows),
                        tree_masks=None if self.tree_masks is None else [move(m) for m in self.tree_masks],
-                       kv_moves=move(self.kv_moves))
+                       kv_moves=move(self.kv_moves),
+                       fused_draft=None if self.fused_draft is None else self.fused_draft.to(device))
 
     def span_mask(self, i: int, causal_from: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Span i's [q_len, seq_len] visibility: causal over cache positions `positions` for queries

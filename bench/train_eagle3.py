@@ -128,8 +128,9 @@ def main() -> None:
     sample = corpus(24, 0)  # the phrases the target learned
     prompts = [sample(12) for _ in range(8)]
     draft = {"speculative_algorithm": "eagle3", "speculative_draft_model_path": args.out}
-    rows = measure(args.target, prompts, speculative=draft) + measure(args.target, prompts, (1, 3), speculative=draft,
-                                                                      topk=4)[1:]
+    rows = (measure(args.target, prompts, speculative=draft)
+            + measure(args.target, prompts, (1, 3), speculative=draft, topk=4)[1:]
+            + measure(args.target, prompts, (1,), speculative=draft, naive=True)[1:])
     report("eagle3", rows, info, args.json)
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ hidden states detached. The result is a checkpoint in the published layout (targ
     python -m bench.train_mtp --out /tmp/mtp-trained [--arch deepseek_v3] [--steps 300]
 
 prints the training losses, then decode tokens/s and the mean acceptance length (tokens per verify)
-with speculation off and with MTP at 1, 2 and 3 draft steps, and writes JSON. bench/train_eagle3.py
+with speculation off, with MTP at 1, 2 and 3 draft steps, a draft tree (3 steps, topk 4) and the
+naive fused step, and writes JSON. bench/train_eagle3.py
 trains an EAGLE-3 draft for the same target and measures it the same way.
 """
 from __future__ import annotations
@@ -108,10 +109,10 @@ def train(arch: str, out: str, steps: int, seed: int = 0, log=print) -> dict:
 
 
 def measure(path: str, prompts: list[list[int]], steps_list=(1, 2, 3), max_new_tokens: int = 48,
-            speculative: dict | None = None, topk: int = 1) -> list[dict]:
+            speculative: dict | None = None, topk: int = 1, naive: bool = False) -> list[dict]:
     """Mean acceptance length (tokens per verify) and tokens/s per draft-step count (draft trees of
-    `topk` branches per pass); output checked equal to the plain engine's. `speculative`: the
-    Engine's draft arguments (default: MTP)."""
+    `topk` branches per pass; `naive`: the fused one-call step); output checked equal to the plain
+    engine's. `speculative`: the Engine's draft arguments (default: MTP)."""
     from dserve.runtime import Engine
 
     params = {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
@@ -121,10 +122,11 @@ def measure(path: str, prompts: list[list[int]], steps_list=(1, 2, 3), max_new_t
     seconds = time.perf_counter() - start
     plain.shutdown()
     tokens = sum(map(len, expected))
-    rows = [{"steps": 0, "topk": 0, "accept_length": 1.0, "tokens_per_s": tokens / seconds}]  # speculation off
+    rows = [{"steps": 0, "topk": 0, "naive": False, "accept_length": 1.0, "tokens_per_s": tokens / seconds}]  # speculation off
     for steps in steps_list:
         engine = Engine(path, device="cpu", load_progress=False, speculative_num_steps=steps,
-                        speculative_eagle_topk=topk, **(speculative or {"speculative_algorithm": "mtp"}))
+                        speculative_eagle_topk=topk, speculative_naive=naive,
+                        **(speculative or {"speculative_algorithm": "mtp"}))
         start = time.perf_counter()
         got = engine.generate(input_ids=prompts, sampling_params=params)
         seconds = time.perf_counter() - start
@@ -133,7 +135,7 @@ def measure(path: str, prompts: list[list[int]], steps_list=(1, 2, 3), max_new_t
             raise AssertionError(f"speculation with {steps} steps changed the output")
         tokens = sum(len(r.output_ids) for r in got)
         verifies = sum(r.meta["spec_verify_ct"] for r in got)
-        rows.append({"steps": steps, "topk": topk, "accept_length": tokens / verifies,
+        rows.append({"steps": steps, "topk": topk, "naive": naive, "accept_length": tokens / verifies,
                      "tokens_per_s": tokens / seconds})
     return rows
 
@@ -146,7 +148,8 @@ def main() -> None:
     parser.add_argument("--json", default="bench/results/train_mtp.json")
     args = parser.parse_args()
     info = train(args.arch, args.out, args.steps)
-    rows = measure(args.out, info["prompts"]) + measure(args.out, info["prompts"], (3,), topk=4)[1:]
+    rows = (measure(args.out, info["prompts"]) + measure(args.out, info["prompts"], (3,), topk=4)[1:]
+            + measure(args.out, info["prompts"], (1,), naive=True)[1:])
     report("mtp", rows, info, args.json)
 
 
@@ -156,6 +159,7 @@ def report(algorithm: str, rows: list[dict], info: dict, json_path: str) -> None
     for r in rows:
         name = f"{algorithm} x{r['steps']}" if r["steps"] else "off"
         name += f" topk {r['topk']}" if r["topk"] > 1 else ""
+        name += " naive" if r["naive"] else ""
         print(f"{name:>16} {r['accept_length']:>14.2f} {r['tokens_per_s']:>15.1f}")
     os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
     with open(json_path, "w") as f:

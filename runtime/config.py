@@ -37,7 +37,7 @@ class EngineConfig:
     speculative_num_steps: int = 1  # draft passes per step (the depth of the draft tree)
     speculative_eagle_topk: int = 1  # branches kept per draft pass (1: a chain; more: a tree)
     speculative_num_draft_tokens: int | None = None  # tokens per verify, root included (default steps*topk+1)
-    speculative_naive: bool = False  # verify and draft extend as one step
+    speculative_naive: bool = False  # verify and draft extend in one forward call (steps 1, topk 1)
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -91,8 +91,10 @@ class EngineConfig:
         if not 2 <= self.speculative_num_draft_tokens <= most:
             raise ValueError(f"speculative_num_draft_tokens must be in [2, {most}] with speculative_num_steps={steps} "
                              f"and speculative_eagle_topk={topk}, got {self.speculative_num_draft_tokens}")
-        if self.speculative_naive:
-            raise ValueError("speculative_naive is not available yet")
+        if self.speculative_naive and (steps, topk, self.speculative_num_draft_tokens) != (1, 1, 2):
+            raise ValueError("speculative_naive runs steps 1, topk 1, 2 draft tokens; got speculative_num_steps="
+                             f"{steps}, speculative_eagle_topk={topk}, speculative_num_draft_tokens="
+                             f"{self.speculative_num_draft_tokens}")
 
     @property
     def world_size(self) -> int:

@@ -92,7 +92,8 @@ class Engine:
         self.held: dict[str, tuple[int, str]] = {}  # holder key -> (DP group, rid) of pages in flight
         c = self.config
         self.speculator = (Speculator(c.speculative_num_steps, self._execute, c.speculative_eagle_topk,
-                                      c.speculative_num_draft_tokens) if c.speculative_algorithm else None)
+                                      c.speculative_num_draft_tokens, c.speculative_naive)
+                           if c.speculative_algorithm else None)
 
     # ---- request lifecycle -------------------------------------------------------------------
     def tokenize(self, prompt: str | None, input_ids: list[int] | None) -> list[int]:
@@ -164,7 +165,12 @@ class Engine:
         plans = [g.scheduler.schedule() for g in self.groups]
         if not any(plans):
             return [r for r in self.requests.values() if r.finished]
-        group_logits = self._execute(build_step_batches(plans, [g.kv for g in self.groups]))
+        batches = build_step_batches(plans, [g.kv for g in self.groups])
+        if self.speculator is not None:
+            self.speculator.fuse(plans, batches)
+        group_logits = self._execute(batches)
+        if self.speculator is not None:
+            group_logits = self.speculator.split(batches, group_logits)
         done, rows, verified = [], [], []
         for g, (spans, group, logits) in enumerate(zip(plans, self.groups, group_logits)):
             row = 0

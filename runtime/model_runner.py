@@ -6,6 +6,7 @@ device memory leaves after the weights; on the CPU 16384 tokens.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 
@@ -112,4 +113,17 @@ class ModelRunner:
             feed = hidden if aux is None else aux
         if self.draft is not None:
             self.last_hidden = feed
-        return model.compute_logits(hidden[batch.logits_indices])
+        logits = model.compute_logits(hidden[batch.logits_indices])
+        if batch.fused_draft is None:
+            return logits
+        return torch.cat([logits, self._fused_draft(batch, logits, feed)])
+
+    def _fused_draft(self, batch: ForwardBatch, logits: torch.Tensor, feed: torch.Tensor) -> torch.Tensor:
+        """Naive speculation: the draft over the target's tokens, each reading the token after it
+        (the target's argmax where that is not known yet); its logits at the wanted rows."""
+        fused = batch.fused_draft
+        argmax = logits.argmax(dim=-1)[fused.from_target.clamp(min=0)] if logits.shape[0] else fused.next_ids
+        ids = torch.where(fused.from_target >= 0, argmax, fused.next_ids)
+        draft_batch = replace(batch, input_ids=ids, logits_indices=fused.logits_indices, fused_draft=None)
+        hidden = self.draft(draft_batch, feed, self.draft_backend)
+        return self.draft.compute_logits(hidden[fused.logits_indices])

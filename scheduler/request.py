@@ -49,6 +49,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
+    @property
+    def takes_drafts(self) -> bool:
+        """Speculation: whether a token's processing is independent of the tokens before it in the
+        step (no penalties) and nothing per token is reported (no logprobs)."""
+        return (not self.return_logprob and self.repetition_penalty == 1.0 and not self.frequency_penalty
+                and not self.presence_penalty)
+
     def validate(self, vocab_size: int) -> None:
         def check(ok: bool, message: str) -> None:
             if not ok:

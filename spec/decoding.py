@@ -29,18 +29,15 @@ from dserve.runtime.sampler import processed_probs
 from dserve.scheduler.kv_manager import KVCacheManager
 from dserve.scheduler.request import Request
 from dserve.scheduler.scheduler import Span
+from dserve.spec.naive import fused_draft, take_proposals
 from dserve.spec.tree import Candidate, accept_greedy, accept_sampled, depths, select
 
 
-def drafts_for(req: Request) -> bool:
-    p = req.params
-    return (not p.return_logprob and p.repetition_penalty == 1.0 and not p.frequency_penalty
-            and not p.presence_penalty)
-
-
 class Speculator:
-    def __init__(self, num_steps: int, execute, topk: int = 1, num_draft_tokens: int | None = None):
-        self.num_steps, self.topk, self.execute = num_steps, topk, execute
+    def __init__(self, num_steps: int, execute, topk: int = 1, num_draft_tokens: int | None = None,
+                 naive: bool = False):
+        self.num_steps, self.topk, self.execute, self.naive = num_steps, topk, execute, naive
+        self.fused: list[tuple[list, torch.Tensor]] = []  # naive: per group, (first draft row per span, draft logits)
         self.num_nodes = (num_draft_tokens or num_steps + 1) - 1  # draft tokens one verify checks
         self.verify_steps = 0
         self.proposed = [0] * num_steps  # per draft depth: verifies that had a node there, and took one
@@ -84,11 +81,32 @@ class Speculator:
                 batch.kv_moves = torch.tensor(moves, dtype=torch.int64).T.contiguous()
         return batches
 
+    def fuse(self, plans: list[list[Span]], batches: list) -> None:
+        """Naive mode: the draft's pass joins each group's target pass (`spec/naive.py`)."""
+        if self.naive:
+            self.fused = []
+            for spans, batch in zip(plans, batches):
+                batch.fused_draft, firsts = fused_draft(spans)
+                self.fused.append((firsts, None))
+
+    def split(self, batches: list, group_logits: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Naive mode: the target's logits of each group; the draft's are kept for `propose`."""
+        if not self.naive:
+            return group_logits
+        n = [len(b.logits_indices) for b in batches]
+        self.fused = [(firsts, logits[k:]) for (firsts, _), logits, k in zip(self.fused, group_logits, n)]
+        return [logits[:k] for logits, k in zip(group_logits, n)]
+
     def propose(self, plans: list[list[Span]], kvs: list[KVCacheManager], pages_of=lambda req: req.rid) -> None:
         """Draft passes after this step's target pass; leaves each drafting request's proposals in
         `req.draft_tokens` / `req.draft_parents`. `pages_of(req)` names the page table of a request,
         or None for one that ended (a prefill instance's request ends at its first token, its pages
-        held to be sent: it still drafts, and the drafts travel with the first token)."""
+        held to be sent: it still drafts, and the drafts travel with the first token). Naive mode
+        reads the proposals off the fused pass instead."""
+        if self.naive:
+            for spans, (firsts, draft_logits) in zip(plans, self.fused):
+                take_proposals(spans, firsts, draft_logits, lambda req: pages_of(req) is not None)
+            return
         seqs, growing = self._catch_up(plans, pages_of)
         if not any(seqs):
             return
@@ -124,7 +142,7 @@ class Speculator:
             group, trees, row, pass_row = [], [], 0, 0
             for span in spans:
                 req, table = span.req, pages_of(span.req)
-                if drafts_for(req) and table is not None:
+                if req.params.takes_drafts and table is not None:
                     kept = span.kept if span.kept is not None else list(range(span.computed_end - span.start))
                     tokens = req.all_ids[span.start + 1:span.computed_end + 1]
                     wants = req.num_computed_tokens == req.num_tokens - 1  # decoding: only the newest token is not in KV

@@ -26,7 +26,9 @@ def check_pair(path: str, prompts, spec_kwargs: dict, prefill_tp: int, decode_tp
     plain = make_engine(path).generate(input_ids=prompts, sampling_params=GREEDY)
     colocated = make_engine(path, **spec_kwargs)
     spec = [colocated.generate(input_ids=ids, sampling_params=GREEDY) for ids in prompts]  # one at a time, as posted
-    flags = [x for k, v in spec_kwargs.items() for x in ("--" + k.replace("_", "-"), str(v))]
+    flags = []
+    for k, v in spec_kwargs.items():
+        flags += ["--" + k.replace("_", "-")] + ([] if v is True else [str(v)])  # a switch takes no value
     cluster = start_cluster(path, tmp_path, flags + ["--tp", str(prefill_tp)], flags + ["--tp", str(decode_tp)])
     try:
         answers = [post(cluster.url + "/generate", {"input_ids": ids, "sampling_params": GREEDY}) for ids in prompts]
