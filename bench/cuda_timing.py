@@ -1,4 +1,5 @@
-"""Timing of GPU work for the benchmarks: CUDA events around a call, median over repeats."""
+"""Timing of GPU work for the benchmarks: CUDA events around a call, median over repeats; the
+device copy bandwidth they compare against."""
 from __future__ import annotations
 
 import statistics
@@ -19,3 +20,11 @@ def median_seconds(fn, repeats: int, warmup: int = 3) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> float:
+    """Bytes per second (read + write) of a large device-to-device copy on the current GPU: the
+    limit the memory-bound kernels are held against."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * nbytes / median_seconds(lambda: dst.copy_(src), repeats)

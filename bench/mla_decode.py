@@ -15,13 +15,7 @@ import os
 
 import torch
 
-from bench.cuda_timing import median_seconds
-
-
-def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * nbytes / median_seconds(lambda: dst.copy_(src), repeats)
+from bench.cuda_timing import copy_bandwidth, median_seconds
 
 
 def run_case(batch: int, context: int, repeats: int, heads=128, rank=512, rope=64, page_size=64, **tune) -> dict:

@@ -35,11 +35,10 @@ class DecoderLayer(nn.Module):
                     else GatedMLP(cfg.hidden_size, cfg.intermediate_size, ctx.mlp))
 
     def forward(self, hidden: torch.Tensor, cos_sin, backend: AttentionBackend, dp_num_tokens=None) -> torch.Tensor:
-        residual = hidden
-        hidden = residual + self.self_attn(self.input_layernorm(hidden), cos_sin, backend)
-        residual = hidden
+        attn = self.self_attn(self.input_layernorm(hidden), cos_sin, backend)
+        normed, residual = self.post_attention_layernorm.add_and_norm(attn, hidden)
         # MLP/MoE span every rank: with DP attention, gather all groups' tokens, keep ours after
-        mlp_in = self.ctx.gather_tokens(self.post_attention_layernorm(hidden), dp_num_tokens)
+        mlp_in = self.ctx.gather_tokens(normed, dp_num_tokens)
         return residual + self.ctx.own_tokens(self.mlp(mlp_in), dp_num_tokens)
 
     def map_key(self, suffix: str) -> tuple[str, object] | None:

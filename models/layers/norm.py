@@ -1,4 +1,6 @@
-"""RMSNorm, computed in float32 and cast back, as the reference models do."""
+"""RMSNorm, computed in float32 and cast back, as the reference models do; on a GPU with the Triton
+kernels selected (`attention_backend="triton"`), one fused kernel (`attention/triton_norm.py`) that
+also does the residual add before the norm."""
 from __future__ import annotations
 
 import torch
@@ -12,9 +14,23 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = attach_loader(nn.Parameter(torch.ones(hidden_size), requires_grad=False), replicated_loader)
         self.eps = eps
+        self.use_kernel = False  # set by the model runner for the triton backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernel and x.is_cuda and x.dim() == 2:
+            from dserve.attention.triton_norm import rms_norm
+
+            return rms_norm(x.contiguous(), self.weight, self.eps)[0]
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x)."""
+        if self.use_kernel and x.is_cuda and x.dim() == 2:
+            from dserve.attention.triton_norm import rms_norm
+
+            return rms_norm(x.contiguous(), self.weight, self.eps, residual.contiguous())
+        total = residual + x
+        return self.forward(total), total
