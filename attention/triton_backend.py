@@ -2,7 +2,9 @@
 
 Decode steps of MLA models (one new token per sequence) run `triton_mla.mla_decode` over the paged
 latent cache; prompt and extend spans, MHA models and draft verification still run the reference
-code until their kernels land. Select it with `--attention-backend triton`.
+code until their kernels land. Select it with `--attention-backend triton`; on a GPU the choice also
+puts the model's RMSNorms (fused with the residual add, `triton_norm.py`) and routed experts (grouped
+GEMMs, `triton_moe.py`) on their Triton kernels.
 """
 from __future__ import annotations
 

@@ -70,6 +70,7 @@ def main() -> None:
     parser.add_argument("--drafts", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 3])
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
     parser.add_argument("--out", default="bench/results/spec_verify.json")
     args = parser.parse_args()
 
@@ -80,7 +81,7 @@ def main() -> None:
     path = deepseek_v3_config_dir(args.layers, args.experts)
     tokens = max(args.batches) * (args.context + 8 + 64)
     config = EngineConfig(path, device="cuda", dtype="bfloat16", load_format="dummy", max_total_tokens=tokens,
-                          load_progress=False)
+                          load_progress=False, attention_backend=args.attention_backend)
     runner = ModelRunner(config)
     kv = KVCacheManager(runner.pool.num_pages, runner.pool.layout.page_size, False)
     rows = []
@@ -94,7 +95,8 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "layers": args.layers, "experts": args.experts,
-                   "context": args.context, "parameter_bytes": runner.parameter_bytes, "rows": rows}, f, indent=2)
+                   "context": args.context, "parameter_bytes": runner.parameter_bytes,
+                   "attention_backend": args.attention_backend, "rows": rows}, f, indent=2)
     print(f"wrote {args.out}")
 
 

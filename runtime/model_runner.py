@@ -12,6 +12,7 @@ import torch
 
 from dserve.attention.backend import ForwardBatch, create_backend
 from dserve.models.config import ModelConfig
+from dserve.models.layers.moe import Experts
 from dserve.models.layers.norm import RMSNorm
 from dserve.models.loader import load_model, parameter_bytes
 from dserve.models.parallel import SINGLE, ParallelContext
@@ -83,9 +84,9 @@ class ModelRunner:
         num_pages = pool_pages(config, layouts, self.device)
         self.pool = KVPool(layout, num_pages, self.device)
         self.backend = create_backend(config.attention_backend, self.pool)
-        if config.attention_backend == "triton":  # Triton kernels where they exist: the norms too
+        if config.attention_backend == "triton":  # Triton kernels where they exist: norms and MoE too
             for module in [*self.model.modules(), *(self.draft.modules() if self.draft is not None else [])]:
-                if isinstance(module, RMSNorm):
+                if isinstance(module, (RMSNorm, Experts)):
                     module.use_kernel = True
         if self.draft is not None:
             self.draft_pool = KVPool(layouts[1], num_pages, self.device)
