@@ -1,8 +1,9 @@
 """Attention backend with Triton kernels where they exist, the torch reference elsewhere.
 
-Decode steps of MLA models (one new token per sequence) run `triton_mla.mla_decode` over the paged
-latent cache; prompt and extend spans, MHA models and draft verification still run the reference
-code until their kernels land. Select it with `--attention-backend triton`; on a GPU the choice also
+Decode steps of MLA models (one new token per sequence, or a few causal ones such as a chain of
+drafts to verify, one kernel row per token) run `triton_mla.mla_decode` over the paged latent cache;
+prompt and extend spans, draft trees and MHA models still run the reference code until their
+kernels land. Select it with `--attention-backend triton`; on a GPU the choice also
 puts the model's RMSNorms (fused with the residual add, `triton_norm.py`) and routed experts (grouped
 GEMMs, `triton_moe.py`) on their Triton kernels.
 """
@@ -16,6 +17,9 @@ from dserve.attention.backend import ForwardBatch
 from dserve.attention.torch_backend import TorchBackend
 
 
+MAX_DECODE_LIKE = 8  # spans up to this many tokens go through the decode kernel, one row per token
+
+
 class TritonBackend(TorchBackend):
     def __init__(self, pool):
         if pool.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -25,11 +29,18 @@ class TritonBackend(TorchBackend):
 
     def plan(self, batch: ForwardBatch) -> None:
         self.batch = batch
-        self.decode = (self.pool.layout.kind == "mla" and bool(batch.q_lens) and all(n == 1 for n in batch.q_lens)
-                       and batch.tree_masks is None)
+        self.decode = (self.pool.layout.kind == "mla" and bool(batch.q_lens)
+                       and all(n <= MAX_DECODE_LIKE for n in batch.q_lens) and batch.tree_masks is None)
         if self.decode:  # the kernel reads the page table itself: no per-sequence reference plan
-            self.seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int32, device=batch.page_table.device)
-            self.max_len = max(batch.seq_lens)
+            # a few causal tokens of a span (a chain verify) are decode rows of their own: token j of
+            # span i sees the first seq_len - q_len + j + 1 positions of its sequence's pages
+            lens = [s - n + j + 1 for n, s in zip(batch.q_lens, batch.seq_lens) for j in range(n)]
+            self.seq_lens = torch.tensor(lens, dtype=torch.int32, device=batch.page_table.device)
+            self.max_len = max(lens)
+            self.page_table = batch.page_table
+            if any(n > 1 for n in batch.q_lens):
+                counts = torch.tensor(batch.q_lens, device=batch.page_table.device)
+                self.page_table = batch.page_table.repeat_interleave(counts, dim=0)
         else:
             super().plan(batch)
 
@@ -40,4 +51,4 @@ class TritonBackend(TorchBackend):
 
         self.pool.write(layer, 0, self.batch.out_slots, latent)
         return mla_decode(q_latent.contiguous(), q_rope.contiguous(), self.pool.buffers[layer][0],
-                          self.batch.page_table, self.seq_lens, scale, max_len=self.max_len)
+                          self.page_table, self.seq_lens, scale, max_len=self.max_len)

@@ -81,3 +81,19 @@ def test_engine_with_the_triton_backend_matches_the_reference(tp, tiny_dir, make
     got = make_engine(path, tp_size=tp, attention_backend="triton", **kwargs).generate(
         input_ids=prompts, sampling_params=params)
     assert [g.output_ids for g in got] == [e.output_ids for e in expected]
+
+
+@pytest.mark.parametrize("topk", [1, 4])
+def test_verify_spans_through_the_kernel(topk, tiny_dir, make_engine):
+    """With MTP drafts the verify spans (a token and its chain of drafts) run as kernel rows, one per
+    token; trees fall back to the reference. Greedy tokens equal the plain torch engine's."""
+    path = tiny_dir("deepseek_v3", mtp=True)
+    prompts = [[5, 17, 99, 3], list(range(40, 77))]
+    params = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    kwargs = dict(page_size=4, dtype="float32", device=device, max_total_tokens=4096)
+    expected = make_engine(path, **kwargs).generate(input_ids=prompts, sampling_params=params)
+    got = make_engine(path, attention_backend="triton", speculative_algorithm="mtp", speculative_num_steps=2,
+                      speculative_eagle_topk=topk, **kwargs).generate(input_ids=prompts, sampling_params=params)
+    assert [g.output_ids for g in got] == [e.output_ids for e in expected]
+    assert all(g.meta["spec_verify_ct"] >= 1 for g in got)
