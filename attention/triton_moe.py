@@ -53,7 +53,8 @@ def sort_pairs(ids: torch.Tensor, first: int, num_local: int, block_m: int) -> t
     capacity = -(-(n + num_local * (block_m - 1)) // block_m) * block_m
     order = torch.argsort(flat, stable=True)
     expert = flat[order]
-    counts = torch.bincount(flat, minlength=num_local + 1)
+    counts = torch.zeros(num_local + 1, dtype=torch.int64, device=ids.device)  # not bincount: it syncs on CUDA
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts[:num_local] + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     start = torch.cumsum(counts, 0) - counts

@@ -293,10 +293,9 @@ class Engine:
         req = self.requests[rid]
         if rng_state is not None and req.generator is not None:
             req.generator.set_state(torch.frombuffer(bytearray(rng_state), dtype=torch.uint8))
-        if self.speculator is not None and draft_tokens:
-            req.draft_tokens = [int(t) for t in draft_tokens]
-            req.draft_parents = ([int(p) for p in draft_parents] if draft_parents is not None
-                                 else list(range(-1, len(draft_tokens) - 1)))
+        parents = list(range(-1, len(draft_tokens or []) - 1)) if draft_parents is None else draft_parents
+        if self.speculator is not None and draft_tokens and _is_tree(draft_tokens, parents, self.model_config.vocab_size):
+            req.draft_tokens, req.draft_parents = list(draft_tokens), list(parents)
         req.num_computed_tokens = len(req.prompt_ids)
         req.output_ids.append(first_token)
         req.first_token_time = time.perf_counter()
@@ -374,6 +373,14 @@ class Engine:
 def hold_key(rid: str, why: str) -> str:
     """The key under which `Engine.hold(rid, why)` keeps a request's pages."""
     return f"{rid}#{why}"
+
+
+def _is_tree(tokens, parents, vocab_size: int) -> bool:
+    """Whether a peer's draft is a well-formed tree (else the decode just drafts anew)."""
+    is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)
+    return (isinstance(tokens, list) and isinstance(parents, list) and len(tokens) == len(parents)
+            and all(is_int(t) and 0 <= t < vocab_size for t in tokens)
+            and all(is_int(p) and -1 <= p < i for i, p in enumerate(parents)))  # parents come first
 
 
 def _as_params(value) -> SamplingParams:

@@ -93,3 +93,21 @@ def test_engine_verifies_a_tree_off_its_first_branch(arch, tiny_dir, make_engine
     assert got.output_ids == expected
     assert got.meta["spec_accepted_per_step"][:-1] == [3] * (len(got.meta["spec_accepted_per_step"]) - 1)
     engine.check_invariants()
+
+
+@pytest.mark.parametrize("tokens,parents", [([1, 2], [-1, 1]),  # a parent after its child
+                                            ([1, 2], [-1]),  # lengths differ
+                                            ([1, 10 ** 9], [-1, 0]),  # a token outside the vocabulary
+                                            ([1, "x"], [-1, 0])])  # not a token at all
+def test_a_malformed_tree_from_a_peer_is_dropped(tokens, parents, tiny_dir, make_engine):
+    """A decode that receives a bad draft tree with its first token drafts anew instead of crashing."""
+    engine = make_engine(tiny_dir("deepseek_v3", mtp=True), speculative_algorithm="mtp", speculative_num_steps=2,
+                         speculative_eagle_topk=2)
+    req = engine.make_request(input_ids=prompts(1)[0], sampling_params=GREEDY)
+    assert engine.prealloc(req) is not None
+    engine.join_prefilled(req.rid, 7, draft_tokens=tokens, draft_parents=parents)
+    assert req.draft_tokens == [] and req.draft_parents == []
+    while not req.finished:
+        engine.step()
+    assert len(req.output_ids) == GREEDY["max_new_tokens"]
+    engine.forget(req.rid)
