@@ -1,0 +1,52 @@
+"""Host syncs inside one decode step: what stands between the step and a CUDA graph.
+
+    python -m bench.sync_probe [--layers 2 --experts 32 --batch 8 --attention-backend triton]
+
+Runs one warm decode step of the DeepSeek-V3-shaped model (`load_format=dummy`) under
+`torch.cuda.set_sync_debug_mode("warn")` and prints the Python line of every synchronizing CUDA
+operation it sees (torch's detector is a prototype: it may miss some).
+"""
+from __future__ import annotations
+
+import argparse
+import warnings
+
+import torch
+
+from bench.spec_verify import deepseek_v3_config_dir, step_batch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--attention-backend", default="triton", choices=["torch", "triton"])
+    args = parser.parse_args()
+
+    from dserve.runtime.config import EngineConfig
+    from dserve.runtime.model_runner import ModelRunner
+    from dserve.scheduler.kv_manager import KVCacheManager
+
+    config = EngineConfig(deepseek_v3_config_dir(args.layers, args.experts), device="cuda", dtype="bfloat16",
+                          load_format="dummy", max_total_tokens=args.batch * (args.context + 72), load_progress=False,
+                          attention_backend=args.attention_backend)
+    runner = ModelRunner(config)
+    kv = KVCacheManager(runner.pool.num_pages, runner.pool.layout.page_size, False)
+    batch = step_batch(kv, args.batch, args.context, 1).to(torch.device("cuda"))
+    runner.forward(batch)  # compile and warm up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runner.forward(batch)
+    torch.cuda.set_sync_debug_mode(0)
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    for w in syncs:
+        print(f"sync: {w.filename}:{w.lineno}")
+    print(f"{len(syncs)} synchronizing operation(s) in one decode step ({args.attention_backend} backend)")
+
+
+if __name__ == "__main__":
+    main()
