@@ -98,7 +98,9 @@ def test_engine_verifies_a_tree_off_its_first_branch(arch, tiny_dir, make_engine
 @pytest.mark.parametrize("tokens,parents", [([1, 2], [-1, 1]),  # a parent after its child
                                             ([1, 2], [-1]),  # lengths differ
                                             ([1, 10 ** 9], [-1, 0]),  # a token outside the vocabulary
-                                            ([1, "x"], [-1, 0])])  # not a token at all
+                                            ([1, "x"], [-1, 0]),  # not a token at all
+                                            ([1, 2, 3], [-1, 0, 1]),  # deeper than our 2 steps
+                                            ([1] * 5, [-1] * 5)])  # more nodes than our 4
 def test_a_malformed_tree_from_a_peer_is_dropped(tokens, parents, tiny_dir, make_engine):
     """A decode that receives a bad draft tree with its first token drafts anew instead of crashing."""
     engine = make_engine(tiny_dir("deepseek_v3", mtp=True), speculative_algorithm="mtp", speculative_num_steps=2,
