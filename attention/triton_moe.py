@@ -76,13 +76,13 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     the experts held here (w13 [E, 2I, H] gate then up, w2 [E, H, I], experts first .. first+E-1)."""
     tokens, top_k = ids.shape
     num_local, two_i, hidden = w13.shape
-    pairs, block_expert = sort_pairs(ids, first, num_local, block_m)
     n = tokens * top_k
+    if n == 0:
+        return torch.zeros_like(x)
+    pairs, block_expert = sort_pairs(ids, first, num_local, block_m)
     gate_up = torch.empty(n, two_i, dtype=x.dtype, device=x.device)
     down = torch.zeros(n, hidden, dtype=x.dtype, device=x.device)
     scale = weights.reshape(-1).float().contiguous()
-    if n == 0:
-        return torch.zeros_like(x)
 
     def launch(a, w, out, rows_per_token, use_scale, N, K):
         grid = (block_expert.numel(), triton.cdiv(N, block_n))

@@ -26,7 +26,7 @@ import os
 import torch
 
 from bench.cuda_timing import copy_bandwidth, median_seconds
-from bench.spec_verify import deepseek_v3_config_dir, step_batch
+from bench.spec_verify import deepseek_v3_config_dir, dummy_runner, step_batch
 
 
 def step_bytes(runner, batch) -> int:
@@ -75,15 +75,7 @@ def peer_step_seconds(path: str, batch: int, context: int, repeats: int) -> floa
 
 
 def our_steps(path: str, args, copy: float) -> tuple[list[dict], int]:
-    from dserve.runtime.config import EngineConfig
-    from dserve.runtime.model_runner import ModelRunner
-    from dserve.scheduler.kv_manager import KVCacheManager
-
-    tokens = max(args.batches) * (args.context + 72)
-    config = EngineConfig(path, device="cuda", dtype="bfloat16", load_format="dummy", max_total_tokens=tokens,
-                          load_progress=False, attention_backend=args.attention_backend)
-    runner = ModelRunner(config)
-    kv = KVCacheManager(runner.pool.num_pages, runner.pool.layout.page_size, False)
+    runner, kv = dummy_runner(path, max(args.batches), args.context, args.attention_backend)
     rows = []
     for b in args.batches:
         batch = step_batch(kv, b, args.context, 1)

@@ -44,6 +44,20 @@ def deepseek_v3_config_dir(layers: int, experts: int) -> str:
     return out
 
 
+def dummy_runner(path: str, max_requests: int, context: int, attention_backend: str = "torch"):
+    """(ModelRunner, KVCacheManager): the model of config dir `path` with random bf16 weights on the
+    GPU, its pool sized for `max_requests` requests of `context` tokens (and a few drafts each)."""
+    from dserve.runtime.config import EngineConfig
+    from dserve.runtime.model_runner import ModelRunner
+    from dserve.scheduler.kv_manager import KVCacheManager
+
+    config = EngineConfig(path, device="cuda", dtype="bfloat16", load_format="dummy",
+                          max_total_tokens=max_requests * (context + 72), load_progress=False,
+                          attention_backend=attention_backend)
+    runner = ModelRunner(config)
+    return runner, KVCacheManager(runner.pool.num_pages, runner.pool.layout.page_size, False)
+
+
 def step_batch(kv, batch_size: int, context: int, q_len: int):
     """`batch_size` requests with `context` tokens in KV, each adding `q_len` tokens with logits at all."""
     from dserve.runtime.batch import Seq, assemble
@@ -74,16 +88,8 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/spec_verify.json")
     args = parser.parse_args()
 
-    from dserve.runtime.config import EngineConfig
-    from dserve.runtime.model_runner import ModelRunner
-    from dserve.scheduler.kv_manager import KVCacheManager
-
     path = deepseek_v3_config_dir(args.layers, args.experts)
-    tokens = max(args.batches) * (args.context + 8 + 64)
-    config = EngineConfig(path, device="cuda", dtype="bfloat16", load_format="dummy", max_total_tokens=tokens,
-                          load_progress=False, attention_backend=args.attention_backend)
-    runner = ModelRunner(config)
-    kv = KVCacheManager(runner.pool.num_pages, runner.pool.layout.page_size, False)
+    runner, kv = dummy_runner(path, max(args.batches), args.context, args.attention_backend)
     rows = []
     print(f"{'batch':>5} {'k':>3} {'decode ms':>10} {'verify ms':>10} {'ratio':>6}")
     for b in args.batches:

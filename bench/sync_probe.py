@@ -13,7 +13,7 @@ import warnings
 
 import torch
 
-from bench.spec_verify import deepseek_v3_config_dir, step_batch
+from bench.spec_verify import deepseek_v3_config_dir, dummy_runner, step_batch
 
 
 def main() -> None:
@@ -25,15 +25,8 @@ def main() -> None:
     parser.add_argument("--attention-backend", default="triton", choices=["torch", "triton"])
     args = parser.parse_args()
 
-    from dserve.runtime.config import EngineConfig
-    from dserve.runtime.model_runner import ModelRunner
-    from dserve.scheduler.kv_manager import KVCacheManager
-
-    config = EngineConfig(deepseek_v3_config_dir(args.layers, args.experts), device="cuda", dtype="bfloat16",
-                          load_format="dummy", max_total_tokens=args.batch * (args.context + 72), load_progress=False,
-                          attention_backend=args.attention_backend)
-    runner = ModelRunner(config)
-    kv = KVCacheManager(runner.pool.num_pages, runner.pool.layout.page_size, False)
+    runner, kv = dummy_runner(deepseek_v3_config_dir(args.layers, args.experts), args.batch, args.context,
+                              args.attention_backend)
     batch = step_batch(kv, args.batch, args.context, 1).to(torch.device("cuda"))
     runner.forward(batch)  # compile and warm up
     torch.cuda.synchronize()

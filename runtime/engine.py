@@ -24,6 +24,7 @@ from dserve.scheduler.request import Request, SamplingParams
 from dserve.scheduler.kv_manager import KVCacheManager
 from dserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from dserve.spec.decoding import Speculator
+from dserve.spec.tree import well_formed
 
 log = logging.getLogger("dserve.runtime")
 
@@ -294,9 +295,9 @@ class Engine:
         if rng_state is not None and req.generator is not None:
             req.generator.set_state(torch.frombuffer(bytearray(rng_state), dtype=torch.uint8))
         parents = list(range(-1, len(draft_tokens or []) - 1)) if draft_parents is None else draft_parents
-        spec = self.speculator
-        if spec is not None and draft_tokens and _is_tree(draft_tokens, parents, self.model_config.vocab_size,
-                                                          spec.num_nodes, spec.num_steps):
+        spec, vocab = self.speculator, self.model_config.vocab_size
+        if spec is not None and draft_tokens and well_formed(draft_tokens, parents, vocab, spec.num_nodes,
+                                                             spec.num_steps):
             req.draft_tokens, req.draft_parents = list(draft_tokens), list(parents)
         req.num_computed_tokens = len(req.prompt_ids)
         req.output_ids.append(first_token)
@@ -375,17 +376,6 @@ class Engine:
 def hold_key(rid: str, why: str) -> str:
     """The key under which `Engine.hold(rid, why)` keeps a request's pages."""
     return f"{rid}#{why}"
-
-
-def _is_tree(tokens, parents, vocab_size: int, max_nodes: int, max_depth: int) -> bool:
-    """Whether a peer's draft is a well-formed tree no larger than ours (else the decode drafts anew)."""
-    from dserve.spec.tree import depths
-
-    is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)
-    return (isinstance(tokens, list) and isinstance(parents, list) and len(tokens) == len(parents) <= max_nodes
-            and all(is_int(t) and 0 <= t < vocab_size for t in tokens)
-            and all(is_int(p) and -1 <= p < i for i, p in enumerate(parents))  # parents come first
-            and max(depths(parents), default=0) <= max_depth)
 
 
 def _as_params(value) -> SamplingParams:

@@ -37,7 +37,8 @@ class Speculator:
     def __init__(self, num_steps: int, execute, topk: int = 1, num_draft_tokens: int | None = None,
                  naive: bool = False):
         self.num_steps, self.topk, self.execute, self.naive = num_steps, topk, execute, naive
-        self.fused: list[tuple[list, torch.Tensor]] = []  # naive: per group, (first draft row per span, draft logits)
+        self.fused_firsts: list[list] = []  # naive: per group, each span's first row in the draft's logits
+        self.fused_logits: list[torch.Tensor] = []  # naive: per group, the draft's logits of the step
         self.num_nodes = (num_draft_tokens or num_steps + 1) - 1  # draft tokens one verify checks
         self.verify_steps = 0
         self.proposed = [0] * num_steps  # per draft depth: verifies that had a node there, and took one
@@ -84,17 +85,17 @@ class Speculator:
     def fuse(self, plans: list[list[Span]], batches: list) -> None:
         """Naive mode: the draft's pass joins each group's target pass (`spec/naive.py`)."""
         if self.naive:
-            self.fused = []
+            self.fused_firsts = []
             for spans, batch in zip(plans, batches):
                 batch.fused_draft, firsts = fused_draft(spans)
-                self.fused.append((firsts, None))
+                self.fused_firsts.append(firsts)
 
     def split(self, batches: list, group_logits: list[torch.Tensor]) -> list[torch.Tensor]:
         """Naive mode: the target's logits of each group; the draft's are kept for `propose`."""
         if not self.naive:
             return group_logits
         n = [len(b.logits_indices) for b in batches]
-        self.fused = [(firsts, logits[k:]) for (firsts, _), logits, k in zip(self.fused, group_logits, n)]
+        self.fused_logits = [logits[k:] for logits, k in zip(group_logits, n)]
         return [logits[:k] for logits, k in zip(group_logits, n)]
 
     def propose(self, plans: list[list[Span]], kvs: list[KVCacheManager], pages_of=lambda req: req.rid) -> None:
@@ -104,7 +105,7 @@ class Speculator:
         held to be sent: it still drafts, and the drafts travel with the first token). Naive mode
         reads the proposals off the fused pass instead."""
         if self.naive:
-            for spans, (firsts, draft_logits) in zip(plans, self.fused):
+            for spans, firsts, draft_logits in zip(plans, self.fused_firsts, self.fused_logits):
                 take_proposals(spans, firsts, draft_logits, lambda req: pages_of(req) is not None)
             return
         seqs, growing = self._catch_up(plans, pages_of)
@@ -145,7 +146,7 @@ class Speculator:
                 if req.params.takes_drafts and table is not None:
                     kept = span.kept if span.kept is not None else list(range(span.computed_end - span.start))
                     tokens = req.all_ids[span.start + 1:span.computed_end + 1]
-                    wants = req.num_computed_tokens == req.num_tokens - 1  # decoding: only the newest token is not in KV
+                    wants = req.num_computed_tokens == req.num_tokens - 1  # decoding: the newest token is not in KV
                     group.append(Seq(table, span.start, tokens, [len(tokens) - 1] if wants else [],
                                      hidden_rows=[row + k for k in kept]))
                     req.draft_tokens, req.draft_parents = [], []

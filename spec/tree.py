@@ -43,6 +43,16 @@ def ancestor_mask(parents) -> torch.Tensor:
     return mask
 
 
+def well_formed(tokens, parents, vocab_size: int, max_nodes: int, max_depth: int) -> bool:
+    """Whether a draft from a peer is a tree of token ids no larger and no deeper than ours, its
+    parents before their children (else the decode drops it and drafts anew)."""
+    is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)
+    return (isinstance(tokens, list) and isinstance(parents, list) and len(tokens) == len(parents) <= max_nodes
+            and all(is_int(t) and 0 <= t < vocab_size for t in tokens)
+            and all(is_int(p) and -1 <= p < i for i, p in enumerate(parents))
+            and max(depths(parents), default=0) <= max_depth)
+
+
 def children(parents, node: int) -> list[int]:
     """Draft nodes whose parent is `node` (-1: the root), in tree order."""
     return [i for i, p in enumerate(parents) if p == node]

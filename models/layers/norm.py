@@ -17,10 +17,8 @@ class RMSNorm(nn.Module):
         self.use_kernel = False  # set by the model runner for the triton backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_kernel and x.is_cuda and x.dim() == 2:
-            from dserve.attention.triton_norm import rms_norm
-
-            return rms_norm(x.contiguous(), self.weight, self.eps)[0]
+        if self._on_kernel(x):
+            return self._kernel(x)[0]
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -28,9 +26,15 @@ class RMSNorm(nn.Module):
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x)."""
-        if self.use_kernel and x.is_cuda and x.dim() == 2:
-            from dserve.attention.triton_norm import rms_norm
-
-            return rms_norm(x.contiguous(), self.weight, self.eps, residual.contiguous())
+        if self._on_kernel(x):
+            return self._kernel(x, residual.contiguous())
         total = residual + x
         return self.forward(total), total
+
+    def _on_kernel(self, x: torch.Tensor) -> bool:
+        return self.use_kernel and x.is_cuda and x.dim() == 2
+
+    def _kernel(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        from dserve.attention.triton_norm import rms_norm
+
+        return rms_norm(x.contiguous(), self.weight, self.eps, residual)

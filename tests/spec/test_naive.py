@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.spec.test_pd_spec import check_pair
+from tests.spec.test_pd_spec import check_pair, trained_draft
 
 GREEDY = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}
 MIXED = [GREEDY] * 3 + [{"temperature": 0.8, "seed": 3, "max_new_tokens": 24, "ignore_eos": True},
@@ -22,18 +22,10 @@ def count_calls(obj, name: str) -> list:
     return calls
 
 
-def draft_kwargs(algorithm: str, arch: str, trained_dir, trained_eagle3):
-    if algorithm == "mtp":
-        path, info = trained_dir(arch)
-        return path, info, {"speculative_algorithm": "mtp"}
-    target, draft, info = trained_eagle3(arch)
-    return target, info, {"speculative_algorithm": "eagle3", "speculative_draft_model_path": draft}
-
-
 @pytest.mark.parametrize("algorithm", ["mtp", "eagle3"])
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
 def test_naive_equals_two_passes(algorithm, arch, trained_dir, trained_eagle3, make_engine):
-    path, info, spec = draft_kwargs(algorithm, arch, trained_dir, trained_eagle3)
+    path, info, spec = trained_draft(algorithm, arch, trained_dir, trained_eagle3)
     ids = info["prompts"][:5]
     kwargs = dict(chunked_prefill_size=8, page_size=4)
     plain = make_engine(path, **kwargs).generate(input_ids=ids, sampling_params=MIXED)
@@ -75,6 +67,6 @@ def test_naive_settings_are_checked():
                                                                  ("eagle3", "glm4_moe", 1, 2)])
 def test_naive_pair_matches_colocated(algorithm, arch, prefill_tp, decode_tp, trained_dir, trained_eagle3, tmp_path,
                                       make_engine):
-    path, info, spec = draft_kwargs(algorithm, arch, trained_dir, trained_eagle3)
+    path, info, spec = trained_draft(algorithm, arch, trained_dir, trained_eagle3)
     check_pair(path, info["prompts"][:3], {**spec, "speculative_naive": True}, prefill_tp, decode_tp, tmp_path,
                make_engine, min_accept_length=1.5)

@@ -44,6 +44,15 @@ def check_pair(path: str, prompts, spec_kwargs: dict, prefill_tp: int, decode_tp
         cluster.stop()
 
 
+def trained_draft(algorithm: str, arch: str, trained_dir, trained_eagle3) -> tuple[str, dict, dict]:
+    """(target path, its training info, the Engine's draft arguments) for a trained MTP or EAGLE-3 draft."""
+    if algorithm == "mtp":
+        path, info = trained_dir(arch)
+        return path, info, {"speculative_algorithm": "mtp"}
+    target, draft, info = trained_eagle3(arch)
+    return target, info, {"speculative_algorithm": "eagle3", "speculative_draft_model_path": draft}
+
+
 @pytest.mark.parametrize("arch,prefill_tp,decode_tp", PAIRS)
 def test_pair_with_mtp_matches_colocated(arch, prefill_tp, decode_tp, trained_dir, tmp_path, make_engine):
     """A trained draft: most drafts are taken (> 1.5 tokens per verify) across the pair too."""
@@ -85,11 +94,6 @@ def test_pair_with_draft_trees_matches_colocated(algorithm, arch, prefill_tp, de
     """topk 4: the prefill's first draft tree (tokens and parents) travels with the first token and
     the decode verifies it, then grows its own; at equal TP every verify takes what the colocated
     engine's takes."""
-    if algorithm == "mtp":
-        path, info = trained_dir(arch)
-        spec = dict(speculative_algorithm="mtp", speculative_num_steps=3, speculative_eagle_topk=4)
-    else:
-        path, draft, info = trained_eagle3(arch)
-        spec = dict(speculative_algorithm="eagle3", speculative_draft_model_path=draft, speculative_num_steps=2,
-                    speculative_eagle_topk=4)
+    path, info, spec = trained_draft(algorithm, arch, trained_dir, trained_eagle3)
+    spec.update(speculative_num_steps=3 if algorithm == "mtp" else 2, speculative_eagle_topk=4)
     check_pair(path, info["prompts"][:3], spec, prefill_tp, decode_tp, tmp_path, make_engine, min_accept_length=1.5)
