@@ -53,6 +53,18 @@ class ForwardBatch:
     #                                       (the accepted path of a verified draft tree)
     fused_draft: FusedDraft | None = None  # naive speculation: the draft's pass over these tokens too;
     #                                        the logits returned are the target's rows, then the draft's
+    real_tokens: torch.Tensor | None = None  # a padded static step: [T], nonzero on the real tokens
+    token_seqs: torch.Tensor | None = None  # [T] per token, its span's index (derived when not given)
+    token_ctx_lens: torch.Tensor | None = None  # [T] per token, how many context positions it sees
+    #   causally (its position in the span's cache indices + 1; derived when not given)
+
+    def __post_init__(self) -> None:
+        if self.token_seqs is None or self.token_ctx_lens is None:
+            seqs = [i for i, n in enumerate(self.q_lens) for _ in range(n)]
+            ctx = [s - n + j + 1 for n, s in zip(self.q_lens, self.seq_lens) for j in range(n)]
+            device = self.input_ids.device
+            self.token_seqs = torch.tensor(seqs, dtype=torch.int64).to(device)
+            self.token_ctx_lens = torch.tensor(ctx, dtype=torch.int64).to(device)
 
     @property
     def num_tokens(self) -> int:
@@ -67,7 +79,9 @@ class ForwardBatch:
                        logits_indices=move(self.logits_indices), hidden_rows=move(self.hidden_rows),
                        tree_masks=None if self.tree_masks is None else [move(m) for m in self.tree_masks],
                        kv_moves=move(self.kv_moves),
-                       fused_draft=None if self.fused_draft is None else self.fused_draft.to(device))
+                       fused_draft=None if self.fused_draft is None else self.fused_draft.to(device),
+                       token_seqs=move(self.token_seqs), token_ctx_lens=move(self.token_ctx_lens),
+                       real_tokens=move(self.real_tokens))
 
     def span_mask(self, i: int, causal_from: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Span i's [q_len, seq_len] visibility: causal over cache positions `positions` for queries
@@ -83,6 +97,11 @@ class ForwardBatch:
 class AttentionBackend(ABC):
     def __init__(self, pool: KVPool):
         self.pool = pool
+
+    def runs_static(self, batch: ForwardBatch) -> bool:
+        """Whether the layers can run `batch` from its device tensors alone, with no host work that
+        depends on the step's values (what a CUDA graph replay needs); `plan` may still read shapes."""
+        return False
 
     @abstractmethod
     def plan(self, batch: ForwardBatch) -> None:

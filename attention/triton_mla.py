@@ -15,52 +15,70 @@ import triton.language as tl
 
 
 @triton.jit
-def _split_kernel(QL, QR, Cache, PageTable, SeqLens, MidO, MidLse,
+def _split_kernel(QL, QR, Cache, PageTable, RowSeqs, SeqLens, MidO, MidLse,
                   s_ql_b, s_ql_h, s_qr_b, s_qr_h, s_c_page, s_c_tok, s_pt_b,
                   s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
-                  num_heads, scale, page_size,
+                  num_heads, scale, page_size, min_split,
                   R: tl.constexpr, P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                   NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr):
     b, hb, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    hmask = heads < num_heads
+    seq_len = tl.load(SeqLens + b)
+    # a short context takes fewer splits than the launch has (no split under min_split tokens): the
+    # split count is fixed at launch (a CUDA graph keeps it) while contexts vary from step to step
+    per_split = tl.maximum(tl.cdiv(seq_len, NUM_SPLITS), min_split)
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+    hmask = heads < tl.where(start < end, num_heads, 0)  # an empty split reads nothing
     r, p = tl.arange(0, R), tl.arange(0, P)
     ql = tl.load(QL + b * s_ql_b + heads[:, None] * s_ql_h + r[None, :], mask=hmask[:, None], other=0.0)
     qr = tl.load(QR + b * s_qr_b + heads[:, None] * s_qr_h + p[None, :], mask=hmask[:, None], other=0.0)
-    seq_len = tl.load(SeqLens + b)
-    per_split = tl.cdiv(seq_len, NUM_SPLITS)
-    start = split * per_split
-    end = tl.minimum(start + per_split, seq_len)
+    table = PageTable + tl.load(RowSeqs + b).to(tl.int64) * s_pt_b
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, R], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         toks = n0 + tl.arange(0, BLOCK_N)
         tmask = toks < end
-        page = tl.load(PageTable + b * s_pt_b + toks // page_size, mask=tmask, other=0)
+        page = tl.load(table + toks // page_size, mask=tmask, other=0)
         base = page.to(tl.int64) * s_c_page + (toks % page_size) * s_c_tok
         ckv = tl.load(Cache + base[:, None] + r[None, :], mask=tmask[:, None], other=0.0)
         kr = tl.load(Cache + base[:, None] + R + p[None, :], mask=tmask[:, None], other=0.0)
-        if IEEE:  # float32 inputs: exact products, not TF32 (the parity tests run in float32)
-            s = tl.dot(ql, tl.trans(ckv), input_precision="ieee") + tl.dot(qr, tl.trans(kr), input_precision="ieee")
-        else:
-            s = tl.dot(ql, tl.trans(ckv)) + tl.dot(qr, tl.trans(kr))
-        s = s * scale
-        s = tl.where(tmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        probs = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(probs, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(probs.to(ckv.dtype), ckv, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(probs.to(ckv.dtype), ckv)
-        m = m_new
+        s = _dot(ql, tl.trans(ckv), IEEE) + _dot(qr, tl.trans(kr), IEEE)
+        m, l, acc = _online_softmax_step(s * scale, tmask, ckv, m, l, acc, IEEE)
+    _store_split(MidO + b * s_mo_b + split * s_mo_s, MidLse + b * s_ml_b + split, heads, r, heads < num_heads,
+                 s_mo_h, s_ml_h, m, l, acc)
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """a @ b; float32 inputs exactly (not TF32: the parity tests run in float32)."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _online_softmax_step(s, tmask, values, m, l, acc, IEEE: tl.constexpr):
+    """One block of scores s [rows, BLOCK_N] (masked where `tmask` is false) into the running max m,
+    sum l and weighted values acc of the rows."""
+    s = tl.where(tmask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp(m - m_new)
+    probs = tl.exp(s - m_new[:, None])
+    l = l * alpha + tl.sum(probs, 1)
+    acc = acc * alpha[:, None] + _dot(probs.to(values.dtype), values, IEEE)
+    return m_new, l, acc
+
+
+@triton.jit
+def _store_split(MidO, MidLse, heads, cols, written, s_mo_h, s_ml_h, m, l, acc):
+    """A split's normalised output and log-sum-exp per head (-inf where it saw no token)."""
     filled = l > 0
     out = acc / tl.where(filled, l, 1.0)[:, None]
     lse = tl.where(filled, m + tl.log(tl.where(filled, l, 1.0)), float("-inf"))
-    tl.store(MidO + b * s_mo_b + heads[:, None] * s_mo_h + split * s_mo_s + r[None, :], out, mask=hmask[:, None])
-    tl.store(MidLse + b * s_ml_b + heads * s_ml_h + split, lse, mask=hmask)
+    tl.store(MidO + heads[:, None] * s_mo_h + cols[None, :], out, mask=written[:, None])
+    tl.store(MidLse + heads * s_ml_h, lse, mask=written)
 
 
 @triton.jit
@@ -87,27 +105,30 @@ def default_splits(batch: int, heads: int, max_len: int, block_n: int, device: t
 def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
                seq_lens: torch.Tensor, scale: float, num_splits: int | None = None, block_n: int = 32,
                max_len: int | None = None, block_h: int = 64, num_warps: int = 8,
-               num_stages: int = 2) -> torch.Tensor:
-    """q_latent [B, H, R], q_rope [B, H, P] (one decode token per sequence); `cache` one layer's
-    latent pages [num_pages, page_size, R + P] (any page stride); `page_table` [B, max_pages],
-    `seq_lens` [B] tokens in KV per sequence (the new one's latent already stored). Returns the
-    attention-weighted latents [B, H, R]. R and P must be powers of two, `num_splits` too (by
-    default from the batch and `max_len`, the longest context, so no host sync is needed)."""
+               num_stages: int = 2, row_seqs: torch.Tensor | None = None, min_split: int | None = None) -> torch.Tensor:
+    """q_latent [B, H, R], q_rope [B, H, P] (one query row per decode token); `cache` one layer's
+    latent pages [num_pages, page_size, R + P] (any page stride); `seq_lens` [B] tokens in KV each row
+    sees (the new one's latent already stored); `page_table` [S, max_pages], row `row_seqs[b]` for
+    query row b (by default row b: one row per sequence). Returns the attention-weighted latents
+    [B, H, R]. R and P must be powers of two, `num_splits` too (by default from the batch and `max_len`,
+    the longest context, so no host sync is needed); a row uses fewer splits where its context is
+    short (none under `min_split` tokens, by default 2 * block_n)."""
     batch, heads, rank = q_latent.shape
     if num_splits is None:
         num_splits = default_splits(batch, heads, max_len or 1 << 16, block_n, q_latent.device, block_h)
+    if row_seqs is None:
+        row_seqs = torch.arange(batch, device=q_latent.device)
     rope = q_rope.shape[-1]
     assert cache.shape[-1] == rank + rope and cache.stride(-1) == 1 and cache.stride(1) == rank + rope
     assert q_latent.stride(-1) == 1 and q_rope.stride(-1) == 1 and page_table.stride(-1) == 1
     mid_out = torch.empty(batch, heads, num_splits, rank, dtype=torch.float32, device=q_latent.device)
     mid_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q_latent.device)
-    seq_lens = seq_lens.to(device=q_latent.device, dtype=torch.int32)
     _split_kernel[(batch, triton.cdiv(heads, block_h), num_splits)](
-        q_latent, q_rope, cache, page_table, seq_lens, mid_out, mid_lse,
+        q_latent, q_rope, cache, page_table, row_seqs, seq_lens, mid_out, mid_lse,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
         cache.stride(0), cache.stride(1), page_table.stride(0),
         mid_out.stride(0), mid_out.stride(1), mid_out.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        heads, scale, cache.shape[1],
+        heads, scale, cache.shape[1], 2 * block_n if min_split is None else min_split,
         R=rank, P=rope, BLOCK_H=block_h, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         IEEE=q_latent.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
     out = torch.empty_like(q_latent)

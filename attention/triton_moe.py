@@ -70,8 +70,16 @@ def sort_pairs(ids: torch.Tensor, first: int, num_local: int, block_m: int) -> t
     return pairs[:capacity], block_expert
 
 
+def default_block_m(pairs: int, num_experts: int) -> int:
+    """Rows per program: twice the mean pairs per expert, a power of two in [16, 128]. A program reads
+    its expert's weights once per row block, so an expert should mostly fit one block; the choice
+    depends on shapes only (a CUDA graph keeps it)."""
+    want = max(16, min(128, 2 * pairs // max(num_experts, 1)))
+    return 1 << (want - 1).bit_length()
+
+
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                  first: int = 0, block_m: int = 16, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
+                  first: int = 0, block_m: int | None = None, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
     """sum over slots s of weights[t, s] * down_e(SiLU(gate_e(x_t)) * up_e(x_t)), e = ids[t, s], for
     the experts held here (w13 [E, 2I, H] gate then up, w2 [E, H, I], experts first .. first+E-1)."""
     tokens, top_k = ids.shape
@@ -79,6 +87,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     n = tokens * top_k
     if n == 0:
         return torch.zeros_like(x)
+    block_m = block_m or default_block_m(n, num_local)
     pairs, block_expert = sort_pairs(ids, first, num_local, block_m)
     gate_up = torch.empty(n, two_i, dtype=x.dtype, device=x.device)
     down = torch.zeros(n, hidden, dtype=x.dtype, device=x.device)

@@ -12,8 +12,8 @@ Roofline: the bytes the step must read over the device copy bandwidth measured i
 (read + write bytes per second of a 1 GiB device-to-device copy). Bytes: every weight the step
 touches (all but the routed experts and the embedding table, plus the routed experts the router
 actually selected in this step, counted per layer, and one embedding row per token) and the KV cache
-read. Steps are eager (no CUDA graphs yet): CUDA events around `ModelRunner.forward`, median of the
-repeats. The peer runs `transformers`' DeepseekV3ForCausalLM (random weights, bf16) one token per
+read. With the triton backend the steps replay CUDA graphs (`--eager`: not); CUDA events around
+`ModelRunner.forward` (packing the step's inputs included), median of the repeats. The peer runs `transformers`' DeepseekV3ForCausalLM (random weights, bf16) one token per
 request over a prefilled DynamicCache of the same context. Prints a table and writes JSON.
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ def step_bytes(runner, batch) -> int:
     for module in runner.model.modules():
         if isinstance(module, Experts):
             hooks.append(module.register_forward_pre_hook(count))
-    runner.forward(batch)
+    runner.run_model(batch.to(runner.device))  # eager: the hooks see the routing
     for h in hooks:
         h.remove()
     weights = 0
@@ -75,7 +75,8 @@ def peer_step_seconds(path: str, batch: int, context: int, repeats: int) -> floa
 
 
 def our_steps(path: str, args, copy: float) -> tuple[list[dict], int]:
-    runner, kv = dummy_runner(path, max(args.batches), args.context, args.attention_backend)
+    graphs = max(args.batches) if runner_graphs(args) else 0
+    runner, kv = dummy_runner(path, max(args.batches), args.context, args.attention_backend, graphs)
     rows = []
     for b in args.batches:
         batch = step_batch(kv, b, args.context, 1)
@@ -86,6 +87,10 @@ def our_steps(path: str, args, copy: float) -> tuple[list[dict], int]:
     return rows, runner.parameter_bytes
 
 
+def runner_graphs(args) -> bool:
+    return args.attention_backend == "triton" and not args.eager
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=4)
@@ -94,7 +99,8 @@ def main() -> None:
     parser.add_argument("--peer-batches", type=lambda s: [int(x) for x in s.split(",") if x], default=[1, 32])
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
+    parser.add_argument("--attention-backend", default="triton", choices=["torch", "triton"])
+    parser.add_argument("--eager", action="store_true", help="no CUDA graphs (the triton backend replays them)")
     parser.add_argument("--out", default="bench/results/decode_step.json")
     args = parser.parse_args()
 
@@ -114,12 +120,14 @@ def main() -> None:
         print(f"{r['batch']:>5} {r['step_s'] * 1e3:>8.2f} {r['roofline_s'] * 1e3:>11.3f} {r['over_roofline']:>10.1f} "
               f"{r['tokens_per_s']:>8.0f} {peer}")
     print(f"device copy: {copy / 1e9:.0f} GB/s (read + write); model {parameter_bytes / 1e9:.2f} GB of weights, "
-          f"context {args.context}, attention backend {args.attention_backend}, eager steps")
+          f"context {args.context}, attention backend {args.attention_backend}, "
+          f"{'CUDA graphs' if runner_graphs(args) else 'eager steps'}")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "layers": args.layers, "experts": args.experts,
                    "context": args.context, "copy_gb_per_s": copy / 1e9, "parameter_bytes": parameter_bytes,
-                   "attention_backend": args.attention_backend, "rows": rows}, f, indent=2)
+                   "attention_backend": args.attention_backend, "cuda_graphs": runner_graphs(args), "rows": rows},
+                  f, indent=2)
     print(f"wrote {args.out}")
 
 

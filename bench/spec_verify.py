@@ -9,8 +9,10 @@ with fewer layers and experts so it fits one GPU, random weights made on the dev
     python -m bench.spec_verify [--layers 4 --experts 32] [--batches 1,8,32] [--drafts 1,2,3]
 
 prints decode ms, verify ms and their ratio per batch and k, and writes JSON. The issue's goal is a
-ratio of at most 1.15 for k = 2 at batch <= 32. Timings are of eager forward passes (no CUDA graphs
-yet), CUDA events around `ModelRunner.forward`, median of the repeats.
+ratio of at most 1.15 for k = 2 at batch <= 32. "bytes ratio" is the ratio of the two steps'
+rooflines (`decode_step.step_bytes`): a verify's tokens (distinct ids, as real drafts are) select
+more routed experts than the decode's, and at batch 1 those experts' weights alone cost more. With the triton backend both steps replay CUDA graphs
+(`--eager`: eager passes); CUDA events around `ModelRunner.forward`, median of the repeats.
 """
 from __future__ import annotations
 
@@ -44,18 +46,21 @@ def deepseek_v3_config_dir(layers: int, experts: int) -> str:
     return out
 
 
-def dummy_runner(path: str, max_requests: int, context: int, attention_backend: str = "torch"):
+def dummy_runner(path: str, max_requests: int, context: int, attention_backend: str = "torch",
+                 graph_tokens: int = 0):
     """(ModelRunner, KVCacheManager): the model of config dir `path` with random bf16 weights on the
-    GPU, its pool sized for `max_requests` requests of `context` tokens (and a few drafts each)."""
+    GPU, its pool sized for `max_requests` requests of `context` tokens (and a few drafts each); with
+    the triton backend, steps of up to `graph_tokens` tokens replay CUDA graphs (0: all eager)."""
     from dserve.runtime.config import EngineConfig
     from dserve.runtime.model_runner import ModelRunner
     from dserve.scheduler.kv_manager import KVCacheManager
 
     config = EngineConfig(path, device="cuda", dtype="bfloat16", load_format="dummy",
                           max_total_tokens=max_requests * (context + 72), load_progress=False,
-                          attention_backend=attention_backend)
+                          attention_backend=attention_backend, cuda_graph_max_bs=max(graph_tokens, 1),
+                          disable_cuda_graph=not graph_tokens)
     runner = ModelRunner(config)
-    return runner, KVCacheManager(runner.pool.num_pages, runner.pool.layout.page_size, False)
+    return runner, KVCacheManager(runner.num_pages, runner.pool.layout.page_size, False)
 
 
 def step_batch(kv, batch_size: int, context: int, q_len: int):
@@ -67,7 +72,7 @@ def step_batch(kv, batch_size: int, context: int, q_len: int):
         rid = f"r{i}"
         if rid not in kv.tables:
             assert kv.allocate_slots(rid, context + 8), "pool too small"
-        entries.append(Seq(rid, context, [100 + i] * q_len, list(range(q_len))))
+        entries.append(Seq(rid, context, [100 + 7 * i + j for j in range(q_len)], list(range(q_len))))
     return assemble(entries, kv)
 
 
@@ -84,25 +89,34 @@ def main() -> None:
     parser.add_argument("--drafts", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 3])
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
+    parser.add_argument("--attention-backend", default="triton", choices=["torch", "triton"])
+    parser.add_argument("--eager", action="store_true", help="no CUDA graphs (the triton backend replays them)")
     parser.add_argument("--out", default="bench/results/spec_verify.json")
     args = parser.parse_args()
 
     path = deepseek_v3_config_dir(args.layers, args.experts)
-    runner, kv = dummy_runner(path, max(args.batches), args.context, args.attention_backend)
+    graphs = args.attention_backend == "triton" and not args.eager
+    runner, kv = dummy_runner(path, max(args.batches), args.context, args.attention_backend,
+                              max(args.batches) * (max(args.drafts) + 1) if graphs else 0)
+    from bench.decode_step import step_bytes
+
     rows = []
-    print(f"{'batch':>5} {'k':>3} {'decode ms':>10} {'verify ms':>10} {'ratio':>6}")
+    print(f"{'batch':>5} {'k':>3} {'decode ms':>10} {'verify ms':>10} {'ratio':>6} {'bytes ratio':>11}")
     for b in args.batches:
-        decode = forward_ms(runner, step_batch(kv, b, args.context, 1), args.repeats)
+        plain = step_batch(kv, b, args.context, 1)
+        decode, decode_bytes = forward_ms(runner, plain, args.repeats), step_bytes(runner, plain)
         for k in args.drafts:
-            verify = forward_ms(runner, step_batch(kv, b, args.context, k + 1), args.repeats)
-            rows.append({"batch": b, "k": k, "decode_ms": decode, "verify_ms": verify, "ratio": verify / decode})
-            print(f"{b:>5} {k:>3} {decode:>10.2f} {verify:>10.2f} {verify / decode:>6.2f}")
+            batch = step_batch(kv, b, args.context, k + 1)
+            verify, verify_bytes = forward_ms(runner, batch, args.repeats), step_bytes(runner, batch)
+            rows.append({"batch": b, "k": k, "decode_ms": decode, "verify_ms": verify, "ratio": verify / decode,
+                         "bytes_ratio": verify_bytes / decode_bytes})
+            print(f"{b:>5} {k:>3} {decode:>10.2f} {verify:>10.2f} {verify / decode:>6.2f} "
+                  f"{verify_bytes / decode_bytes:>11.2f}")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "layers": args.layers, "experts": args.experts,
                    "context": args.context, "parameter_bytes": runner.parameter_bytes,
-                   "attention_backend": args.attention_backend, "rows": rows}, f, indent=2)
+                   "attention_backend": args.attention_backend, "cuda_graphs": graphs, "rows": rows}, f, indent=2)
     print(f"wrote {args.out}")
 
 

@@ -34,12 +34,14 @@ class DecoderLayer(nn.Module):
         self.mlp = (MoE(cfg, ctx) if cfg.is_moe_layer(layer_id)
                     else GatedMLP(cfg.hidden_size, cfg.intermediate_size, ctx.mlp))
 
-    def forward(self, hidden: torch.Tensor, cos_sin, backend: AttentionBackend, dp_num_tokens=None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, cos_sin, backend: AttentionBackend, batch: ForwardBatch) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(hidden), cos_sin, backend)
         normed, residual = self.post_attention_layernorm.add_and_norm(attn, hidden)
         # MLP/MoE span every rank: with DP attention, gather all groups' tokens, keep ours after
-        mlp_in = self.ctx.gather_tokens(normed, dp_num_tokens)
-        return residual + self.ctx.own_tokens(self.mlp(mlp_in), dp_num_tokens)
+        counts = batch.dp_num_tokens
+        mlp_in = self.ctx.gather_tokens(normed, counts)
+        out = self.mlp(mlp_in, batch.real_tokens) if isinstance(self.mlp, MoE) else self.mlp(mlp_in)
+        return residual + self.ctx.own_tokens(out, counts)
 
     def map_key(self, suffix: str) -> tuple[str, object] | None:
         if suffix in ("input_layernorm.weight", "post_attention_layernorm.weight"):
@@ -80,7 +82,7 @@ class CausalLM(nn.Module):
         outputs = {-1: hidden}
         cos_sin = self.rotary.cos_sin(batch.positions, hidden.dtype)
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos_sin, backend, batch.dp_num_tokens)
+            hidden = layer(hidden, cos_sin, backend, batch)
             if i in aux_layers:
                 outputs[i] = hidden
         aux = torch.cat([outputs[i] for i in aux_layers], dim=-1) if aux_layers else None

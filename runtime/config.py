@@ -24,7 +24,10 @@ class EngineConfig:
     max_running_requests: int = 256  # requests decoding at once per DP group; more wait in the queue
     enable_prefix_caching: bool = True  # reuse the KV pages of a prompt prefix seen before
     load_format: str = "auto"  # auto: the checkpoint's weights; dummy: random ones from config.json alone
-    attention_backend: str = "torch"  # torch (reference, any device); triton (MLA decode kernel so far)
+    attention_backend: str = "auto"  # torch (reference, any device); triton (kernels, CUDA graphs); auto:
+    #                                  triton on a GPU, torch on the CPU
+    cuda_graph_max_bs: int = 64  # triton backend: decode steps of up to this many sequences replay CUDA graphs
+    disable_cuda_graph: bool = False  # run every step eagerly
     random_seed: int = 0  # seeds unseeded sampling
     load_progress: bool = True  # a progress bar while the checkpoint loads
     tp_size: int = 1  # ranks of the instance; attention groups of tp_size // dp_size ranks
@@ -46,9 +49,12 @@ class EngineConfig:
             self.dtype = "float32" if self.device == "cpu" else "bfloat16"
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.attention_backend == "auto":
+            self.attention_backend = "torch" if self.device == "cpu" else "triton"
         if self.page_size is None:
             self.page_size = 16 if self.device == "cpu" else 64
-        for name in ("page_size", "chunked_prefill_size", "max_num_batched_tokens", "max_running_requests"):
+        for name in ("page_size", "chunked_prefill_size", "max_num_batched_tokens", "max_running_requests",
+                     "cuda_graph_max_bs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:

@@ -32,7 +32,7 @@ class LocalExecutor:
 
         self.runner = ModelRunner(config)
         self.model_config = self.runner.model_config
-        self.num_pages = [self.runner.pool.num_pages]
+        self.num_pages = [self.runner.num_pages]
         self.agent = None
         if transfer is not None:
             from dserve.transfer.agent import start_agent

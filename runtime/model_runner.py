@@ -1,7 +1,8 @@
 """One rank's model, KV pool and attention backend: runs a `ForwardBatch` and returns logits.
 
 Pool sizing: `max_total_tokens` when given; on a GPU otherwise what `mem_fraction_static` of the
-device memory leaves after the weights; on the CPU 16384 tokens.
+device memory leaves after the weights; on the CPU 16384 tokens. Decode-like steps replay CUDA
+graphs where the backend allows it (`cuda_graphs.py`); everything else runs eagerly.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from dserve.models.layers.norm import RMSNorm
 from dserve.models.loader import load_model, parameter_bytes
 from dserve.models.parallel import SINGLE, ParallelContext
 from dserve.runtime.config import EngineConfig
+from dserve.runtime.cuda_graphs import StaticSteps
 from dserve.scheduler.kv_pool import KVLayout, KVPool
 
 log = logging.getLogger("dserve.runtime")
@@ -69,6 +71,16 @@ def load_draft(config: EngineConfig, target, device: torch.device, ctx: Parallel
     return None
 
 
+def uses_static_steps(config: EngineConfig) -> bool:
+    """Decode-like steps from static buffers (CUDA graphs on a GPU): with the triton backend, one rank."""
+    return config.attention_backend == "triton" and not config.disable_cuda_graph and config.world_size == 1
+
+
+def tokens_per_seq(config: EngineConfig) -> int:
+    """Most tokens one sequence computes in a decode-like step: one, or a verify's draft tokens."""
+    return config.speculative_num_draft_tokens if config.speculative_algorithm else 1
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, ctx: ParallelContext = SINGLE, device: str | None = None):
         self.config, self.ctx = config, ctx
@@ -81,7 +93,9 @@ class ModelRunner:
         layouts = [layout]
         if self.draft is not None:
             layouts.append(kv_layout(self.draft.cfg, config.page_size, config.torch_dtype, ctx.attn.size, 1))
-        num_pages = pool_pages(config, layouts, self.device)
+        self.num_pages = pool_pages(config, layouts, self.device)  # what the KV manager hands out
+        static = uses_static_steps(config)
+        num_pages = self.num_pages + static  # and a scratch page for the padding of static steps
         self.pool = KVPool(layout, num_pages, self.device)
         self.backend = create_backend(config.attention_backend, self.pool)
         if config.attention_backend == "triton":  # Triton kernels where they exist: norms and MoE too
@@ -91,9 +105,20 @@ class ModelRunner:
         if self.draft is not None:
             self.draft_pool = KVPool(layouts[1], num_pages, self.device)
             self.draft_backend = create_backend(config.attention_backend, self.draft_pool)
-        log.info("KV pool: %d pages x %d tokens = %d tokens, %.2f MB (%s, %d layers, %s)", self.pool.num_pages,
-                 layout.page_size, self.pool.num_tokens, self.pool.total_bytes / 1e6, layout.kind,
+        log.info("KV pool: %d pages x %d tokens = %d tokens, %.2f MB (%s, %d layers, %s)", self.num_pages,
+                 layout.page_size, self.num_pages * layout.page_size, self.pool.total_bytes / 1e6, layout.kind,
                  layout.num_layers, config.dtype)
+        self.static = self._static_steps() if static else None
+
+    def _static_steps(self) -> StaticSteps | None:
+        """Static decode-like steps where every backend of the step runs them, captured on a GPU."""
+        steps = StaticSteps(self, self.config.cuda_graph_max_bs * tokens_per_seq(self.config),
+                            self.model_config.max_position_embeddings)
+        if not steps.usable:
+            return None
+        if self.device.type == "cuda":
+            steps.capture()
+        return steps
 
     @property
     def transfer_pools(self) -> list:
@@ -108,21 +133,30 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [N, vocab] (float32, on the rank's device) for the batch's `logits_indices` rows."""
-        batch = batch.to(self.device)
         if batch.kv_moves is not None:  # the accepted path of last step's draft tree, into place
-            self.pool.move(batch.kv_moves[0], batch.kv_moves[1])
+            moves = batch.kv_moves.to(self.device, non_blocking=True)
+            self.pool.move(moves[0], moves[1])
+        if self.static is not None and self.static.fits(batch):
+            logits, feed = self.static.run(batch)
+        else:
+            logits, feed = self.run_model(batch.to(self.device))
+        if self.draft is not None:
+            self.last_hidden = feed
+        return logits
+
+    def run_model(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pass of the target (or, with `hidden_rows`, the draft): its logits at the batch's rows
+        (then the fused draft's), and the hidden states a following draft pass reads."""
         if batch.hidden_rows is not None:  # a draft pass reads the previous pass's hidden states
             model, hidden = self.draft, self.draft(batch, self.last_hidden[batch.hidden_rows], self.draft_backend)
             feed = hidden
         else:
             model, (hidden, aux) = self.model, self.model.forward_with_aux(batch, self.backend, self.aux_layers)
             feed = hidden if aux is None else aux
-        if self.draft is not None:
-            self.last_hidden = feed
         logits = model.compute_logits(hidden[batch.logits_indices])
-        if batch.fused_draft is None:
-            return logits
-        return torch.cat([logits, self._fused_draft(batch, logits, feed)])
+        if batch.fused_draft is not None:
+            logits = torch.cat([logits, self._fused_draft(batch, logits, feed)])
+        return logits, feed
 
     def _fused_draft(self, batch: ForwardBatch, logits: torch.Tensor, feed: torch.Tensor) -> torch.Tensor:
         """Naive speculation: the draft over the target's tokens, each reading the token after it

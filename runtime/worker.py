@@ -67,7 +67,7 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, conn, transfe
 
             start_agent(transfer, runner.transfer_pools, ctx.dp.rank, ctx.attn.rank, ctx.attn.size)
         shapes = {name: tuple(p.shape) for name, p in runner.model.named_parameters()}
-        conn.send(("ready", RankInfo(rank, ctx.dp.rank, ctx.attn.rank, runner.pool.num_pages,
+        conn.send(("ready", RankInfo(rank, ctx.dp.rank, ctx.attn.rank, runner.num_pages,
                                      runner.parameter_bytes, shapes)))
         leader = ctx.attn.rank == 0
         while True:

@@ -54,7 +54,7 @@ class MTPDraft(nn.Module):
         backend.plan(batch)
         emb = self.embed_tokens(batch.input_ids)
         x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden.to(emb.dtype))], dim=-1))
-        x = self.layer(x, self.rotary.cos_sin(batch.positions, x.dtype), backend, batch.dp_num_tokens)
+        x = self.layer(x, self.rotary.cos_sin(batch.positions, x.dtype), backend, batch)
         return self.final_norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

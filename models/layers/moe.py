@@ -114,9 +114,13 @@ class MoE(nn.Module):
             self.shared_experts = GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
                                            ctx.mlp, reduce=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, real_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """`real_tokens` (nonzero per real row) marks a padded step's padding rows: routed nowhere, they
+        pull in no expert's weights."""
         logits = F.linear(x.float(), self.gate_weight.float())
         weights, ids = route(logits, self.correction_bias, self.cfg)
+        if real_tokens is not None:
+            ids = torch.where(real_tokens[:, None] != 0, ids, -1)
         out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

@@ -49,8 +49,23 @@ def test_small_shapes_match_the_reference(num_splits):
     q_latent, q_rope, cache, table, lens = case(heads=20, rank=32, rope=16, page_size=4,
                                                 seq_lens=[1, 5, 16, 37, 3], dtype=torch.float32, device=device)
     scale = 0.3
-    ours = mla_decode(q_latent, q_rope, cache, table, lens, scale, num_splits=num_splits, block_n=16)
+    ours = mla_decode(q_latent, q_rope, cache, table, lens, scale, num_splits=num_splits, block_n=16, min_split=1)
     ref = reference(q_latent, q_rope, cache, table, lens, scale)
+    assert torch.allclose(ours, ref, atol=1e-4, rtol=1e-4), (ours - ref).abs().max()
+
+
+def test_rows_of_shared_sequences_and_short_contexts():
+    """Several query rows read one sequence's page-table row (`row_seqs`: a chain verify's tokens),
+    each up to its own context length; with a minimum split longer than most contexts, rows use
+    fewer splits than the launch has and the empty ones weigh nothing."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q_latent, q_rope, cache, table, _ = case(heads=8, rank=32, rope=16, page_size=4, seq_lens=[9, 40, 2, 1],
+                                             dtype=torch.float32, device=device)
+    row_seqs = torch.tensor([1, 1, 1, 0, 3, 2], device=device)
+    lens = torch.tensor([38, 39, 40, 9, 1, 2], dtype=torch.int32, device=device)
+    ours = mla_decode(q_latent[row_seqs], q_rope[row_seqs], cache, table, lens, 0.3, num_splits=8, block_n=16,
+                      row_seqs=row_seqs, min_split=32)
+    ref = reference(q_latent[row_seqs], q_rope[row_seqs], cache, table[row_seqs], lens, 0.3)
     assert torch.allclose(ours, ref, atol=1e-4, rtol=1e-4), (ours - ref).abs().max()
 
 

@@ -38,7 +38,7 @@ def test_target_hands_over_the_configured_layer_outputs(arch, eagle3_dir, make_e
     engine = eagle3_engine(make_engine, target, draft)
     runner = engine.executor.runner
     ids = prompts(2)[1]
-    kv = KVCacheManager(runner.pool.num_pages, runner.pool.layout.page_size)
+    kv = KVCacheManager(runner.num_pages, runner.pool.layout.page_size)
     assert kv.allocate_slots("r", len(ids))
     runner.forward(assemble([Seq("r", 0, ids, [len(ids) - 1])], kv))  # a target pass over the prompt
     transformers.logging.set_verbosity_error()
@@ -60,7 +60,7 @@ def test_draft_layer_matches_transformers(arch, eagle3_dir, make_engine):
     T, h = 21, engine.model_config.hidden_size
     tokens = torch.randint(0, engine.model_config.vocab_size, (T,), generator=gen)
     aux = torch.randn(T, 3 * h, generator=gen)
-    kv = KVCacheManager(runner.draft_pool.num_pages, runner.draft_pool.layout.page_size)
+    kv = KVCacheManager(runner.num_pages, runner.draft_pool.layout.page_size)
     assert kv.allocate_slots("r", T)
     runner.last_hidden = aux
     ours = runner.forward(build_draft_batch([Seq("r", 0, tokens.tolist(), list(range(T)), list(range(T)))], kv))

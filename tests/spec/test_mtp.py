@@ -63,7 +63,7 @@ def test_draft_layer_matches_transformers(arch, tiny_dir, make_engine):
     T = 21
     tokens = torch.randint(0, engine.model_config.vocab_size, (T,), generator=gen)
     hidden = torch.randn(T, engine.model_config.hidden_size, generator=gen)
-    kv = KVCacheManager(runner.draft_pool.num_pages, runner.draft_pool.layout.page_size)
+    kv = KVCacheManager(runner.num_pages, runner.draft_pool.layout.page_size)
     assert kv.allocate_slots("r", T)
     runner.last_hidden = hidden
     batch = build_draft_batch([Seq("r", 0, tokens.tolist(), list(range(T)), list(range(T)))], kv)

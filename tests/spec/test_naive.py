@@ -70,3 +70,24 @@ def test_naive_pair_matches_colocated(algorithm, arch, prefill_tp, decode_tp, tr
     path, info, spec = trained_draft(algorithm, arch, trained_dir, trained_eagle3)
     check_pair(path, info["prompts"][:3], {**spec, "speculative_naive": True}, prefill_tp, decode_tp, tmp_path,
                make_engine, min_accept_length=1.5)
+
+
+@pytest.mark.parametrize("algorithm,arch", [("eagle3", "deepseek_v3"), ("mtp", "glm4_moe")])
+def test_naive_through_static_steps(algorithm, arch, trained_dir, trained_eagle3, make_engine):
+    """With the triton backend the fused step runs from the static buffers (a CUDA graph per bucket on
+    a GPU; eagerly under the Triton interpreter here): an MLA target with the MHA EAGLE-3 draft, an
+    MHA target with its MHA MTP draft. Greedy tokens are the plain engine's, drafts the two-pass's."""
+    import torch
+
+    path, info, spec = trained_draft(algorithm, arch, trained_dir, trained_eagle3)
+    ids, params = info["prompts"][:3], {**GREEDY, "max_new_tokens": 16}
+    kwargs = dict(page_size=4, dtype="float32", max_total_tokens=4096,
+                  device="cuda" if torch.cuda.is_available() else "cpu")
+    plain = make_engine(path, **kwargs).generate(input_ids=ids, sampling_params=params)
+    two = make_engine(path, **kwargs, **spec).generate(input_ids=ids, sampling_params=params)
+    engine = make_engine(path, attention_backend="triton", speculative_naive=True, **kwargs, **spec)
+    runs = count_calls(engine.executor.runner.static, "run")
+    naive = engine.generate(input_ids=ids, sampling_params=params)
+    assert [n.output_ids for n in naive] == [p.output_ids for p in plain]
+    assert [n.meta["spec_accepted_per_step"] for n in naive] == [t.meta["spec_accepted_per_step"] for t in two]
+    assert len(runs) >= 5

@@ -1,0 +1,156 @@
+"""CUDA graphs for decode-like steps: one captured forward per padded token count.
+
+A step qualifies when it is a target pass (not a two-pass draft pass) without DP attention (other
+groups' token counts change the collectives), with at most the largest bucket's tokens, and every
+attention backend it uses can run it from device tensors alone (`AttentionBackend.runs_static`:
+spans of a few causal tokens on the MLA decode kernel; with naive speculation the draft's backend
+too). Decode steps, chain verifies and the naive fused step qualify; prompts and trees run eagerly.
+
+The step's tokens are padded up to the next bucket. A pad token reads the first context slot of
+the batch's first sequence, writes its KV into a scratch page the KV manager never hands out (each
+pool's last page), and is routed to no expert (`ForwardBatch.real_tokens`). Per step the host packs
+the per-token ints (ids, positions, slots, span, context length, the fused draft's inputs, which
+are real), the wanted logits rows and the page table into one pinned buffer; one non-blocking copy
+fills the graph's static buffer and the graph replays, with no host sync. The graph computes logits at every padded row (the target's, then the
+draft's); the wanted rows are picked from them on the device.
+
+Graphs are captured at start, largest first, into one memory pool. On a CPU (tests under the
+Triton interpreter) nothing is captured: the same static buffers, padding and row selection run
+eagerly, so the CPU suite checks all but the capture.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from dserve.attention.backend import FusedDraft, ForwardBatch
+
+log = logging.getLogger("dserve.runtime")
+FIELDS = ("input_ids", "positions", "out_slots", "token_seqs", "token_ctx_lens", "next_ids", "from_target",
+          "real_tokens")
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """Padded token counts: 1, 2, 4, 8, then steps of 8 to 64, of 16 to 128, of 32 to 256, of 64
+    beyond; the last is `max_tokens`."""
+    sizes, n = [], 1
+    while n < max_tokens:
+        sizes.append(n)
+        n = n * 2 if n < 8 else n + (8 if n < 64 else 16 if n < 128 else 32 if n < 256 else 64)
+    return sizes + [max_tokens]
+
+
+class StaticSteps:
+    """The static buffers of decode-like steps and, on a GPU, their captured graphs.
+
+    One int64 buffer holds, in order, the logits rows to select, the per-token fields and the page
+    table ([tokens, max_pages] rows); a step copies it from its pinned twin up to the last table row
+    it uses, in one copy. The host side is filled through numpy views (cheaper per call than torch)."""
+
+    def __init__(self, runner, max_tokens: int, max_context: int):
+        self.runner, self.device = runner, runner.device
+        page_size = runner.pool.layout.page_size
+        self.scratch_slot = runner.num_pages * page_size  # the first slot of the page past the manager's
+        self.max_pages = min(-(-max_context // page_size), runner.num_pages)
+        self.max_context = self.max_pages * page_size
+        self.buckets = token_buckets(max_tokens)
+        self.fused = runner.config.speculative_naive
+        most, fields = self.buckets[-1], len(FIELDS)
+        self.table_start = (2 + fields) * most
+        size = self.table_start + most * self.max_pages
+        pinned = self.device.type == "cuda"
+        self.host = torch.zeros(size, dtype=torch.int64, pin_memory=pinned)
+        self.flat = torch.zeros(size, dtype=torch.int64, device=self.device)
+        self.select, self.ints, self.table = self._views(self.flat)
+        self.host_select, self.host_ints, self.host_table = (t.numpy() for t in self._views(self.host))
+        self.rows = torch.arange(most, device=self.device)
+        self.pad = np.array([0, 0, self.scratch_slot, 0, 1, 0, -1, 0], dtype=np.int64)[:, None]
+        self.copied = torch.cuda.Event() if pinned else None  # the host buffer is free again
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}
+
+    def _views(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        most = self.buckets[-1]
+        return (flat[:2 * most], flat[2 * most:self.table_start].view(len(FIELDS), most),
+                flat[self.table_start:].view(most, self.max_pages))
+
+    @property
+    def usable(self) -> bool:
+        """Whether the model's backends run a one-token step statically at all (not MHA, yet)."""
+        batch = self.static_batch(1)
+        backends = [self.runner.backend] + ([self.runner.draft_backend] if self.fused else [])
+        return all(b.runs_static(batch) for b in backends)
+
+    def static_batch(self, n: int) -> ForwardBatch:
+        """The batch a graph of `n` tokens is captured for: its tensors are the static buffers."""
+        f = dict(zip(FIELDS, self.ints[:, :n]))
+        fused = FusedDraft(f["next_ids"], f["from_target"], self.rows[:n]) if self.fused else None
+        return ForwardBatch(input_ids=f["input_ids"], positions=f["positions"], q_lens=[1] * n,
+                            seq_lens=[self.max_context] * n, page_table=self.table[:n], out_slots=f["out_slots"],
+                            logits_indices=self.rows[:n], fused_draft=fused, token_seqs=f["token_seqs"],
+                            token_ctx_lens=f["token_ctx_lens"], real_tokens=f["real_tokens"])
+
+    def fits(self, batch: ForwardBatch) -> bool:
+        return (batch.hidden_rows is None and batch.dp_num_tokens is None and 0 < batch.num_tokens <= self.buckets[-1]
+                and batch.input_ids.device.type == "cpu"
+                and (batch.fused_draft is not None) == self.fused and batch.page_table.shape[1] <= self.max_pages
+                and max(batch.seq_lens) <= self.max_context and self.runner.backend.runs_static(batch))
+
+    def capture(self) -> None:
+        """One graph per bucket, largest first, sharing one memory pool."""
+        started = time.monotonic()
+        self.host_ints[:] = self.pad
+        self.flat.copy_(self.host)
+        pool = torch.cuda.graph_pool_handle()
+        for n in reversed(self.buckets):
+            batch = self.static_batch(n)
+            for _ in range(2):  # compile the kernels, settle the allocator
+                self.runner.run_model(batch)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                outputs = self.runner.run_model(batch)
+            self.graphs[n] = (graph, outputs)
+        torch.cuda.synchronize(self.device)
+        log.info("captured %d CUDA graphs (up to %d tokens, contexts up to %d) in %.1f s", len(self.graphs),
+                 self.buckets[-1], self.max_context, time.monotonic() - started)
+
+    def run(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits at the batch's rows, hidden states at every padded row) of one step."""
+        n = next(b for b in self.buckets if b >= batch.num_tokens)
+        if self.copied is not None:
+            self.copied.synchronize()  # the last step's copy has left the pinned buffer
+        wanted = self._pack(batch, n)
+        end = self.table_start + batch.page_table.shape[0] * self.max_pages
+        self.flat[:end].copy_(self.host[:end], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+        if n in self.graphs:
+            graph, (logits, hidden) = self.graphs[n]
+            graph.replay()
+        else:  # the CPU: the same buffers, run eagerly
+            logits, hidden = self.runner.run_model(self.static_batch(n))
+        return torch.index_select(logits, 0, self.select[:wanted]), hidden
+
+    def _pack(self, batch: ForwardBatch, n: int) -> int:
+        """Fill the pinned buffer from `batch` (host tensors), padded to `n` tokens; how many logits
+        rows the step wants."""
+        t, h = batch.num_tokens, self.host_ints
+        h[:, t:n] = self.pad
+        for i, name in enumerate(FIELDS[:5]):
+            h[i, :t] = getattr(batch, name).numpy()
+        h[7, :t] = 1
+        select = batch.logits_indices.numpy()
+        if batch.fused_draft is not None:  # the graph's draft reads the target's argmax at token rows
+            fused = batch.fused_draft
+            h[5, :t] = fused.next_ids.numpy()
+            from_target = fused.from_target.numpy()
+            rows = select[np.maximum(from_target, 0)] if len(select) else 0
+            h[6, :t] = np.where(from_target >= 0, rows, -1)
+            select = np.concatenate([select, n + fused.logits_indices.numpy()])
+        self.host_select[:len(select)] = select
+        seqs, width = batch.page_table.shape
+        self.host_table[:seqs, :width] = batch.page_table.numpy()
+        return len(select)
