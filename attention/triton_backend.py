@@ -3,9 +3,9 @@
 Decode steps (one new token per sequence, or a few causal ones such as a chain of drafts to verify,
 one kernel row per token) run `triton_mla.mla_decode` over the paged latent cache of MLA models and
 `triton_mha.mha_decode` over the paged K/V of MHA/GQA models; prompt and extend spans and draft
-trees still run the reference code until their kernels land. Select it with `--attention-backend triton`; on a GPU the choice also
-puts the model's RMSNorms (fused with the residual add, `triton_norm.py`) and routed experts (grouped
-GEMMs, `triton_moe.py`) on their Triton kernels.
+trees still run the reference code until their kernels land. Select it with `--attention-backend
+triton`; on a GPU the choice also puts the model's RMSNorms (fused with the residual add,
+`triton_norm.py`) and routed experts (grouped GEMMs, `triton_moe.py`) on their Triton kernels.
 """
 from __future__ import annotations
 

@@ -2,19 +2,20 @@
 step's roofline, and against `transformers` running the same model on the same GPU.
 
     python -m bench.decode_step [--layers 4 --experts 32] [--batches 1,8,32,128] [--context 1024]
-                                [--peer-batches 1,32] [--attention-backend triton]
+                                [--peer-batches 1,32] [--eager]
 
 The model has DeepSeek-V3's real shapes (hidden 7168, MLA, 8 of the routed experts per token) with
 fewer layers and experts so it fits one GPU, made on the device from its config (`load_format=dummy`).
 Each request has `context` tokens in the KV cache and decodes one token.
 
-Roofline: the bytes the step must read over the device copy bandwidth measured in the same run
-(read + write bytes per second of a 1 GiB device-to-device copy). Bytes: every weight the step
-touches (all but the routed experts and the embedding table, plus the routed experts the router
-actually selected in this step, counted per layer, and one embedding row per token) and the KV cache
-read. With the triton backend the steps replay CUDA graphs (`--eager`: not); CUDA events around
-`ModelRunner.forward` (packing the step's inputs included), median of the repeats. The peer runs `transformers`' DeepseekV3ForCausalLM (random weights, bf16) one token per
-request over a prefilled DynamicCache of the same context. Prints a table and writes JSON.
+Roofline: the bytes the step must read over the device copy bandwidth measured in the same run (read
++ write bytes per second of a 1 GiB device-to-device copy). Bytes: every weight the step touches
+(all but the routed experts and the embedding table, plus the routed experts the router actually
+selected in this step, counted per layer, and one embedding row per token) and the KV cache read.
+With the triton backend the steps replay CUDA graphs (`--eager`: not); CUDA events around
+`ModelRunner.forward` (packing the step's inputs included), median of the repeats. The peer runs
+`transformers`' DeepseekV3ForCausalLM (random weights, bf16) one token per request over a prefilled
+DynamicCache of the same context. Prints a table and writes JSON.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import os
 import torch
 
 from bench.cuda_timing import copy_bandwidth, median_seconds
-from bench.spec_verify import deepseek_v3_config_dir, dummy_runner, step_batch
+from bench.spec_verify import deepseek_v3_config_dir, dummy_runner, model_args, step_batch, timing_args, uses_graphs
 
 
 def step_bytes(runner, batch) -> int:
@@ -75,7 +76,7 @@ def peer_step_seconds(path: str, batch: int, context: int, repeats: int) -> floa
 
 
 def our_steps(path: str, args, copy: float) -> tuple[list[dict], int]:
-    graphs = max(args.batches) if runner_graphs(args) else 0
+    graphs = max(args.batches) if uses_graphs(args) else 0
     runner, kv = dummy_runner(path, max(args.batches), args.context, args.attention_backend, graphs)
     rows = []
     for b in args.batches:
@@ -87,20 +88,12 @@ def our_steps(path: str, args, copy: float) -> tuple[list[dict], int]:
     return rows, runner.parameter_bytes
 
 
-def runner_graphs(args) -> bool:
-    return args.attention_backend == "triton" and not args.eager
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--experts", type=int, default=32)
+    model_args(parser)
+    timing_args(parser)
     parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 128])
     parser.add_argument("--peer-batches", type=lambda s: [int(x) for x in s.split(",") if x], default=[1, 32])
-    parser.add_argument("--context", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--attention-backend", default="triton", choices=["torch", "triton"])
-    parser.add_argument("--eager", action="store_true", help="no CUDA graphs (the triton backend replays them)")
     parser.add_argument("--out", default="bench/results/decode_step.json")
     args = parser.parse_args()
 
@@ -121,12 +114,12 @@ def main() -> None:
               f"{r['tokens_per_s']:>8.0f} {peer}")
     print(f"device copy: {copy / 1e9:.0f} GB/s (read + write); model {parameter_bytes / 1e9:.2f} GB of weights, "
           f"context {args.context}, attention backend {args.attention_backend}, "
-          f"{'CUDA graphs' if runner_graphs(args) else 'eager steps'}")
+          f"{'CUDA graphs' if uses_graphs(args) else 'eager steps'}")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "layers": args.layers, "experts": args.experts,
                    "context": args.context, "copy_gb_per_s": copy / 1e9, "parameter_bytes": parameter_bytes,
-                   "attention_backend": args.attention_backend, "cuda_graphs": runner_graphs(args), "rows": rows},
+                   "attention_backend": args.attention_backend, "cuda_graphs": uses_graphs(args), "rows": rows},
                   f, indent=2)
     print(f"wrote {args.out}")
 

@@ -11,8 +11,9 @@ with fewer layers and experts so it fits one GPU, random weights made on the dev
 prints decode ms, verify ms and their ratio per batch and k, and writes JSON. The issue's goal is a
 ratio of at most 1.15 for k = 2 at batch <= 32. "bytes ratio" is the ratio of the two steps'
 rooflines (`decode_step.step_bytes`): a verify's tokens (distinct ids, as real drafts are) select
-more routed experts than the decode's, and at batch 1 those experts' weights alone cost more. With the triton backend both steps replay CUDA graphs
-(`--eager`: eager passes); CUDA events around `ModelRunner.forward`, median of the repeats.
+more routed experts than the decode's, and at batch 1 those experts' weights alone cost more. With
+the triton backend both steps replay CUDA graphs (`--eager`: eager passes); CUDA events around
+`ModelRunner.forward`, median of the repeats.
 """
 from __future__ import annotations
 
@@ -76,6 +77,24 @@ def step_batch(kv, batch_size: int, context: int, q_len: int):
     return assemble(entries, kv)
 
 
+def model_args(parser: argparse.ArgumentParser, layers: int = 4) -> None:
+    """--layers, --experts, --context: the DeepSeek-V3-shaped model and each request's context."""
+    parser.add_argument("--layers", type=int, default=layers)
+    parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--context", type=int, default=1024)
+
+
+def timing_args(parser: argparse.ArgumentParser) -> None:
+    """--repeats, --attention-backend, --eager: how the timed steps run."""
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--attention-backend", default="triton", choices=["torch", "triton"])
+    parser.add_argument("--eager", action="store_true", help="no CUDA graphs (the triton backend replays them)")
+
+
+def uses_graphs(args) -> bool:
+    return args.attention_backend == "triton" and not args.eager
+
+
 def forward_ms(runner, batch, repeats: int) -> float:
     """Median ms of `runner.forward(batch)` (the batch built once, outside the timing)."""
     return 1e3 * median_seconds(lambda: runner.forward(batch), repeats)
@@ -83,19 +102,15 @@ def forward_ms(runner, batch, repeats: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--experts", type=int, default=32)
+    model_args(parser)
+    timing_args(parser)
     parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     parser.add_argument("--drafts", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 3])
-    parser.add_argument("--context", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--attention-backend", default="triton", choices=["torch", "triton"])
-    parser.add_argument("--eager", action="store_true", help="no CUDA graphs (the triton backend replays them)")
     parser.add_argument("--out", default="bench/results/spec_verify.json")
     args = parser.parse_args()
 
     path = deepseek_v3_config_dir(args.layers, args.experts)
-    graphs = args.attention_backend == "triton" and not args.eager
+    graphs = uses_graphs(args)
     runner, kv = dummy_runner(path, max(args.batches), args.context, args.attention_backend,
                               max(args.batches) * (max(args.drafts) + 1) if graphs else 0)
     from bench.decode_step import step_bytes

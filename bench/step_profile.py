@@ -18,7 +18,7 @@ from collections import defaultdict
 import torch
 
 from bench.cuda_timing import median_seconds
-from bench.spec_verify import deepseek_v3_config_dir, dummy_runner, step_batch
+from bench.spec_verify import deepseek_v3_config_dir, dummy_runner, model_args, step_batch
 
 
 def kernel_times(runner, batch) -> dict[str, tuple[int, float]]:
@@ -41,11 +41,9 @@ def kernel_times(runner, batch) -> dict[str, tuple[int, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--experts", type=int, default=32)
+    model_args(parser)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--q-len", type=int, default=1)
-    parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--host-profile", action="store_true", help="also cProfile the host side of 50 steps")
     args = parser.parse_args()

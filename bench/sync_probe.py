@@ -13,15 +13,13 @@ import warnings
 
 import torch
 
-from bench.spec_verify import deepseek_v3_config_dir, dummy_runner, step_batch
+from bench.spec_verify import deepseek_v3_config_dir, dummy_runner, model_args, step_batch
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--experts", type=int, default=32)
+    model_args(parser, layers=2)
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--attention-backend", default="triton", choices=["torch", "triton"])
     args = parser.parse_args()
 

@@ -6,13 +6,14 @@ attention backend it uses can run it from device tensors alone (`AttentionBacken
 spans of a few causal tokens on the MLA decode kernel; with naive speculation the draft's backend
 too). Decode steps, chain verifies and the naive fused step qualify; prompts and trees run eagerly.
 
-The step's tokens are padded up to the next bucket. A pad token reads the first context slot of
-the batch's first sequence, writes its KV into a scratch page the KV manager never hands out (each
+The step's tokens are padded up to the next bucket. A pad token reads the first context slot of the
+batch's first sequence, writes its KV into a scratch page the KV manager never hands out (each
 pool's last page), and is routed to no expert (`ForwardBatch.real_tokens`). Per step the host packs
-the per-token ints (ids, positions, slots, span, context length, the fused draft's inputs, which
-are real), the wanted logits rows and the page table into one pinned buffer; one non-blocking copy
-fills the graph's static buffer and the graph replays, with no host sync. The graph computes logits at every padded row (the target's, then the
-draft's); the wanted rows are picked from them on the device.
+the per-token ints (ids, positions, slots, span, context length, the fused draft's inputs, which are
+real), the wanted logits rows and the page table into one pinned buffer; one non-blocking copy fills
+the graph's static buffer and the graph replays, with no host sync. The graph computes logits at
+every padded row (the target's, then the draft's); the wanted rows are picked from them on the
+device.
 
 Graphs are captured at start, largest first, into one memory pool. On a CPU (tests under the
 Triton interpreter) nothing is captured: the same static buffers, padding and row selection run
@@ -31,6 +32,7 @@ from dserve.attention.backend import FusedDraft, ForwardBatch
 log = logging.getLogger("dserve.runtime")
 FIELDS = ("input_ids", "positions", "out_slots", "token_seqs", "token_ctx_lens", "next_ids", "from_target",
           "real_tokens")
+ROW = {name: i for i, name in enumerate(FIELDS)}
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -67,7 +69,8 @@ class StaticSteps:
         self.select, self.ints, self.table = self._views(self.flat)
         self.host_select, self.host_ints, self.host_table = (t.numpy() for t in self._views(self.host))
         self.rows = torch.arange(most, device=self.device)
-        self.pad = np.array([0, 0, self.scratch_slot, 0, 1, 0, -1, 0], dtype=np.int64)[:, None]
+        pad = dict(out_slots=self.scratch_slot, token_ctx_lens=1, from_target=-1)  # the rest 0
+        self.pad = np.array([pad.get(name, 0) for name in FIELDS], dtype=np.int64)[:, None]
         self.copied = torch.cuda.Event() if pinned else None  # the host buffer is free again
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}
 
@@ -78,7 +81,7 @@ class StaticSteps:
 
     @property
     def usable(self) -> bool:
-        """Whether the model's backends run a one-token step statically at all (not MHA, yet)."""
+        """Whether the model's backends (the draft's too, for the fused step) run a one-token step statically."""
         batch = self.static_batch(1)
         backends = [self.runner.backend] + ([self.runner.draft_backend] if self.fused else [])
         return all(b.runs_static(batch) for b in backends)
@@ -139,16 +142,16 @@ class StaticSteps:
         rows the step wants."""
         t, h = batch.num_tokens, self.host_ints
         h[:, t:n] = self.pad
-        for i, name in enumerate(FIELDS[:5]):
-            h[i, :t] = getattr(batch, name).numpy()
-        h[7, :t] = 1
+        for name in ("input_ids", "positions", "out_slots", "token_seqs", "token_ctx_lens"):
+            h[ROW[name], :t] = getattr(batch, name).numpy()
+        h[ROW["real_tokens"], :t] = 1
         select = batch.logits_indices.numpy()
         if batch.fused_draft is not None:  # the graph's draft reads the target's argmax at token rows
             fused = batch.fused_draft
-            h[5, :t] = fused.next_ids.numpy()
+            h[ROW["next_ids"], :t] = fused.next_ids.numpy()
             from_target = fused.from_target.numpy()
             rows = select[np.maximum(from_target, 0)] if len(select) else 0
-            h[6, :t] = np.where(from_target >= 0, rows, -1)
+            h[ROW["from_target"], :t] = np.where(from_target >= 0, rows, -1)
             select = np.concatenate([select, n + fused.logits_indices.numpy()])
         self.host_select[:len(select)] = select
         seqs, width = batch.page_table.shape

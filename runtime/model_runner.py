@@ -136,6 +136,7 @@ class ModelRunner:
         if batch.kv_moves is not None:  # the accepted path of last step's draft tree, into place
             moves = batch.kv_moves.to(self.device, non_blocking=True)
             self.pool.move(moves[0], moves[1])
+            batch = replace(batch, kv_moves=None)  # done: not copied again with the batch
         if self.static is not None and self.static.fits(batch):
             logits, feed = self.static.run(batch)
         else:
