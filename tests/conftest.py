@@ -71,6 +71,17 @@ def forward_spans(engine, spans, group: int = 0):
     return engine.executor.execute(build_step_batches(plans, [g.kv for g in engine.groups]))[group]
 
 
+def count_calls(obj, name: str) -> list:
+    """Wrap `obj.name` so that each call appends to the returned list."""
+    calls, inner = [], getattr(obj, name)
+
+    def counted(*args):
+        calls.append(1)
+        return inner(*args)
+    setattr(obj, name, counted)
+    return calls
+
+
 def random_prompts(n: int, vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     # skip the special tokens (ids 0..5) so the prompts look like text

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from dserve.runtime.cuda_graphs import token_buckets
-from tests.conftest import random_prompts
-from tests.spec.test_naive import count_calls
+from tests.conftest import count_calls, random_prompts
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter runs the kernels on a CPU host

@@ -5,21 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from tests.conftest import count_calls
 from tests.spec.test_pd_spec import check_pair, trained_draft
 
 GREEDY = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}
 MIXED = [GREEDY] * 3 + [{"temperature": 0.8, "seed": 3, "max_new_tokens": 24, "ignore_eos": True},
                         {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True, "return_logprob": True}]
-
-
-def count_calls(obj, name: str) -> list:
-    calls, inner = [], getattr(obj, name)
-
-    def counted(*args):
-        calls.append(1)
-        return inner(*args)
-    setattr(obj, name, counted)
-    return calls
 
 
 @pytest.mark.parametrize("algorithm", ["mtp", "eagle3"])
