@@ -75,9 +75,9 @@ class EngineLoop:
         if self.failure:
             raise RuntimeError(self.failure)
         q: asyncio.Queue = asyncio.Queue()
-        await self.call(self._subscribe, req, asyncio.get_running_loop(), q, start)
         finished = False
-        try:
+        try:  # a client gone while the start waits for the engine thread: it still starts, then aborts
+            await self.call(self._subscribe, req, asyncio.get_running_loop(), q, start)
             while not finished:
                 chunk = await q.get()
                 finished = chunk.finished
