@@ -6,13 +6,14 @@ or fails takes the whole instance down with a message naming it; no rank is left
 """
 from __future__ import annotations
 
+import datetime
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
-import socket
 import time
 
 import torch
+import torch.distributed as dist
 
 from dserve.attention.backend import ForwardBatch
 from dserve.models.config import ModelConfig
@@ -80,24 +81,21 @@ def _has_data(conn) -> bool:
         return False
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class MultiprocessExecutor:
     def __init__(self, config: EngineConfig, transfer=None):
         self.config = config
         self.model_config = validate_parallel(config)
         ctx = mp.get_context("spawn")
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        # The rendezvous store binds port 0 here and lives as long as the executor: no port is picked, released
+        # and bound again later, which another process could take in between.
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=config.step_timeout_s))
         self.conns, self.procs, self.closed = [], [], False
         from dserve.runtime.worker import worker_main
 
         for rank in range(config.world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=worker_main, args=(rank, config, init_method, child, transfer), daemon=True,
+            proc = ctx.Process(target=worker_main, args=(rank, config, self.store.port, child, transfer), daemon=True,
                                name=f"dserve-rank-{rank}")
             proc.start()
             child.close()
@@ -187,6 +185,7 @@ class MultiprocessExecutor:
                 proc.join()
         for conn in self.conns:
             conn.close()
+        self.store = None  # closes the rendezvous port
 
 
 def make_executor(config: EngineConfig, transfer=None):

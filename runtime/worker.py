@@ -45,7 +45,7 @@ def rank_device(config: EngineConfig, rank: int) -> str:
     return f"cuda:{rank}" if config.device.startswith("cuda") else "cpu"
 
 
-def worker_main(rank: int, config: EngineConfig, init_method: str, conn, transfer=None) -> None:
+def worker_main(rank: int, config: EngineConfig, store_port: int, conn, transfer=None) -> None:
     import torch.distributed as dist
 
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(name)s: %(message)s")
@@ -55,9 +55,10 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, conn, transfe
             torch.set_num_threads(1)
         else:
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device != "cpu" else "gloo", init_method=init_method, rank=rank,
-                                world_size=config.world_size,
-                                timeout=datetime.timedelta(seconds=config.collective_timeout_s))
+        timeout = datetime.timedelta(seconds=config.collective_timeout_s)
+        store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timeout)
+        dist.init_process_group("nccl" if device != "cpu" else "gloo", store=store, rank=rank,
+                                world_size=config.world_size, timeout=timeout)
         ctx = build_context(rank, config)
         from dserve.runtime.model_runner import ModelRunner
 

@@ -18,10 +18,36 @@ COMMON = ["--no-load-progress"]
 DEVICE = ["--device", "cpu"]
 
 
+PORTS_PER_WORKER = 800
+_next_port = [0]
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a server to bind later. Picking one the kernel handed out (bind to port 0) races: between
+    the pick and the server's bind, an outgoing connection or another port-0 bind may get it. So ports come
+    from below the kernel's ephemeral range, where neither happens, in a block of its own per xdist worker,
+    taken in turn and checked bindable."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    first = 12000 + worker * PORTS_PER_WORKER
+    assert first + PORTS_PER_WORKER <= _ephemeral_start(), "too many xdist workers for the port blocks"
+    for _ in range(PORTS_PER_WORKER):
+        port = first + _next_port[0] % PORTS_PER_WORKER
+        _next_port[0] += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {first}..{first + PORTS_PER_WORKER}")
+
+
+def _ephemeral_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except OSError:
+        return 32768
 
 
 class Proc:
