@@ -15,38 +15,61 @@ import triton.language as tl
 
 
 @triton.jit
-def _split_kernel(QL, QR, Cache, PageTable, RowSeqs, SeqLens, MidO, MidLse,
+def _split_kernel(QL, QR, Cache, HalfBlocks, RopeBlocks, PageTable, RowSeqs, SeqLens, MidO, MidLse,
                   s_ql_b, s_ql_h, s_qr_b, s_qr_h, s_c_page, s_c_tok, s_pt_b,
                   s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
                   num_heads, scale, page_size, min_split,
                   R: tl.constexpr, P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                  NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr):
-    b, hb, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                  BLOCK_V: tl.constexpr, REST: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
+                  TMA: tl.constexpr):
+    b, split = tl.program_id(0), tl.program_id(2)
+    # a program owns BLOCK_V of the R value columns: the scores need all R (+ P) columns, the
+    # accumulator only its own, which keeps it in registers when R is wide
+    hb, vb = tl.program_id(1) // (R // BLOCK_V), tl.program_id(1) % (R // BLOCK_V)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     seq_len = tl.load(SeqLens + b)
     # a short context takes fewer splits than the launch has (no split under min_split tokens): the
     # split count is fixed at launch (a CUDA graph keeps it) while contexts vary from step to step
-    per_split = tl.maximum(tl.cdiv(seq_len, NUM_SPLITS), min_split)
+    per_split = tl.cdiv(tl.maximum(tl.cdiv(seq_len, NUM_SPLITS), min_split), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
     hmask = heads < tl.where(start < end, num_heads, 0)  # an empty split reads nothing
-    r, p = tl.arange(0, R), tl.arange(0, P)
-    ql = tl.load(QL + b * s_ql_b + heads[:, None] * s_ql_h + r[None, :], mask=hmask[:, None], other=0.0)
+    own = vb * BLOCK_V + tl.arange(0, BLOCK_V)  # this program's value columns, then the other half
+    rest, p = (1 - vb) * BLOCK_V + tl.arange(0, REST), tl.arange(0, P)
+    q_own = tl.load(QL + b * s_ql_b + heads[:, None] * s_ql_h + own[None, :], mask=hmask[:, None], other=0.0)
+    q_rest = tl.load(QL + b * s_ql_b + heads[:, None] * s_ql_h + rest[None, :],
+                     mask=hmask[:, None] & (BLOCK_V < R), other=0.0)
     qr = tl.load(QR + b * s_qr_b + heads[:, None] * s_qr_h + p[None, :], mask=hmask[:, None], other=0.0)
     table = PageTable + tl.load(RowSeqs + b).to(tl.int64) * s_pt_b
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, R], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
+    if TMA:  # whole blocks (one page each) through Hopper's tensor memory accelerator; the tail below
+        whole_end = start + (end - start) // BLOCK_N * BLOCK_N
+        for n0 in range(start, whole_end, BLOCK_N):
+            page, off = tl.load(table + n0 // page_size).to(tl.int32), (n0 % page_size).to(tl.int32)
+            c_own = HalfBlocks.load([page, off, vb * BLOCK_V]).reshape(BLOCK_N, BLOCK_V)
+            c_rest = HalfBlocks.load([page, off, (1 - vb) * BLOCK_V]).reshape(BLOCK_N, BLOCK_V)
+            kr = RopeBlocks.load([page, off, R]).reshape(BLOCK_N, P)
+            s = _dot(q_own, tl.trans(c_own), IEEE) + _dot(q_rest, tl.trans(c_rest), IEEE)
+            s += _dot(qr, tl.trans(kr), IEEE)
+            whole = n0 + tl.arange(0, BLOCK_N) < end
+            m, l, acc = _online_softmax_step(s * scale, whole, c_own, m, l, acc, IEEE)
+        start = whole_end
     for n0 in range(start, end, BLOCK_N):
         toks = n0 + tl.arange(0, BLOCK_N)
         tmask = toks < end
         page = tl.load(table + toks // page_size, mask=tmask, other=0)
         base = page.to(tl.int64) * s_c_page + (toks % page_size) * s_c_tok
-        ckv = tl.load(Cache + base[:, None] + r[None, :], mask=tmask[:, None], other=0.0)
+        c_own = tl.load(Cache + base[:, None] + own[None, :], mask=tmask[:, None], other=0.0)
         kr = tl.load(Cache + base[:, None] + R + p[None, :], mask=tmask[:, None], other=0.0)
-        s = _dot(ql, tl.trans(ckv), IEEE) + _dot(qr, tl.trans(kr), IEEE)
-        m, l, acc = _online_softmax_step(s * scale, tmask, ckv, m, l, acc, IEEE)
-    _store_split(MidO + b * s_mo_b + split * s_mo_s, MidLse + b * s_ml_b + split, heads, r, heads < num_heads,
+        s = _dot(q_own, tl.trans(c_own), IEEE) + _dot(qr, tl.trans(kr), IEEE)
+        if BLOCK_V < R:
+            c_rest = tl.load(Cache + base[:, None] + rest[None, :], mask=tmask[:, None], other=0.0)
+            s += _dot(q_rest, tl.trans(c_rest), IEEE)
+        m, l, acc = _online_softmax_step(s * scale, tmask, c_own, m, l, acc, IEEE)
+    # every value block writes the same log-sum-exp
+    _store_split(MidO + b * s_mo_b + split * s_mo_s, MidLse + b * s_ml_b + split, heads, own, heads < num_heads,
                  s_mo_h, s_ml_h, m, l, acc)
 
 
@@ -102,18 +125,40 @@ def default_splits(batch: int, heads: int, max_len: int, block_n: int, device: t
     return 1 << (want - 1).bit_length()
 
 
+def default_tune(heads: int, rank: int, page_size: int, device: torch.device) -> dict:
+    """Launch parameters by heads per rank, from `bench.mla_decode` sweeps on an H100
+    (bench/notes/mla-decode-2026-11-23.md). Up to 16 heads (DeepSeek-V3 at attention TP 8) the kernel
+    is memory-bound: one program takes every head and all value columns, so the cache is read once.
+    With more heads each latent token feeds more FLOPs than the tensor cores keep up with at this
+    structure: a program takes up to 128 heads and half the value columns, its blocks loaded by TMA
+    on Hopper."""
+    if heads <= 16:
+        return {"block_h": 16, "num_warps": 4, "block_n": 32}
+    hopper = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+    if hopper and page_size % 32 == 0 and rank // 2 <= 256:
+        return {"tma": True, "block_h": min(128, triton.next_power_of_2(heads)), "num_warps": 8, "block_n": 32}
+    return {"block_h": 64, "num_warps": 8, "block_n": 32}
+
+
 def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
-               seq_lens: torch.Tensor, scale: float, num_splits: int | None = None, block_n: int = 32,
-               max_len: int | None = None, block_h: int = 64, num_warps: int = 8,
-               num_stages: int = 2, row_seqs: torch.Tensor | None = None, min_split: int | None = None) -> torch.Tensor:
+               seq_lens: torch.Tensor, scale: float, num_splits: int | None = None, block_n: int | None = None,
+               max_len: int | None = None, block_h: int | None = None, num_warps: int | None = None,
+               num_stages: int = 2, row_seqs: torch.Tensor | None = None, min_split: int | None = None,
+               block_v: int | None = None, tma: bool | None = None) -> torch.Tensor:
     """q_latent [B, H, R], q_rope [B, H, P] (one query row per decode token); `cache` one layer's
     latent pages [num_pages, page_size, R + P] (any page stride); `seq_lens` [B] tokens in KV each row
     sees (the new one's latent already stored); `page_table` [S, max_pages], row `row_seqs[b]` for
     query row b (by default row b: one row per sequence). Returns the attention-weighted latents
     [B, H, R]. R and P must be powers of two, `num_splits` too (by default from the batch and `max_len`,
     the longest context, so no host sync is needed); a row uses fewer splits where its context is
-    short (none under `min_split` tokens, by default 2 * block_n)."""
+    short (none under `min_split` tokens, by default 2 * block_n). A program accumulates `block_v` of
+    the R value columns (by default all). `tma` reads whole blocks through tensor descriptors (Hopper's
+    TMA; half the value columns per program, blocks within a page). Parameters left None come from
+    `default_tune`."""
     batch, heads, rank = q_latent.shape
+    tune = default_tune(heads, rank, cache.shape[1], q_latent.device)
+    block_n, block_h, num_warps = block_n or tune["block_n"], block_h or tune["block_h"], num_warps or tune["num_warps"]
+    tma = tune.get("tma", False) if tma is None else tma
     if num_splits is None:
         num_splits = default_splits(batch, heads, max_len or 1 << 16, block_n, q_latent.device, block_h)
     if row_seqs is None:
@@ -123,14 +168,25 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
     assert q_latent.stride(-1) == 1 and q_rope.stride(-1) == 1 and page_table.stride(-1) == 1
     mid_out = torch.empty(batch, heads, num_splits, rank, dtype=torch.float32, device=q_latent.device)
     mid_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q_latent.device)
-    _split_kernel[(batch, triton.cdiv(heads, block_h), num_splits)](
-        q_latent, q_rope, cache, page_table, row_seqs, seq_lens, mid_out, mid_lse,
+    block_v = block_v or (rank // 2 if tma else rank)
+    assert block_v in (rank, rank // 2), "a program accumulates all value columns or half of them"
+    halves = ropes = None
+    if tma:
+        assert block_v == rank // 2 and cache.shape[1] % block_n == 0, "TMA blocks: half the columns, within a page"
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        shape, strides = list(cache.shape), list(cache.stride())
+        halves = TensorDescriptor(cache, shape, strides, [1, block_n, block_v])
+        ropes = TensorDescriptor(cache, shape, strides, [1, block_n, rope])
+    _split_kernel[(batch, triton.cdiv(heads, block_h) * (rank // block_v), num_splits)](
+        q_latent, q_rope, cache, halves, ropes, page_table, row_seqs, seq_lens, mid_out, mid_lse,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
         cache.stride(0), cache.stride(1), page_table.stride(0),
         mid_out.stride(0), mid_out.stride(1), mid_out.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         heads, scale, cache.shape[1], 2 * block_n if min_split is None else min_split,
-        R=rank, P=rope, BLOCK_H=block_h, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        IEEE=q_latent.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
+        R=rank, P=rope, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_V=block_v, REST=max(rank - block_v, 1),
+        NUM_SPLITS=num_splits, IEEE=q_latent.dtype == torch.float32, TMA=tma, num_warps=num_warps,
+        num_stages=num_stages)
     out = torch.empty_like(q_latent)
     _combine_kernel[(batch, heads)](
         mid_out, mid_lse, out, mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),

@@ -22,6 +22,18 @@ def median_seconds(fn, repeats: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def graph_seconds(fn, repeats: int, warmup: int = 3) -> float:
+    """Median seconds of one replay of `fn` captured in a CUDA graph: the GPU time of its kernels
+    without the host's launch cost, as a step inside a captured decode step sees it."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return median_seconds(graph.replay, repeats)
+
+
 def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> float:
     """Bytes per second (read + write) of a large device-to-device copy on the current GPU: the
     limit the memory-bound kernels are held against."""

@@ -3,9 +3,11 @@
 kv_lora_rank 512, rope 64, page size 64, bf16), by batch and context, next to the copy bandwidth
 measured in the same run (a 1 GiB device-to-device copy, read + write bytes per second):
 
-    python -m bench.mla_decode [--batches 1,32,128] [--contexts 1024,8192,32768]
+    python -m bench.mla_decode [--batches 1,32,128] [--contexts 1024,8192,32768] [--tune JSON]
 
-prints a table and writes JSON. Pages are scattered over the pool, as in serving.
+prints a table and writes JSON. Pages are scattered over the pool, as in serving. Each call is timed
+as a CUDA graph replay (the kernels' GPU time, as in a captured decode step). `--tune` takes kernel
+parameters, or a list of them to compare; the table then shows each setting's registers and spills.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import os
 
 import torch
 
-from bench.cuda_timing import copy_bandwidth, median_seconds
+from bench.cuda_timing import copy_bandwidth, graph_seconds
 
 
 def run_case(batch: int, context: int, repeats: int, heads=128, rank=512, rope=64, page_size=64, **tune) -> dict:
@@ -28,10 +30,22 @@ def run_case(batch: int, context: int, repeats: int, heads=128, rank=512, rope=6
     lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     q_latent = torch.randn(batch, heads, rank, device="cuda", dtype=torch.bfloat16)
     q_rope = torch.randn(batch, heads, rope, device="cuda", dtype=torch.bfloat16)
-    seconds = median_seconds(lambda: mla_decode(q_latent, q_rope, cache, table, lens, 0.07, max_len=context, **tune),
+    seconds = graph_seconds(lambda: mla_decode(q_latent, q_rope, cache, table, lens, 0.07, max_len=context, **tune),
                              repeats)
     nbytes = batch * context * (rank + rope) * 2
     return {"batch": batch, "context": context, "ms": seconds * 1e3, "bytes": nbytes, "gb_s": nbytes / seconds / 1e9}
+
+
+def kernel_stats(jit_fn) -> dict:
+    """Registers per thread and spilled registers of the last compiled variant of `jit_fn`, and
+    whether it uses Hopper's warpgroup MMA (read off Triton's cache; empty where that has moved)."""
+    for cache in getattr(jit_fn, "device_caches", {}).values():
+        for part in cache if isinstance(cache, tuple) else (cache,):
+            kernels = [k for k in part.values() if hasattr(k, "n_regs")] if isinstance(part, dict) else []
+            if kernels:
+                k = kernels[-1]
+                return {"regs": k.n_regs, "spills": k.n_spills, "wgmma": "wgmma" in k.asm.get("ptx", "")}
+    return {}
 
 
 def main() -> None:
@@ -39,23 +53,35 @@ def main() -> None:
     parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32, 128])
     parser.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 8192, 32768])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--heads", type=int, default=128,
+                        help="query heads per rank: 128 for DeepSeek-V3 on one rank, 16 at attention TP 8")
     parser.add_argument("--tune", type=json.loads, default={},
-                        help='kernel parameters as JSON, e.g. \'{"block_h": 32, "block_n": 32, "num_warps": 8}\'')
+                        help='kernel parameters as JSON, e.g. \'{"block_h": 32, "block_n": 32, "num_warps": 8}\', '
+                             'or a list of such settings')
     parser.add_argument("--out", default="bench/results/mla_decode.json")
     args = parser.parse_args()
+    from dserve.attention import triton_mla
+
+    tunes = args.tune if isinstance(args.tune, list) else [args.tune]
     copy = copy_bandwidth()
     print(f"copy bandwidth (device to device, read + write): {copy / 1e9:.0f} GB/s")
-    print(f"{'batch':>5} {'context':>8} {'ms':>8} {'GB/s':>8} {'of copy':>8}")
+    print(f"{'batch':>5} {'context':>8} {'ms':>8} {'GB/s':>8} {'of copy':>8} {'regs':>5} {'spills':>6}  tune")
     rows = []
-    for b in args.batches:
-        for c in args.contexts:
-            row = run_case(b, c, args.repeats, **args.tune)
-            row["of_copy"] = row["gb_s"] * 1e9 / copy
-            rows.append(row)
-            print(f"{b:>5} {c:>8} {row['ms']:>8.3f} {row['gb_s']:>8.0f} {row['of_copy']:>8.1%}")
+    for tune in tunes:
+        for b in args.batches:
+            for c in args.contexts:
+                try:
+                    row = run_case(b, c, args.repeats, heads=args.heads, **tune)
+                except Exception as e:  # a setting that does not compile (shared memory) is reported, not fatal
+                    print(f"{b:>5} {c:>8} failed: {str(e).splitlines()[0][:100]}  {json.dumps(tune)}")
+                    continue
+                row.update(of_copy=row["gb_s"] * 1e9 / copy, tune=tune, **kernel_stats(triton_mla._split_kernel))
+                rows.append(row)
+                print(f"{b:>5} {c:>8} {row['ms']:>8.3f} {row['gb_s']:>8.0f} {row['of_copy']:>8.1%} "
+                      f"{row.get('regs', '?'):>5} {row.get('spills', '?'):>6}  {json.dumps(tune)}")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "copy_gb_s": copy / 1e9, "tune": args.tune, "rows": rows},
+        json.dump({"device": torch.cuda.get_device_name(), "copy_gb_s": copy / 1e9, "heads": args.heads, "rows": rows},
                   f, indent=2)
     print(f"wrote {args.out}")
 

@@ -43,13 +43,17 @@ def case(heads, rank, rope, page_size, seq_lens, dtype, device, seed=0):
     return to(q_latent), to(q_rope), pool.buffers[1][0], to(table), to(lens)
 
 
-@pytest.mark.parametrize("num_splits", [1, 4])
-def test_small_shapes_match_the_reference(num_splits):
+@pytest.mark.parametrize("num_splits,block_v,tma", [(1, None, False), (4, None, False), (4, 16, False),
+                                                    (4, 16, True)])
+def test_small_shapes_match_the_reference(num_splits, block_v, tma):
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    q_latent, q_rope, cache, table, lens = case(heads=20, rank=32, rope=16, page_size=4,
+    # TMA blocks lie within a page; a GPU's dot takes blocks of 16 or more
+    page_size = (16 if device == "cuda" else 4) if tma else 4
+    q_latent, q_rope, cache, table, lens = case(heads=20, rank=32, rope=16, page_size=page_size,
                                                 seq_lens=[1, 5, 16, 37, 3], dtype=torch.float32, device=device)
     scale = 0.3
-    ours = mla_decode(q_latent, q_rope, cache, table, lens, scale, num_splits=num_splits, block_n=16, min_split=1)
+    ours = mla_decode(q_latent, q_rope, cache, table, lens, scale, num_splits=num_splits,
+                      block_n=page_size if tma else 16, min_split=1, block_v=block_v, tma=tma)
     ref = reference(q_latent, q_rope, cache, table, lens, scale)
     assert torch.allclose(ours, ref, atol=1e-4, rtol=1e-4), (ours - ref).abs().max()
 
@@ -71,12 +75,16 @@ def test_rows_of_shared_sequences_and_short_contexts():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="DeepSeek-V3 shapes run on a GPU")
-def test_deepseek_v3_shapes_match_the_reference():
-    """128 heads, kv_lora_rank 512, rope 64, page size 64, bf16: within bf16 tolerance."""
-    q_latent, q_rope, cache, table, lens = case(heads=128, rank=512, rope=64, page_size=64,
+@pytest.mark.parametrize("heads,tune", [(128, {}), (16, {}), (128, {"block_v": 256, "block_h": 64, "num_warps": 4}),
+                                        (128, {"tma": True, "block_h": 64, "num_warps": 4})])
+def test_deepseek_v3_shapes_match_the_reference(heads, tune):
+    """128 heads (16 at attention TP 8), kv_lora_rank 512, rope 64, page size 64, bf16: within bf16
+    tolerance; the default launch for each head count and other settings."""
+    q_latent, q_rope, cache, table, lens = case(heads=heads, rank=512, rope=64, page_size=64,
                                                 seq_lens=[1, 700, 4096, 1025], dtype=torch.bfloat16, device="cuda")
     scale = 192 ** -0.5
-    ours = mla_decode(q_latent, q_rope, cache, table, lens, scale, num_splits=8, block_n=32).float()
+    # the engine's page table is int64: TMA offsets are narrowed in the kernel
+    ours = mla_decode(q_latent, q_rope, cache, table.long(), lens, scale, num_splits=8, **tune).float()
     ref = reference(q_latent, q_rope, cache, table, lens, scale).float()
     assert (ours - ref).abs().max() / ref.abs().max() < 2e-2
 
