@@ -128,6 +128,6 @@ def create_backend(name: str, pool: KVPool) -> AttentionBackend:
 
         return TritonBackend(pool)
     if name == "flashinfer":
-        raise ValueError("the flashinfer backend comes with the GPU path; install it with "
-                         "`pip install dserve[flashinfer]` once that lands, or use --attention-backend torch")
+        raise ValueError("the flashinfer backend is not built yet (FlashInfer's wheels could not be brought to the "
+                         "GPU hosts this was developed on); use --attention-backend triton on a GPU, torch on a CPU")
     raise ValueError(f"unknown attention backend {name!r} (choose from: torch, triton)")

@@ -2,23 +2,27 @@
 
 Decode steps (one new token per sequence, or a few causal ones such as a chain of drafts to verify,
 one kernel row per token) run `triton_mla.mla_decode` over the paged latent cache of MLA models and
-`triton_mha.mha_decode` over the paged K/V of MHA/GQA models; prompt and extend spans and draft
-trees still run the reference code until their kernels land. Select it with `--attention-backend
-triton`; on a GPU the choice also puts the model's RMSNorms (fused with the residual add,
+`triton_mha.mha_decode` over the paged K/V of MHA/GQA models, split over the context. Prompt
+chunks, extends and draft trees run `triton_extend` (blocks of query tokens, causal or tree masks).
+New tokens' KV goes into the pages through `triton_store`.
+Select it with `--attention-backend triton`; on a GPU the choice also puts the model's RMSNorms (fused with the residual add,
 `triton_norm.py`) and routed experts (grouped GEMMs, `triton_moe.py`) on their Triton kernels.
 """
 from __future__ import annotations
 
 import os
 
-from dserve.attention.backend import ForwardBatch
-from dserve.attention.torch_backend import TorchBackend
+import triton
+
+from dserve.attention.backend import AttentionBackend, ForwardBatch
+from dserve.attention.triton_store import store_tokens
 
 
 MAX_DECODE_LIKE = 8  # spans up to this many tokens go through the decode kernel, one row per token
+EXTEND_ROWS = 64  # (token, head) rows of an extend program
 
 
-class TritonBackend(TorchBackend):
+class TritonBackend(AttentionBackend):
     def __init__(self, pool):
         if pool.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("attention_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1, which "
@@ -33,29 +37,45 @@ class TritonBackend(TorchBackend):
     def plan(self, batch: ForwardBatch) -> None:
         self.batch = batch
         self.decode = self.runs_static(batch)
-        if self.decode:  # no per-sequence plan: the longest context only sizes the kernel's splits
-            self.max_len = max(batch.seq_lens)
-        else:
-            super().plan(batch)
+        # the longest context sizes the decode kernel's splits; extend plans are made per block size
+        self.max_len = max(batch.seq_lens, default=0)
+        self.extend_plans = {}
+
+    def extend_plan(self, block_m: int):
+        from dserve.attention.triton_extend import plan_extend
+
+        if block_m not in self.extend_plans:
+            b = self.batch
+            self.extend_plans[block_m] = plan_extend(b.q_lens, b.seq_lens, b.tree_masks, block_m, b.page_table.device)
+        return self.extend_plans[block_m]
 
     def forward_mha(self, layer, q, k, v, scale):
-        if not self.decode:
-            return super().forward_mha(layer, q, k, v, scale)
-        from dserve.attention.triton_mha import mha_decode
-
         b = self.batch
-        self.pool.write(layer, 0, b.out_slots, k)
-        self.pool.write(layer, 1, b.out_slots, v)
         keys, values = self.pool.buffers[layer]
-        return mha_decode(q.contiguous(), keys, values, b.page_table, b.token_ctx_lens, scale,
-                          row_seqs=b.token_seqs, max_len=self.max_len)
+        store_tokens(b.out_slots, [(keys, k), (values, v)])
+        if self.decode:
+            from dserve.attention.triton_mha import mha_decode
+
+            return mha_decode(q.contiguous(), keys, values, b.page_table, b.token_ctx_lens, scale,
+                              row_seqs=b.token_seqs, max_len=self.max_len)
+        from dserve.attention.triton_extend import mha_extend
+
+        group = triton.next_power_of_2(q.shape[1] // k.shape[1])
+        plan = self.extend_plan(max(1, EXTEND_ROWS // group))
+        return mha_extend(q.contiguous(), keys, values, b.page_table, plan, scale)
 
     def forward_mla(self, layer, q_latent, q_rope, latent, scale):
-        if not self.decode:
-            return super().forward_mla(layer, q_latent, q_rope, latent, scale)
-        from dserve.attention.triton_mla import mla_decode
-
         b = self.batch
-        self.pool.write(layer, 0, b.out_slots, latent)
-        return mla_decode(q_latent.contiguous(), q_rope.contiguous(), self.pool.buffers[layer][0], b.page_table,
-                          b.token_ctx_lens, scale, max_len=self.max_len, row_seqs=b.token_seqs)
+        cache = self.pool.buffers[layer][0]
+        store_tokens(b.out_slots, [(cache, latent)])
+        if self.decode:
+            from dserve.attention.triton_mla import mla_decode
+
+            return mla_decode(q_latent.contiguous(), q_rope.contiguous(), cache, b.page_table,
+                              b.token_ctx_lens, scale, max_len=self.max_len, row_seqs=b.token_seqs)
+        from dserve.attention.triton_extend import mla_extend
+
+        block_h = min(16, triton.next_power_of_2(q_latent.shape[1]))
+        plan = self.extend_plan(max(1, EXTEND_ROWS // block_h))
+        return mla_extend(q_latent.contiguous(), q_rope.contiguous(), cache, b.page_table, plan, scale,
+                          block_h=block_h)

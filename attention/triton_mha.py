@@ -49,7 +49,7 @@ def _split_kernel(Q, K, V, PageTable, RowSeqs, SeqLens, MidO, MidLse,
         v = tl.load(V + page[:, None] * s_v_page + off[:, None] * s_v_tok + kv_head * s_v_head + dv[None, :],
                     mask=tmask[:, None] & (dv[None, :] < v_head_dim), other=0.0)
         s = _dot(q, tl.trans(k), IEEE)
-        m, l, acc = _online_softmax_step(s * scale, tmask, v, m, l, acc, IEEE)
+        m, l, acc = _online_softmax_step(s * scale, tmask[None, :], v, m, l, acc, IEEE)
     _store_split(MidO + b * s_mo_b + split * s_mo_s, MidLse + b * s_ml_b + split, heads, dv, g < group,
                  s_mo_h, s_ml_h, m, l, acc)
 

@@ -54,7 +54,7 @@ def _split_kernel(QL, QR, Cache, HalfBlocks, RopeBlocks, PageTable, RowSeqs, Seq
             s = _dot(q_own, tl.trans(c_own), IEEE) + _dot(q_rest, tl.trans(c_rest), IEEE)
             s += _dot(qr, tl.trans(kr), IEEE)
             whole = n0 + tl.arange(0, BLOCK_N) < end
-            m, l, acc = _online_softmax_step(s * scale, whole, c_own, m, l, acc, IEEE)
+            m, l, acc = _online_softmax_step(s * scale, whole[None, :], c_own, m, l, acc, IEEE)
         start = whole_end
     for n0 in range(start, end, BLOCK_N):
         toks = n0 + tl.arange(0, BLOCK_N)
@@ -67,7 +67,7 @@ def _split_kernel(QL, QR, Cache, HalfBlocks, RopeBlocks, PageTable, RowSeqs, Seq
         if BLOCK_V < R:
             c_rest = tl.load(Cache + base[:, None] + rest[None, :], mask=tmask[:, None], other=0.0)
             s += _dot(q_rest, tl.trans(c_rest), IEEE)
-        m, l, acc = _online_softmax_step(s * scale, tmask, c_own, m, l, acc, IEEE)
+        m, l, acc = _online_softmax_step(s * scale, tmask[None, :], c_own, m, l, acc, IEEE)
     # every value block writes the same log-sum-exp
     _store_split(MidO + b * s_mo_b + split * s_mo_s, MidLse + b * s_ml_b + split, heads, own, heads < num_heads,
                  s_mo_h, s_ml_h, m, l, acc)
@@ -82,13 +82,15 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _online_softmax_step(s, tmask, values, m, l, acc, IEEE: tl.constexpr):
-    """One block of scores s [rows, BLOCK_N] (masked where `tmask` is false) into the running max m,
-    sum l and weighted values acc of the rows."""
-    s = tl.where(tmask[None, :], s, float("-inf"))
+def _online_softmax_step(s, visible, values, m, l, acc, IEEE: tl.constexpr):
+    """One block of scores s [rows, BLOCK_N] (masked where `visible`, broadcast to s, is false) into
+    the running max m, sum l and weighted values acc of the rows. A row that has seen nothing yet
+    (m = -inf) stays at zero instead of NaN."""
+    s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
-    alpha = tl.exp(m - m_new)
-    probs = tl.exp(s - m_new[:, None])
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_safe)
+    probs = tl.exp(s - m_safe[:, None])
     l = l * alpha + tl.sum(probs, 1)
     acc = acc * alpha[:, None] + _dot(probs.to(values.dtype), values, IEEE)
     return m_new, l, acc

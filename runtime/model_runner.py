@@ -15,6 +15,7 @@ from dserve.attention.backend import ForwardBatch, create_backend
 from dserve.models.config import ModelConfig
 from dserve.models.layers.moe import Experts
 from dserve.models.layers.norm import RMSNorm
+from dserve.models.layers.rotary import RotaryEmbedding
 from dserve.models.loader import load_model, parameter_bytes
 from dserve.models.parallel import SINGLE, ParallelContext
 from dserve.runtime.config import EngineConfig
@@ -98,9 +99,9 @@ class ModelRunner:
         num_pages = self.num_pages + static  # and a scratch page for the padding of static steps
         self.pool = KVPool(layout, num_pages, self.device)
         self.backend = create_backend(config.attention_backend, self.pool)
-        if config.attention_backend == "triton":  # Triton kernels where they exist: norms and MoE too
+        if config.attention_backend == "triton":  # Triton kernels where they exist: norms, rotary, MoE too
             for module in [*self.model.modules(), *(self.draft.modules() if self.draft is not None else [])]:
-                if isinstance(module, (RMSNorm, Experts)):
+                if isinstance(module, (RMSNorm, RotaryEmbedding, Experts)):
                     module.use_kernel = True
         if self.draft is not None:
             self.draft_pool = KVPool(layouts[1], num_pages, self.device)

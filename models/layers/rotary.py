@@ -1,4 +1,5 @@
 """Rotary position embedding: default and YaRN frequencies, DeepSeek's interleaved pairs, GLM's partial rotary.
+On a GPU with the Triton kernels selected, `apply` is one launch (`attention/triton_rotary.py`).
 
 cos/sin are computed per batch from the positions exactly as the reference does (float32 positions
 times inverse frequencies, scaled by YaRN's attention factor), so cached and fresh tokens agree bit for bit.
@@ -50,6 +51,7 @@ class RotaryEmbedding(nn.Module):
             inv_freq = 1.0 / (rope.theta ** (torch.arange(0, rope.rotary_dim, 2, dtype=torch.float32) / rope.rotary_dim))
             self.attention_scaling = 1.0
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.use_kernel = False  # set by the model runner for the triton backend
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of shape [tokens, rotary_dim // 2]."""
@@ -61,6 +63,12 @@ class RotaryEmbedding(nn.Module):
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate x of shape [tokens, heads, dim]; only the first rotary_dim features turn."""
         r = self.rope.rotary_dim
+        # one Triton launch with the same rounding in bf16 (in float32 the GPU compiler's FMAs round
+        # differently, so other dtypes stay on the torch code)
+        if self.use_kernel and x.is_cuda and x.dtype == torch.bfloat16 and (r // 2) & (r // 2 - 1) == 0:
+            from dserve.attention.triton_rotary import apply_rotary
+
+            return apply_rotary(x, cos.contiguous(), sin.contiguous(), self.rope.interleaved)
         cos, sin = cos[:, None, :], sin[:, None, :]
         rot = x[..., :r]
         if self.rope.interleaved:
