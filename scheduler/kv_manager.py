@@ -115,11 +115,13 @@ class KVCacheManager:
         return True
 
     def commit(self, rid: str, tokens: list[int], num_computed: int) -> None:
-        """Publish the now fully computed pages of `rid` to the prefix cache."""
+        """Publish the now fully computed pages of `rid` to the prefix cache. A page goes only once all
+        its token ids are in `tokens`: a verify's accepted drafts have KV before their ids are
+        appended, so their pages are published at a later step."""
         if not self.enable_prefix_cache:
             return
         table, hashes = self.tables[rid], self.hashes[rid]
-        for i in range(len(hashes), num_computed // self.page_size):
+        for i in range(len(hashes), min(num_computed, len(tokens)) // self.page_size):
             previous = hashes[-1] if hashes else b""
             key = chain_hash(previous, tokens[i * self.page_size:(i + 1) * self.page_size])
             hashes.append(key)

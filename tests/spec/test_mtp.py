@@ -100,6 +100,21 @@ def test_speculation_changes_no_output(arch, steps, topk, tiny_dir, make_engine)
     assert all(not g.kv.tables for g in engine.groups)
 
 
+def oracle_drafts(engine, answer: list[int], steps: int = 3) -> None:
+    """Replace the engine's draft passes by the known answer (prompt + greedy output): every verify
+    then takes all `steps` drafts."""
+    oracle = answer + [0] * 2 * steps
+
+    def propose(plans, kvs, pages_of):
+        for spans in plans:
+            for span in spans:
+                req = span.req
+                if not req.finished:
+                    req.draft_tokens = oracle[req.num_tokens:req.num_tokens + steps]
+                    req.draft_parents = list(range(-1, steps - 1))
+    engine.speculator.propose = propose
+
+
 def test_drafts_that_the_target_agrees_with_are_all_taken(tiny_dir, make_engine):
     """A draft that proposes exactly the target's greedy continuation: every verify takes all
     drafts, so k drafts per step yield k + 1 tokens, and the output is still the target's own."""
@@ -107,20 +122,30 @@ def test_drafts_that_the_target_agrees_with_are_all_taken(tiny_dir, make_engine)
     ids = prompts(1)[0]
     expected = make_engine(path).generate(input_ids=[ids], sampling_params=GREEDY)[0].output_ids
     engine = make_engine(path, speculative_algorithm="mtp", speculative_num_steps=3)
-    oracle = ids + expected + [0] * 8
-
-    def propose(plans, kvs, pages_of):  # the draft passes replaced by the known answer
-        for spans in plans:
-            for span in spans:
-                req = span.req
-                if not req.finished:
-                    req.draft_tokens = oracle[req.num_tokens:req.num_tokens + 3]
-                    req.draft_parents = [-1, 0, 1]
-    engine.speculator.propose = propose
+    oracle_drafts(engine, ids + expected)
     got = engine.generate(input_ids=[ids], sampling_params=GREEDY)[0]
     assert got.output_ids == expected
     assert got.meta["spec_accept_length"] > 3.5  # 4 tokens per verify, bar the last one's cut at max_new_tokens
     assert got.meta["spec_verify_ct"] == 6  # 1 + 6 * 4 >= 24 tokens
+
+
+def test_verified_tokens_reach_the_prefix_cache(tiny_dir, make_engine):
+    """Pages filled by accepted drafts are published to the prefix cache with their true token ids:
+    a follow-up prompt that repeats the conversation hits as many cached tokens as after plain
+    decoding (before, a page was hashed before its accepted ids were appended, and missed)."""
+    path = tiny_dir("deepseek_v3", mtp=True)
+    ids = prompts(1)[0]
+    one_more = {**GREEDY, "max_new_tokens": 1}
+    plain = make_engine(path, page_size=4)
+    expected = plain.generate(input_ids=[ids], sampling_params=GREEDY)[0].output_ids
+    again = ids + expected[:-1]  # the last token's KV was never computed
+    cached = [plain.generate(input_ids=[again], sampling_params=one_more)[0].meta["cached_tokens"]]
+    engine = make_engine(path, page_size=4, speculative_algorithm="mtp", speculative_num_steps=3)
+    oracle_drafts(engine, ids + expected)  # every verify fills pages with accepted drafts
+    assert engine.generate(input_ids=[ids], sampling_params=GREEDY)[0].output_ids == expected
+    cached.append(engine.generate(input_ids=[again], sampling_params=one_more)[0].meta["cached_tokens"])
+    assert cached[0] == (len(again) - 1) // 4 * 4  # every full page but the one of the last prompt token
+    assert cached[1] == cached[0]
 
 
 def test_bad_speculative_settings_are_refused(tiny_dir, make_engine):
