@@ -1,0 +1,96 @@
+"""Prefill/extend attention: the Triton extend kernels (`dserve.attention.triton_extend`, through the
+triton backend) against the torch reference backend, at DeepSeek-V3's MLA shapes (absorbed, 128 or 16
+heads, 512 + 64, page 64) and GLM-4.5's GQA shapes (96 heads over 8 KV heads of 128), bf16:
+
+    python -m bench.extend_attention [--cases 2048:0,1024:8192] [--mla-heads 128]
+
+A case NEW:PREFIX is one span of NEW tokens over PREFIX tokens already in pages. FLOPs count the
+causally visible (query, key) pairs; the limit is a large bf16 matmul measured in the same run. Prints
+a table and writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+from bench.cuda_timing import median_seconds
+
+
+def matmul_flops(n: int = 8192, repeats: int = 10) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    return 2 * n ** 3 / median_seconds(lambda: a @ b, repeats)
+
+
+def span_batch(pool, new: int, prefix: int):
+    from dserve.attention.backend import ForwardBatch
+
+    ps, total = pool.layout.page_size, new + prefix
+    pages = -(-total // ps)
+    table = torch.randperm(pool.num_pages)[:pages].view(1, pages)  # scattered, as in serving
+    pos = torch.arange(prefix, total)
+    slots = table[0, pos // ps] * ps + pos % ps
+    batch = ForwardBatch(torch.zeros(new, dtype=torch.int64), pos, [new], [total], table, slots, torch.arange(new))
+    return batch.to(torch.device("cuda"))
+
+
+def run_case(kind: str, new: int, prefix: int, heads: int, backends, repeats: int) -> dict:
+    from dserve.scheduler.kv_pool import KVLayout, KVPool
+
+    ps, dtype, total = 64, torch.bfloat16, new + prefix
+    if kind == "mla":
+        layout = KVLayout("mla", 1, ps, dtype, latent_dim=576, kv_lora_rank=512)
+        shapes, per_pair = ((new, heads, 512), (new, heads, 64), (new, 576)), heads * 2 * (576 + 512)
+    else:
+        layout = KVLayout("mha", 1, ps, dtype, num_kv_heads=8, head_dim=128, v_head_dim=128)
+        shapes, per_pair = ((new, heads, 128), (new, 8, 128), (new, 8, 128)), heads * 2 * (128 + 128)
+    pool = KVPool(layout, -(-total // ps) + 8, "cuda")
+    pool.pages.normal_()
+    batch = span_batch(pool, new, prefix)
+    inputs = [torch.randn(*s, device="cuda", dtype=dtype) for s in shapes]
+    flops = per_pair * (new * prefix + new * (new + 1) // 2)
+    row = {"kind": kind, "heads": heads, "new": new, "prefix": prefix, "gflop": flops / 1e9}
+    for name, cls in backends:
+        backend = cls(pool)
+        backend.plan(batch)
+        forward = backend.forward_mla if kind == "mla" else backend.forward_mha
+        seconds = median_seconds(lambda: forward(0, *inputs, 0.1), repeats)
+        row[f"{name}_ms"], row[f"{name}_tflops"] = seconds * 1e3, flops / seconds / 1e12
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", type=lambda s: [tuple(int(v) for v in c.split(":")) for c in s.split(",")],
+                        default=[(1024, 0), (4096, 0), (1024, 8192), (256, 32768)])
+    parser.add_argument("--mla-heads", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-torch", action="store_true", help="skip the (slow) torch reference backend")
+    parser.add_argument("--out", default="bench/results/extend_attention.json")
+    args = parser.parse_args()
+    from dserve.attention.torch_backend import TorchBackend
+    from dserve.attention.triton_backend import TritonBackend
+
+    backends = [("triton", TritonBackend)] + ([] if args.no_torch else [("torch", TorchBackend)])
+    peak = matmul_flops()
+    print(f"bf16 matmul (8192^3): {peak / 1e12:.0f} TFLOPS")
+    print(f"{'kind':>4} {'heads':>5} {'new':>6} {'prefix':>7} {'triton ms':>10} {'TFLOPS':>7} {'of mm':>6} {'torch ms':>9}")
+    rows = []
+    for kind, heads in (("mla", args.mla_heads), ("mha", 96)):
+        for new, prefix in args.cases:
+            row = run_case(kind, new, prefix, heads, backends, args.repeats)
+            row["of_matmul"] = row["triton_tflops"] * 1e12 / peak
+            rows.append(row)
+            print(f"{kind:>4} {heads:>5} {new:>6} {prefix:>7} {row['triton_ms']:>10.3f} {row['triton_tflops']:>7.1f} "
+                  f"{row['of_matmul']:>6.1%} {row.get('torch_ms', float('nan')):>9.3f}")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "matmul_tflops": peak / 1e12, "rows": rows}, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
