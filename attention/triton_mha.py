@@ -84,5 +84,6 @@ def mha_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pa
     out = torch.empty(batch, heads, dv, dtype=q.dtype, device=q.device)
     _combine_kernel[(batch, heads)](
         mid_out, mid_lse, out, mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
-        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), R=dv, NUM_SPLITS=num_splits)
+        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), R=dv, NUM_SPLITS=num_splits,
+        CHUNK=min(num_splits, 16))
     return out[..., :v_head_dim]

@@ -108,14 +108,21 @@ def _store_split(MidO, MidLse, heads, cols, written, s_mo_h, s_ml_h, m, l, acc):
 
 @triton.jit
 def _combine_kernel(MidO, MidLse, Out, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h, s_o_b, s_o_h,
-                    R: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                    R: tl.constexpr, NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr):
+    """Out = the splits' outputs weighted by softmax(lse); the [splits, R] partial outputs are read
+    CHUNK splits at a time, so many splits do not spill registers."""
     b, h = tl.program_id(0), tl.program_id(1)
-    splits, r = tl.arange(0, NUM_SPLITS), tl.arange(0, R)
-    lse = tl.load(MidLse + b * s_ml_b + h * s_ml_h + splits)
-    weights = tl.exp(lse - tl.max(lse, 0))  # empty splits (-inf) weigh nothing
-    weights = weights / tl.sum(weights, 0)
-    parts = tl.load(MidO + b * s_mo_b + h * s_mo_h + splits[:, None] * s_mo_s + r[None, :])
-    out = tl.sum(parts * weights[:, None], 0)
+    r = tl.arange(0, R)
+    lse_row = MidLse + b * s_ml_b + h * s_ml_h
+    lse = tl.load(lse_row + tl.arange(0, NUM_SPLITS))
+    top = tl.max(lse, 0)
+    total = tl.sum(tl.exp(lse - top), 0)  # empty splits (-inf) weigh nothing
+    out = tl.zeros([R], tl.float32)
+    for c in tl.static_range(0, NUM_SPLITS, CHUNK):
+        splits = c + tl.arange(0, CHUNK)
+        weights = tl.exp(tl.load(lse_row + splits) - top) / total
+        parts = tl.load(MidO + b * s_mo_b + h * s_mo_h + splits[:, None] * s_mo_s + r[None, :])
+        out += tl.sum(parts * weights[:, None], 0)
     tl.store(Out + b * s_o_b + h * s_o_h + r, out.to(Out.dtype.element_ty))
 
 
@@ -192,5 +199,6 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
     out = torch.empty_like(q_latent)
     _combine_kernel[(batch, heads)](
         mid_out, mid_lse, out, mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
-        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), R=rank, NUM_SPLITS=num_splits)
+        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), R=rank, NUM_SPLITS=num_splits,
+        CHUNK=min(num_splits, 16))
     return out

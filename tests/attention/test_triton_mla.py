@@ -44,7 +44,7 @@ def case(heads, rank, rope, page_size, seq_lens, dtype, device, seed=0):
 
 
 @pytest.mark.parametrize("num_splits,block_v,tma", [(1, None, False), (4, None, False), (4, 16, False),
-                                                    (4, 16, True)])
+                                                    (4, 16, True), (32, None, False)])
 def test_small_shapes_match_the_reference(num_splits, block_v, tma):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # TMA blocks lie within a page; a GPU's dot takes blocks of 16 or more
