@@ -4,9 +4,10 @@ Decode steps (one new token per sequence, or a few causal ones such as a chain o
 one kernel row per token) run `triton_mla.mla_decode` over the paged latent cache of MLA models and
 `triton_mha.mha_decode` over the paged K/V of MHA/GQA models, split over the context. Prompt
 chunks, extends and draft trees run `triton_extend` (blocks of query tokens, causal or tree masks).
-New tokens' KV goes into the pages through `triton_store`.
-Select it with `--attention-backend triton`; on a GPU the choice also puts the model's RMSNorms (fused with the residual add,
-`triton_norm.py`) and routed experts (grouped GEMMs, `triton_moe.py`) on their Triton kernels.
+New tokens' KV goes into the pages through `triton_store`. Select it with `--attention-backend
+triton`; on a GPU the choice also puts the model's RMSNorms (fused with the residual add,
+`triton_norm.py`), rotary embeddings (`triton_rotary.py`) and routed experts (grouped GEMMs,
+`triton_moe.py`) on their Triton kernels.
 """
 from __future__ import annotations
 

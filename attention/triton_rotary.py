@@ -5,8 +5,9 @@ Same arithmetic as the torch code, rounding for rounding, in bf16: each product 
 rounded to bf16 before the sum, as torch's elementwise ops do, so greedy tokens do not move. Left to
 itself the GPU compiler contracts a product and the sum into one FMA (rounded once); in bf16 the
 rounding is inline PTX, which it cannot fuse. In float32 results differ from torch's in the last
-bit, so the model keeps float32 (and fp16) on the torch code. DeepSeek's interleaved pairs (x[0::2], x[1::2]) come out de-interleaved, and features
-past `rotary_dim` (GLM's partial rotary) are copied, both as the torch code does.
+bit, so the model keeps float32 (and fp16) on the torch code. DeepSeek's interleaved pairs
+(x[0::2], x[1::2]) come out de-interleaved, and features past `rotary_dim` (GLM's partial rotary)
+are copied, both as the torch code does.
 """
 from __future__ import annotations
 

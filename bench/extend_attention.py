@@ -77,7 +77,8 @@ def main() -> None:
     backends = [("triton", TritonBackend)] + ([] if args.no_torch else [("torch", TorchBackend)])
     peak = matmul_flops()
     print(f"bf16 matmul (8192^3): {peak / 1e12:.0f} TFLOPS")
-    print(f"{'kind':>4} {'heads':>5} {'new':>6} {'prefix':>7} {'triton ms':>10} {'TFLOPS':>7} {'of mm':>6} {'torch ms':>9}")
+    print(f"{'kind':>4} {'heads':>5} {'new':>6} {'prefix':>7} {'triton ms':>10} {'TFLOPS':>7} {'of mm':>6} "
+          f"{'torch ms':>9}")
     rows = []
     for kind, heads in (("mla", args.mla_heads), ("mha", 96)):
         for new, prefix in args.cases:
