@@ -3,12 +3,15 @@ free ports, waited for on /health, and stopped (SIGTERM, then SIGKILL) afterward
 (plain urllib, so the client side is independent of the server's aiohttp)."""
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -18,28 +21,32 @@ COMMON = ["--no-load-progress"]
 DEVICE = ["--device", "cpu"]
 
 
-PORTS_PER_WORKER = 800
-_next_port = [0]
+_port_locks: list[int] = []  # lock files of the ports this process took, held while it lives
 
 
 def free_port() -> int:
     """A port for a server to bind later. Picking one the kernel handed out (bind to port 0) races: between
     the pick and the server's bind, an outgoing connection or another port-0 bind may get it. So ports come
-    from below the kernel's ephemeral range, where neither happens, in a block of its own per xdist worker,
-    taken in turn and checked bindable."""
-    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
-    first = 12000 + worker * PORTS_PER_WORKER
-    assert first + PORTS_PER_WORKER <= _ephemeral_start(), "too many xdist workers for the port blocks"
-    for _ in range(PORTS_PER_WORKER):
-        port = first + _next_port[0] % PORTS_PER_WORKER
-        _next_port[0] += 1
-        with socket.socket() as s:
-            try:
+    from below the kernel's ephemeral range, where neither happens, and each is claimed by a lock file this
+    process holds while it lives, so no other test process (an xdist worker or a second session) takes it."""
+    lock_dir = os.path.join(tempfile.gettempdir(), "dserve-test-ports")
+    os.makedirs(lock_dir, exist_ok=True)
+    first, last = 12000, _ephemeral_start()
+    assert last - first >= 1000, f"the kernel's ephemeral ports start at {last}: too few ports below them"
+    start = random.randrange(first, last)
+    for i in range(last - first):
+        port = first + (start - first + i) % (last - first)
+        fd = os.open(os.path.join(lock_dir, str(port)), os.O_CREAT | os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            with socket.socket() as s:
                 s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
+        except OSError:
+            os.close(fd)  # taken (by a lock or a bound socket): the lock, if ours, goes with the fd
+            continue
+        _port_locks.append(fd)
         return port
-    raise RuntimeError(f"no free port in {first}..{first + PORTS_PER_WORKER}")
+    raise RuntimeError(f"no free port in {first}..{last}")
 
 
 def _ephemeral_start() -> int:
