@@ -40,6 +40,8 @@ def rank_process(front_address: str, device: str, layout: KVLayout, num_pages: i
     for layer in pool.buffers:
         for b in layer:
             b.normal_()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()  # the agent sends pages as they are, without waiting for the device
     desc = PoolDescriptor.from_layout("target", layout, message_pages=message_pages(layout, message_mib))
     agent = TransferAgent(front_address, 0, 0, 1, [(desc, pool)])
     agent.thread.join()

@@ -20,6 +20,7 @@ is aborted and forgotten (the next room makes a new one).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
@@ -84,6 +85,7 @@ class TransferAgent:
         self.pools = pools
         self.endpoints: dict[str, asyncio.Future] = {}  # peer worker address -> endpoint being made or made
         self.rooms: dict[int, dict] = {}  # decode: room -> outstanding receive tags
+        self.stream = None  # the agent's own CUDA stream for its copies (made on first use)
         self.ready = threading.Event()
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name=f"dserve-transfer-{dp_rank}-{attn_rank}", daemon=True)
@@ -180,6 +182,23 @@ class TransferAgent:
         if making is not None and _made(making):
             making.result().abort()
 
+    # ---- the agent's own copies ---------------------------------------------------------------------
+    def _own_stream(self):
+        """Run the agent's copies (gathers, staging, scatters) on a CUDA stream of its own: they are not
+        ordered behind the rank's forward on the default stream, and memory they allocate comes from
+        this stream's blocks, which no in-flight kernel of the rank still uses. A no-op on the CPU."""
+        device = self.pools[0][1].device
+        if device.type != "cuda":
+            return contextlib.nullcontext()
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(device)
+        return torch.cuda.stream(self.stream)
+
+    def _own_stream_done(self) -> None:
+        """Wait for the agent's copies (UCX reads and writes device memory outside any stream)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
     # ---- messages --------------------------------------------------------------------------------
     def _messages(self, cmd: dict, route: Route, src_pages) -> list[Message]:
         """This pair's messages over every pool; `src_pages` is None on the decode side."""
@@ -223,8 +242,10 @@ class TransferAgent:
         room, me = cmd["room"], self.attn_rank
         deadline = time.monotonic() + cmd["timeout_s"]
         decode_ranks = sorted({r[1] for pool_routes in cmd["routes"] for r in pool_routes if r[0] == me})
-        if self.pools[0][1].device.type == "cuda":
-            torch.cuda.synchronize(self.pools[0][1].device)  # the forward that wrote the pages is done
+        # No wait for the rank's forwards: the engine pushes a room only after it has read the results
+        # of every forward that wrote the room's pages (a step's outputs reach the host; other TP
+        # ranks' writes precede collectives those outputs depend on). A device-wide synchronize here
+        # waited for the rank's next step, already in flight, adding up to a step to each room.
         synced = time.perf_counter()
         results = await asyncio.gather(*(self._push_to(cmd, d, deadline) for d in decode_ranks))
         errors = [e for _, e in results if e]
@@ -246,8 +267,10 @@ class TransferAgent:
             if self.fail_rate > 0 and random.Random(room).random() < self.fail_rate:
                 error = "transfer failed (injected by transfer_fail_rate)"
             else:
-                data = [(msg, self._source(msg)) for r in self._pair_routes(cmd, me, d)
-                        for msg in self._messages(cmd, r, cmd["src_pages"])]
+                with self._own_stream():  # gathers of scattered pages or head slices, done before sending
+                    data = [(msg, self._source(msg)) for r in self._pair_routes(cmd, me, d)
+                            for msg in self._messages(cmd, r, cmd["src_pages"])]
+                self._own_stream_done()
             ctrl = np.frombuffer(pack_ctrl(error is None, error, cmd["aux"] if me == 0 else None), dtype=np.uint8)
             sends = [ep.send(as_ucx_buffer(t), tag=msg.tag, force_tag=True) for msg, t in data]
             sends.append(ep.send(ctrl, tag=ctrl_tag(room, me, d), force_tag=True))
@@ -277,7 +300,8 @@ class TransferAgent:
         for p in range(cmd["prefill_tp"]):
             for r in self._pair_routes(cmd, p, me):
                 for msg in self._messages(cmd, r, None):
-                    target, scatter_to = self._destination(msg)
+                    with self._own_stream():  # staging never reuses memory of the rank's in-flight step
+                        target, scatter_to = self._destination(msg)
                     recvs.append((None, msg.tag, target))
                     if scatter_to is not None:
                         scatters.append((target, scatter_to))
@@ -307,11 +331,11 @@ class TransferAgent:
             error = state["sender_error"] or error
             aux = state["aux"]
             if error is None:
-                for staged, views in scatters:
-                    _scatter(staged, views)
+                with self._own_stream():
+                    for staged, views in scatters:
+                        _scatter(staged, views)
+                self._own_stream_done()  # the pages are whole before the room is reported; staging is freed
                 received = sum(b.numel() * b.element_size() for _, _, b in recvs if isinstance(b, torch.Tensor))
-                if scatters and self.pools[0][1].device.type == "cuda":
-                    torch.cuda.synchronize(self.pools[0][1].device)  # staging is freed after this
         except Exception as e:  # noqa: BLE001 - the room fails; its receives are settled below first
             log.exception("room %d: receiving failed", room)
             error = f"{type(e).__name__}: {e}"
