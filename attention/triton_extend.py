@@ -35,7 +35,7 @@ def plan_extend(q_lens: list[int], seq_lens: list[int], tree_masks, block_m: int
     """Per-token metadata and the work blocks (at most `block_m` tokens of one span each)."""
     blocks, ctx, tails = [], [], []
     longest = max([m.shape[1] for m in tree_masks or [] if m is not None], default=1)
-    tree = torch.zeros(sum(q_lens), longest, dtype=torch.int8)
+    tree = torch.zeros(sum(q_lens), longest, dtype=torch.int8, device=device)  # masks copied on the device
     row = 0
     for i, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
         blocks += [(i, s, min(s + block_m, row + q_len)) for s in range(row, row + q_len, block_m)]
@@ -46,10 +46,10 @@ def plan_extend(q_lens: list[int], seq_lens: list[int], tree_masks, block_m: int
         else:
             ctx += [seq_len] * q_len
             tails += [seq_len - mask.shape[1]] * q_len
-            tree[row:row + q_len, :mask.shape[1]] = mask.to("cpu", torch.int8)
+            tree[row:row + q_len, :mask.shape[1]] = mask.to(device, torch.int8)
         row += q_len
-    ints = lambda v: torch.tensor(v, dtype=torch.int32).to(device)  # noqa: E731
-    return ExtendPlan(ints(blocks).reshape(-1, 3), ints(ctx), ints(tails), tree.to(device), block_m)
+    ints = lambda v: torch.tensor(v, dtype=torch.int32).to(device, non_blocking=True)  # noqa: E731
+    return ExtendPlan(ints(blocks).reshape(-1, 3), ints(ctx), ints(tails), tree, block_m)
 
 
 @triton.jit
