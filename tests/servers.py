@@ -3,6 +3,7 @@ free ports, waited for on /health, and stopped (SIGTERM, then SIGKILL) afterward
 (plain urllib, so the client side is independent of the server's aiohttp)."""
 from __future__ import annotations
 
+import atexit
 import fcntl
 import json
 import os
@@ -57,6 +58,18 @@ def _ephemeral_start() -> int:
         return 32768
 
 
+_procs: list["Proc"] = []  # every instance this process started, killed at exit if a test left one
+
+
+def _kill_leftovers() -> None:
+    for proc in _procs:
+        if proc.popen.poll() is None:
+            proc.kill()
+
+
+atexit.register(_kill_leftovers)
+
+
 class Proc:
     def __init__(self, args: list[str], log_path: str, port: int, env: dict | None = None):
         self.args, self.log_path, self.port = args, log_path, port
@@ -65,6 +78,7 @@ class Proc:
         self.log = open(log_path, "w")
         self.popen = subprocess.Popen([sys.executable, "-m", "dserve.runtime.cli", *args], stdout=self.log,
                                       stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        _procs.append(self)
 
     def wait_ready(self, timeout: float = 180.0) -> "Proc":
         deadline = time.monotonic() + timeout
@@ -140,16 +154,19 @@ def start_cluster(model: str, log_dir, prefill_args=(), decode_args=(), router_a
                   decode_env=None) -> Cluster:
     prefill = start_instance("prefill", model, log_dir, *prefill_args, env=prefill_env)
     decode = start_instance("decode", model, log_dir, *decode_args, env=decode_env)
+    started = [prefill, decode]
     try:
         prefill.wait_ready()
         decode.wait_ready()
-        router = start_router([prefill], [decode], log_dir, *router_args).wait_ready()
+        router = start_router([prefill], [decode], log_dir, *router_args)
+        started.insert(0, router)
+        router.wait_ready()
         wait_for(lambda: get(router.url + "/health")[0] == 200, 30, "router sees both instances healthy")
     except BaseException:
-        prefill.stop()
-        decode.stop()
+        for proc in started:  # the router too: none outlives a failed start
+            proc.stop()
         raise
-    return Cluster(prefill, decode, router, [router, prefill, decode])
+    return Cluster(prefill, decode, router, started)
 
 
 # ---- HTTP ------------------------------------------------------------------------------------------
