@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dserve.attention.triton_mla import _dot, _online_softmax_step
+from dserve.attention.triton_mla import _context_block, _dot, _online_softmax_step
 
 
 @dataclass
@@ -92,11 +92,10 @@ def _mla_kernel(QL, QR, Cache, Out, PageTable, Blocks, CtxLens, TailStarts, Tree
     m = tl.full([BLOCK_M * BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M * BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_M * BLOCK_H, R], tl.float32)
-    for n0 in range(0, tl.max(ctx, 0), BLOCK_N):
-        kv = n0 + tl.arange(0, BLOCK_N)
-        kmask = kv < tl.max(ctx, 0)
-        page = tl.load(table + kv // page_size, mask=kmask, other=0).to(tl.int64)
-        base = page * s_c_page + (kv % page_size) * s_c_tok
+    end = tl.max(ctx, 0)  # the furthest position any row sees
+    for n0 in range(0, end, BLOCK_N):
+        kv, kmask, page, off = _context_block(table, n0, end, page_size, BLOCK_N)
+        base = page * s_c_page + off * s_c_tok
         ckv = tl.load(Cache + base[:, None] + r[None, :], mask=kmask[:, None], other=0.0)
         kr = tl.load(Cache + base[:, None] + R + p[None, :], mask=kmask[:, None], other=0.0)
         s = _dot(ql, tl.trans(ckv), IEEE) + _dot(qr, tl.trans(kr), IEEE)
@@ -125,11 +124,9 @@ def _mha_kernel(Q, K, V, Out, PageTable, Blocks, CtxLens, TailStarts, Tree,
     m = tl.full([BLOCK_M * BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M * BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_M * BLOCK_G, DV], tl.float32)
-    for n0 in range(0, tl.max(ctx, 0), BLOCK_N):
-        kv = n0 + tl.arange(0, BLOCK_N)
-        kmask = kv < tl.max(ctx, 0)
-        page = tl.load(table + kv // page_size, mask=kmask, other=0).to(tl.int64)
-        off = kv % page_size
+    end = tl.max(ctx, 0)  # the furthest position any row sees
+    for n0 in range(0, end, BLOCK_N):
+        kv, kmask, page, off = _context_block(table, n0, end, page_size, BLOCK_N)
         k = tl.load(K + page[:, None] * s_k_page + off[:, None] * s_k_tok + kv_head * s_k_head + d[None, :],
                     mask=kmask[:, None] & (d[None, :] < head_dim), other=0.0)
         v = tl.load(V + page[:, None] * s_v_page + off[:, None] * s_v_tok + kv_head * s_v_head + dv[None, :],

@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dserve.attention.triton_mla import _combine_kernel, _dot, _online_softmax_step, _store_split, default_splits
+from dserve.attention.triton_mla import (_combine_kernel, _context_block, _dot, _online_softmax_step, _store_split,
+                                        default_splits)
 
 
 @triton.jit
@@ -40,10 +41,7 @@ def _split_kernel(Q, K, V, PageTable, RowSeqs, SeqLens, MidO, MidLse,
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, DV], tl.float32)
     for n0 in range(start, end, BLOCK_N):
-        toks = n0 + tl.arange(0, BLOCK_N)
-        tmask = toks < end
-        page = tl.load(table + toks // page_size, mask=tmask, other=0).to(tl.int64)
-        off = toks % page_size
+        toks, tmask, page, off = _context_block(table, n0, end, page_size, BLOCK_N)
         k = tl.load(K + page[:, None] * s_k_page + off[:, None] * s_k_tok + kv_head * s_k_head + d[None, :],
                     mask=tmask[:, None] & (d[None, :] < head_dim), other=0.0)
         v = tl.load(V + page[:, None] * s_v_page + off[:, None] * s_v_tok + kv_head * s_v_head + dv[None, :],

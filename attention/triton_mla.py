@@ -57,10 +57,8 @@ def _split_kernel(QL, QR, Cache, HalfBlocks, RopeBlocks, PageTable, RowSeqs, Seq
             m, l, acc = _online_softmax_step(s * scale, whole[None, :], c_own, m, l, acc, IEEE)
         start = whole_end
     for n0 in range(start, end, BLOCK_N):
-        toks = n0 + tl.arange(0, BLOCK_N)
-        tmask = toks < end
-        page = tl.load(table + toks // page_size, mask=tmask, other=0)
-        base = page.to(tl.int64) * s_c_page + (toks % page_size) * s_c_tok
+        toks, tmask, page, off = _context_block(table, n0, end, page_size, BLOCK_N)
+        base = page * s_c_page + off * s_c_tok
         c_own = tl.load(Cache + base[:, None] + own[None, :], mask=tmask[:, None], other=0.0)
         kr = tl.load(Cache + base[:, None] + R + p[None, :], mask=tmask[:, None], other=0.0)
         s = _dot(q_own, tl.trans(c_own), IEEE) + _dot(qr, tl.trans(kr), IEEE)
@@ -71,6 +69,16 @@ def _split_kernel(QL, QR, Cache, HalfBlocks, RopeBlocks, PageTable, RowSeqs, Seq
     # every value block writes the same log-sum-exp
     _store_split(MidO + b * s_mo_b + split * s_mo_s, MidLse + b * s_ml_b + split, heads, own, heads < num_heads,
                  s_mo_h, s_ml_h, m, l, acc)
+
+
+@triton.jit
+def _context_block(table, n0, end, page_size, BLOCK_N: tl.constexpr):
+    """Context positions n0 .. n0 + BLOCK_N (valid below `end`), their pages from the sequence's
+    page-table row `table` (int64) and their offsets in them."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    valid = pos < end
+    page = tl.load(table + pos // page_size, mask=valid, other=0).to(tl.int64)
+    return pos, valid, page, pos % page_size
 
 
 @triton.jit
