@@ -37,6 +37,7 @@ def store_tokens(slots: torch.Tensor, pairs: list[tuple[torch.Tensor, torch.Tens
         assert pages[0, 0].numel() == width and pages[0, 0].is_contiguous() and src.stride(-1) == 1
         args += [src, pages]
         widths.append((src.stride(0), pages.stride(0), pages.stride(1), width))
-    block = min(1024, triton.next_power_of_2(max(w[3] for w in widths)))
-    _store_kernel[(tokens, triton.cdiv(max(w[3] for w in widths), block))](
+    widest = max(w[3] for w in widths)
+    block = min(1024, triton.next_power_of_2(widest))
+    _store_kernel[(tokens, triton.cdiv(widest, block))](
         slots, *args, *widths[0], *widths[1], pairs[0][0].shape[1], TWO=len(pairs) == 2, BLOCK=block)
