@@ -1,13 +1,17 @@
 """KV-transfer benchmark: GB/s of moving one room's pages between two ranks through the product's own
 path (TransferManager -> TransferAgent -> UCX), by transfer size and page size, next to the plain
-copy bandwidth measured in the same run (GPU: cuda:0 -> cuda:1 `copy_`; CPU: a host memcpy).
+copy bandwidth measured in the same run (GPU: cuda:0 -> cuda:1 `copy_`; CPU: a host memcpy) and to one
+bare `ucxx` send of the same bytes (`bench.ucx_floor`: what UCX needs with no dserve around it).
 
     python -m bench.kv_transfer --device cuda --sizes-mib 64,256,1024 --page-sizes 16,64
     python -m bench.kv_transfer --device cpu --sizes-mib 4,32,128
 
 The layout defaults to DeepSeek-V3's MLA cache (61 layers, 576-wide latent, bf16). Each size is one
 room of consecutive pages: one UCX message, since pools are page-major. Size 0 is a one-page room,
-i.e. the fixed cost of a room. Prints a table, writes JSON and (with matplotlib) a PNG of GB/s by size.
+i.e. the fixed cost of a room. Each room gets two times: end to end (commands sent until both
+agents' events are back, as the engine sees it) and agent to agent (the sending agent took the push
+until every byte was in the receiving pages: the transfer itself). Prints a table, writes JSON and
+(with matplotlib) a PNG of GB/s by size.
 """
 from __future__ import annotations
 
@@ -26,6 +30,8 @@ from dserve.runtime.config import _DTYPES
 from dserve.scheduler.kv_pool import KVLayout, KVPool
 from dserve.transfer.descriptor import PoolDescriptor
 from dserve.transfer.manager import TransferManager
+
+from bench.ucx_floor import bare_ucx_seconds
 
 
 def rank_process(front_address: str, device: str, layout: KVLayout, num_pages: int, env: dict,
@@ -67,8 +73,11 @@ def copy_bandwidth(device: str, nbytes: int, repeats: int = 5) -> float:
 
 
 def one_room(sender: TransferManager, receiver: TransferManager, peers, room: int, pages: list[int],
-             expect_ahead_s: float, timeout: float = 300) -> float:
-    """Seconds from the push (or the expect, when it is not ahead) until both sides reported."""
+             expect_ahead_s: float, timeout: float = 300) -> tuple[float, float]:
+    """(room, transfer) seconds. The room: from the push (or the expect, when it is not ahead) until
+    both sides' events reached this process, the control path included. The transfer: from the
+    sending agent taking the push until the receiving agent had every byte in its pages (the agents'
+    own timestamps, one clock on a host), without the command and event hops."""
     send_desc, recv_desc = peers
     t = time.perf_counter()
     receiver.expect(room, 0, send_desc, pages, timeout)
@@ -88,24 +97,27 @@ def one_room(sender: TransferManager, receiver: TransferManager, peers, room: in
                 raise RuntimeError(f"room {room} failed: {o.error}")
     elapsed = time.perf_counter() - t
     logging.getLogger("bench").debug("room %d: started %.6f, both reported +%.3f ms", room, t, elapsed * 1e3)
-    bad = [o.error for o in outcomes.values() if not o.ok]
-    if bad:
-        raise RuntimeError(f"room {room} failed: {bad}")
-    return elapsed
+    return elapsed, outcomes["received"].finished - outcomes["pushed"].started
 
 
 def run(args) -> dict:
     dtype = _DTYPES[args.dtype]
     env = dict(kv.split("=", 1) for kv in args.ucx_env)
-    copy = copy_bandwidth(args.device, max(args.sizes_mib) << 20)
+    copy = copy_bandwidth(args.device, max(1, max(args.sizes_mib)) << 20)
+    layouts = {ps: KVLayout("mla", args.layers, ps, dtype, latent_dim=args.latent, kv_lora_rank=args.latent - 64)
+               for ps in args.page_sizes}
+    room_bytes = lambda layout, size: max(1, (size << 20) // layout.bytes_per_page) * layout.bytes_per_page
+    bare = bare_ucx_seconds(args.device, sorted({room_bytes(l, s) for l in layouts.values() for s in args.sizes_mib}),
+                            args.repeats, env) if args.bare else {}
     rows, room = [], 1
     for page_size in args.page_sizes:
-        layout = KVLayout("mla", args.layers, page_size, dtype, latent_dim=args.latent, kv_lora_rank=args.latent - 64)
+        layout = layouts[page_size]
         max_pages = -(-(max(args.sizes_mib) << 20) // layout.bytes_per_page) + 1
         managers = [TransferManager(), TransferManager()]
         ctx = mp.get_context("spawn")
         devices = ["cuda:0", "cuda:1"] if args.device == "cuda" else ["cpu", "cpu"]
-        procs = [ctx.Process(target=rank_process, args=(m.address, dev, layout, max_pages, env, args.message_mib), daemon=True)
+        procs = [ctx.Process(target=rank_process, args=(m.address, dev, layout, max_pages, env, args.message_mib),
+                             daemon=True)
                  for m, dev in zip(managers, devices)]
         for p in procs:
             p.start()
@@ -119,17 +131,28 @@ def run(args) -> dict:
             for size in args.sizes_mib:
                 pages = list(range(max(1, (size << 20) // layout.bytes_per_page)))
                 nbytes = len(pages) * layout.bytes_per_page
-                times = []
+                times, transfers = [], []
                 for _ in range(args.repeats):
-                    times.append(one_room(managers[0], managers[1], peers, room, pages, args.expect_ahead_ms / 1e3))
+                    elapsed, transfer = one_room(managers[0], managers[1], peers, room, pages,
+                                                 args.expect_ahead_ms / 1e3)
+                    times.append(elapsed)
+                    transfers.append(transfer)
                     room += 1
                 best, median = min(times), statistics.median(times)
+                floor = bare.get(nbytes)
                 rows.append({"page_size": page_size, "size_mib": nbytes / 2**20, "pages": len(pages),
                              "seconds": best, "median_seconds": median, "gb_per_s": nbytes / best / 1e9,
-                             "median_gb_per_s": nbytes / median / 1e9, "fraction_of_copy": nbytes / best / copy})
+                             "median_gb_per_s": nbytes / median / 1e9, "fraction_of_copy": nbytes / best / copy,
+                             "median_fraction_of_copy": nbytes / median / copy, "room_seconds": times,
+                             "transfer_seconds": transfers, "bare_ucx_seconds": floor,
+                             "transfer_fraction_of_copy": nbytes / min(transfers) / copy,
+                             "transfer_median_fraction_of_copy": nbytes / statistics.median(transfers) / copy})
+                bare_cols = (f" {min(floor) * 1e3:>10.2f} {nbytes / statistics.median(floor) / copy:>11.1%}"
+                             if floor else "")
                 print(f"{page_size:>9} {nbytes / 2**20:>10.1f} {len(pages):>7} {best * 1e3:>10.2f} "
-                      f"{nbytes / best / 1e9:>8.2f} {nbytes / best / copy:>8.1%} {nbytes / median / 1e9:>11.2f}",
-                      flush=True)
+                      f"{nbytes / best / 1e9:>8.2f} {nbytes / best / copy:>8.1%} {nbytes / median / copy:>10.1%} "
+                      f"{min(transfers) * 1e3:>10.2f} {rows[-1]['transfer_median_fraction_of_copy']:>11.1%}"
+                      + bare_cols, flush=True)
         finally:
             for m in managers:
                 m.close()
@@ -156,7 +179,16 @@ def plot(result: dict, path: str) -> bool:
     for page_size in sorted({r["page_size"] for r in result["rows"]}):
         rows = [r for r in result["rows"] if r["page_size"] == page_size]
         ax.plot([r["size_mib"] for r in rows], [r["gb_per_s"] for r in rows], "o-", label=f"page {page_size} (best)")
-        ax.plot([r["size_mib"] for r in rows], [r["median_gb_per_s"] for r in rows], "x:", label=f"page {page_size} (median)")
+        ax.plot([r["size_mib"] for r in rows], [r["median_gb_per_s"] for r in rows], "x:",
+                label=f"page {page_size} (median)")
+        if rows and "transfer_seconds" in rows[0]:
+            ax.plot([r["size_mib"] for r in rows],
+                    [r["size_mib"] * 2**20 / statistics.median(r["transfer_seconds"]) / 1e9 for r in rows], "^-.",
+                    label=f"page {page_size}, agent to agent (median)")
+    bare = sorted({(r["size_mib"], r["size_mib"] * 2**20 / statistics.median(r["bare_ucx_seconds"]) / 1e9)
+                   for r in result["rows"] if r.get("bare_ucx_seconds")})
+    if bare:
+        ax.plot(*zip(*bare), "s--", color="black", alpha=0.6, label="bare ucxx send (median)")
     ax.axhline(result["copy_gb_per_s"], color="gray", linestyle="--", label="plain copy")
     ax.axhline(0.8 * result["copy_gb_per_s"], color="gray", linestyle=":", label="80% of copy")
     ax.set_xscale("log")
@@ -172,7 +204,8 @@ def plot(result: dict, path: str) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.device_count() >= 2 else "cpu")
+    parser.add_argument("--device", choices=["cpu", "cuda"],
+                        default="cuda" if torch.cuda.device_count() >= 2 else "cpu")
     parser.add_argument("--sizes-mib", type=lambda s: [int(x) for x in s.split(",")], default=[4, 32, 128])
     parser.add_argument("--page-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[16, 64])
     parser.add_argument("--layers", type=int, default=61)
@@ -187,10 +220,14 @@ def main() -> None:
                              "both from the same start)")
     parser.add_argument("--message-mib", type=int, default=0,
                         help="cap on one UCX message (the receiver's AgentConfig.message_mib; 0: a whole page run)")
+    parser.add_argument("--bare", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time bare ucxx sends of each size (bench.ucx_floor)")
     parser.add_argument("--out", default="bench/results/kv_transfer.json")
     args = parser.parse_args()
     logging.basicConfig(level=int(os.environ.get("BENCH_LOG", "30")), format="[bench] %(message)s")
-    print(f"{'page_size':>9} {'MiB':>10} {'pages':>7} {'best ms':>10} {'GB/s':>8} {'of copy':>8} {'median GB/s':>11}")
+    print(f"{'page_size':>9} {'MiB':>10} {'pages':>7} {'best ms':>10} {'GB/s':>8} {'of copy':>8} {'med/copy':>10}"
+          f" {'xfer ms':>10} {'xfer med/copy':>11}"
+          + (f" {'bare ms':>10} {'bare med/copy':>11}" if args.bare else ""))
     result = run(args)
     print(f"plain copy ({'cuda:0 -> cuda:1' if args.device == 'cuda' else 'host memcpy'}): "
           f"{result['copy_gb_per_s']:.1f} GB/s")

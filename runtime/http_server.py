@@ -38,7 +38,7 @@ class Instance:
             from dserve.transfer.agent import AgentConfig
             from dserve.transfer.manager import TransferManager
 
-            self.manager = TransferManager(config.host)
+            self.manager = TransferManager()
             transfer = AgentConfig(self.manager.address, config.host, config.transfer_fail_rate)
         self.engine = Engine(model_path, transfer=transfer, **engine_kwargs)
         if self.manager is not None:

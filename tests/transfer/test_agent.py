@@ -119,6 +119,11 @@ def test_scattered_pages_arrive_exactly(kind, prefill_tp, decode_tp, message_pag
     done = outcomes([prefill, decode], 2 * len(rooms))
     assert all(o.ok for o in done), [o.error for o in done if not o.ok]
     assert {o.aux["token"] for o in done if o.kind == "received"} == set(rooms)
+    pushed = {o.room: o for o in done if o.kind == "pushed"}
+    for o in done:  # the agents' timestamps (one clock on a host) give each room's transfer time
+        assert 0 < o.started <= o.finished
+        if o.kind == "received":
+            assert o.finished > pushed[o.room].started
     received = decode.pages()
     prefill.pages()
     for rank in range(decode_tp):
