@@ -128,6 +128,7 @@ def create_backend(name: str, pool: KVPool) -> AttentionBackend:
 
         return TritonBackend(pool)
     if name == "flashinfer":
-        raise ValueError("the flashinfer backend is not built yet (FlashInfer's wheels could not be brought to the "
-                         "GPU hosts this was developed on); use --attention-backend triton on a GPU, torch on a CPU")
-    raise ValueError(f"unknown attention backend {name!r} (choose from: torch, triton)")
+        from dserve.attention.flashinfer_backend import FlashInferBackend
+
+        return FlashInferBackend(pool)
+    raise ValueError(f"unknown attention backend {name!r} (choose from: torch, triton, flashinfer)")

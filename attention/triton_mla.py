@@ -136,9 +136,11 @@ def _combine_kernel(MidO, MidLse, Out, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h, s
 
 def default_splits(batch: int, heads: int, max_len: int, block_n: int, device: torch.device,
                    block_h: int = 16) -> int:
-    """Enough programs to fill the GPU twice over, no split shorter than a block; a power of two."""
+    """Enough programs to fill the GPU twice over, no split shorter than four blocks, at most 256; a
+    power of two. (H100, 16 heads, batch 1, 32k context: 256 splits read at 32% of the copy
+    bandwidth, 64 splits at 23%: bench/notes/flashinfer-2026-11-23.md.)"""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    want = max(1, min(64, -(-2 * sms // (batch * triton.cdiv(heads, block_h))), max_len // (4 * block_n)))
+    want = max(1, min(256, -(-2 * sms // (batch * triton.cdiv(heads, block_h))), max_len // (4 * block_n)))
     return 1 << (want - 1).bit_length()
 
 

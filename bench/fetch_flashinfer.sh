@@ -9,7 +9,7 @@
 #   cd /tmp/fi && for w in $(ls *.part-aa | sed 's/.part-aa$//'); do cat $w.part-* > $w; rm $w.part-*; done
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/fisite /tmp/fi/*.whl
 #   export PYTHONPATH=/tmp/fisite:$PYTHONPATH   # kernels compile on first use with the image's nvcc
-# Not yet tried on a GPU host (2026-11-23): see the README's "GPU hosts".
+# Run this way on an H100 on 2026-11-23: bench/notes/flashinfer-2026-11-23.md.
 set -euo pipefail
 dest=${1:-.fi}
 raw=$(mktemp -d)

@@ -24,8 +24,8 @@ class EngineConfig:
     max_running_requests: int = 256  # requests decoding at once per DP group; more wait in the queue
     enable_prefix_caching: bool = True  # reuse the KV pages of a prompt prefix seen before
     load_format: str = "auto"  # auto: the checkpoint's weights; dummy: random ones from config.json alone
-    attention_backend: str = "auto"  # torch (reference, any device); triton (kernels, CUDA graphs); auto:
-    #                                  triton on a GPU, torch on the CPU
+    attention_backend: str = "auto"  # torch (reference, any device); triton (kernels, CUDA graphs); flashinfer
+    #                                  (FlashInfer's kernels, bf16/fp16, eager); auto: triton on a GPU, torch on CPU
     cuda_graph_max_bs: int = 64  # triton backend: decode steps of up to this many sequences replay CUDA graphs
     disable_cuda_graph: bool = False  # run every step eagerly
     random_seed: int = 0  # seeds unseeded sampling

@@ -99,7 +99,7 @@ class ModelRunner:
         num_pages = self.num_pages + static  # and a scratch page for the padding of static steps
         self.pool = KVPool(layout, num_pages, self.device)
         self.backend = create_backend(config.attention_backend, self.pool)
-        if config.attention_backend == "triton":  # Triton kernels where they exist: norms, rotary, MoE too
+        if config.attention_backend in ("triton", "flashinfer"):  # Triton kernels for norms, rotary, MoE too
             for module in [*self.model.modules(), *(self.draft.modules() if self.draft is not None else [])]:
                 if isinstance(module, (RMSNorm, RotaryEmbedding, Experts)):
                     module.use_kernel = True

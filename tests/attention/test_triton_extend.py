@@ -50,37 +50,44 @@ def batch_over(pool: KVPool, spans, gen) -> ForwardBatch:
     return batch.to(torch.device(DEVICE))
 
 
-def run_both(pool, batch, forward):
+def run_both(pool, batch, forward, backend_class=TritonBackend):
+    """The reference's output and `backend_class`'s, on the same pool and batch."""
     outs = []
-    for backend in (TorchBackend(pool), TritonBackend(pool)):
+    for backend in (TorchBackend(pool), backend_class(pool)):
         backend.plan(batch)
         assert not getattr(backend, "decode", False), "the batch must take the extend path"
         outs.append(forward(backend).float())
     return outs
 
 
-def mla_case(heads, rank, rope, page_size, dtype, spans=SPANS):
+def pages_for(spans, page_size: int) -> int:
+    """A pool with room for the spans' pages to be scattered over (at least 64 pages)."""
+    return max(64, 2 * sum(-(-seq_len // page_size) for _, seq_len, _ in spans))
+
+
+def mla_case(heads, rank, rope, page_size, dtype, spans=SPANS, backend_class=TritonBackend):
     gen = torch.Generator().manual_seed(0)
     layout = KVLayout("mla", 1, page_size, dtype, latent_dim=rank + rope, kv_lora_rank=rank)
-    pool = KVPool(layout, 64, DEVICE)
+    pool = KVPool(layout, pages_for(spans, page_size), DEVICE)
     pool.pages.copy_(torch.randn(pool.pages.shape, generator=gen).to(dtype))
     batch = batch_over(pool, spans, gen)
     tokens = batch.num_tokens
     q_latent, q_rope, latent = (torch.randn(*shape, generator=gen).to(DEVICE, dtype)
                                 for shape in ((tokens, heads, rank), (tokens, heads, rope), (tokens, rank + rope)))
-    return run_both(pool, batch, lambda b: b.forward_mla(0, q_latent, q_rope, latent, (rank + rope) ** -0.5))
+    return run_both(pool, batch, lambda b: b.forward_mla(0, q_latent, q_rope, latent, (rank + rope) ** -0.5),
+                    backend_class)
 
 
-def mha_case(heads, kv_heads, head_dim, page_size, dtype, spans=SPANS):
+def mha_case(heads, kv_heads, head_dim, page_size, dtype, spans=SPANS, backend_class=TritonBackend):
     gen = torch.Generator().manual_seed(1)
     layout = KVLayout("mha", 1, page_size, dtype, num_kv_heads=kv_heads, head_dim=head_dim, v_head_dim=head_dim)
-    pool = KVPool(layout, 64, DEVICE)
+    pool = KVPool(layout, pages_for(spans, page_size), DEVICE)
     pool.pages.copy_(torch.randn(pool.pages.shape, generator=gen).to(dtype))
     batch = batch_over(pool, spans, gen)
     tokens = batch.num_tokens
     q, k, v = (torch.randn(tokens, h, head_dim, generator=gen).to(DEVICE, dtype)
                for h in (heads, kv_heads, kv_heads))
-    return run_both(pool, batch, lambda b: b.forward_mha(0, q, k, v, head_dim ** -0.5))
+    return run_both(pool, batch, lambda b: b.forward_mha(0, q, k, v, head_dim ** -0.5), backend_class)
 
 
 def test_mla_spans_and_tree_match_the_reference():
