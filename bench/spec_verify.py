@@ -87,7 +87,7 @@ def model_args(parser: argparse.ArgumentParser, layers: int = 4) -> None:
 def timing_args(parser: argparse.ArgumentParser) -> None:
     """--repeats, --attention-backend, --eager: how the timed steps run."""
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--attention-backend", default="triton", choices=["torch", "triton"])
+    parser.add_argument("--attention-backend", default="triton", choices=["torch", "triton", "flashinfer"])
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs (the triton backend replays them)")
 
 

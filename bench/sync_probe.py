@@ -20,7 +20,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     model_args(parser, layers=2)
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--attention-backend", default="triton", choices=["torch", "triton"])
+    parser.add_argument("--attention-backend", default="triton", choices=["torch", "triton", "flashinfer"])
     args = parser.parse_args()
 
     runner, kv = dummy_runner(deepseek_v3_config_dir(args.layers, args.experts), args.batch, args.context,
