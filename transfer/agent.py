@@ -289,12 +289,11 @@ class TransferAgent:
             ctrl = np.frombuffer(pack_ctrl(error is None, error, cmd["aux"] if me == 0 else None), dtype=np.uint8)
             sends = [ep.send(as_ucx_buffer(t), tag=msg.tag, force_tag=True) for msg, t in data]
             sends.append(ep.send(ctrl, tag=ctrl_tag(room, me, d), force_tag=True))
-            async with asyncio.timeout(left()):
-                await asyncio.gather(*sends)
+            await asyncio.wait_for(asyncio.gather(*sends), left())
             sent = sum(t.numel() * t.element_size() for _, t in data)
         except Exception as e:  # noqa: BLE001 - the room fails with the reason; the endpoint is redone
             self._drop_endpoint(address)
-            reason = "timed out" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
+            reason = "timed out" if isinstance(e, asyncio.TimeoutError) else f"{type(e).__name__}: {e}"
             error = f"sending to decode rank {d} failed: {reason}"
         return sent, error
 
