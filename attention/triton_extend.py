@@ -141,7 +141,7 @@ def _mha_kernel(Q, K, V, Out, PageTable, Blocks, CtxLens, TailStarts, Tree,
 
 def mla_extend(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
                plan: ExtendPlan, scale: float, block_h: int = 16, block_n: int = 32,
-               num_warps: int = 8) -> torch.Tensor:
+               num_warps: int = 8, num_stages: int | None = None) -> torch.Tensor:
     """q_latent [T, H, R], q_rope [T, H, P] (the spans' tokens, span after span); `cache` one layer's
     latent pages [num_pages, page_size, R + P], the new tokens' latents already stored; `page_table`
     [S, max_pages], row i for span i. Returns the attention-weighted latents [T, H, R]."""
@@ -156,12 +156,18 @@ def mla_extend(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), cache.stride(0),
         cache.stride(1), page_table.stride(0), out.stride(0), out.stride(1), plan.tree.stride(0),
         heads, scale, cache.shape[1], R=rank, P=q_rope.shape[-1], BLOCK_M=plan.block_m, BLOCK_H=block_h,
-        BLOCK_N=block_n, IEEE=q_latent.dtype == torch.float32, num_warps=num_warps)
+        BLOCK_N=block_n, IEEE=q_latent.dtype == torch.float32, num_warps=num_warps, **stages(num_stages))
     return out
 
 
+def stages(num_stages: int | None) -> dict:
+    """Triton's software-pipelining depth where one is asked for (its default otherwise)."""
+    return {} if num_stages is None else {"num_stages": num_stages}
+
+
 def mha_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-               plan: ExtendPlan, scale: float, block_n: int = 32, num_warps: int = 4) -> torch.Tensor:
+               plan: ExtendPlan, scale: float, block_n: int = 32, num_warps: int = 4,
+               num_stages: int | None = None) -> torch.Tensor:
     """q [T, Hq, D]; `k_cache` [num_pages, page_size, Hkv, D] and `v_cache` [.., Hkv, Dv] one layer's
     pages, the new tokens' K/V already stored. Returns [T, Hq, Dv]. The plan's `block_m` tokens times
     the query heads of one KV head (padded to a power of two) are a program's rows."""
@@ -179,5 +185,5 @@ def mha_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pa
         plan.tree.stride(0), group, scale, k_cache.shape[1], head_dim, v_head_dim,
         D=triton.next_power_of_2(head_dim), DV=triton.next_power_of_2(v_head_dim), BLOCK_M=plan.block_m,
         BLOCK_G=triton.next_power_of_2(group), BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
-        num_warps=num_warps)
+        num_warps=num_warps, **stages(num_stages))
     return out

@@ -2,11 +2,13 @@
 triton backend) against the torch reference backend, at DeepSeek-V3's MLA shapes (absorbed, 128 or 16
 heads, 512 + 64, page 64) and GLM-4.5's GQA shapes (96 heads over 8 KV heads of 128), bf16:
 
-    python -m bench.extend_attention [--cases 2048:0,1024:8192] [--mla-heads 128]
+    python -m bench.extend_attention [--cases 2048:0,1024:8192] [--mla-heads 128] [--tune JSON] [--flashinfer]
 
 A case NEW:PREFIX is one span of NEW tokens over PREFIX tokens already in pages. FLOPs count the
 causally visible (query, key) pairs; the limit is a large bf16 matmul measured in the same run. Prints
-a table and writes JSON.
+a table and writes JSON. `--tune` takes Triton launch settings (keys of `triton_backend.EXTEND_TUNE`:
+rows, block_h, block_n, num_warps, num_stages), or a list of them to compare; `--flashinfer` adds
+FlashInfer's kernels (the flashinfer backend) as a column.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ def span_batch(pool, new: int, prefix: int):
     return batch.to(torch.device("cuda"))
 
 
-def run_case(kind: str, new: int, prefix: int, heads: int, backends, repeats: int) -> dict:
+def run_case(kind: str, new: int, prefix: int, heads: int, backends, repeats: int, tune: dict) -> dict:
     from dserve.scheduler.kv_pool import KVLayout, KVPool
 
     ps, dtype, total = 64, torch.bfloat16, new + prefix
@@ -55,6 +57,8 @@ def run_case(kind: str, new: int, prefix: int, heads: int, backends, repeats: in
     row = {"kind": kind, "heads": heads, "new": new, "prefix": prefix, "gflop": flops / 1e9}
     for name, cls in backends:
         backend = cls(pool)
+        if name == "triton":
+            backend.extend_tune[kind].update({k: v for k, v in tune.items() if k in backend.extend_tune[kind]})
         backend.plan(batch)
         forward = backend.forward_mla if kind == "mla" else backend.forward_mha
         seconds = median_seconds(lambda: forward(0, *inputs, 0.1), repeats)
@@ -69,24 +73,40 @@ def main() -> None:
     parser.add_argument("--mla-heads", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-torch", action="store_true", help="skip the (slow) torch reference backend")
+    parser.add_argument("--flashinfer", action="store_true", help="add FlashInfer's kernels as a column")
+    parser.add_argument("--tune", type=json.loads, default={}, help="Triton launch settings as JSON, or a list")
     parser.add_argument("--out", default="bench/results/extend_attention.json")
     args = parser.parse_args()
     from dserve.attention.torch_backend import TorchBackend
     from dserve.attention.triton_backend import TritonBackend
 
     backends = [("triton", TritonBackend)] + ([] if args.no_torch else [("torch", TorchBackend)])
+    if args.flashinfer:
+        from dserve.attention.flashinfer_backend import FlashInferBackend
+
+        backends.append(("flashinfer", FlashInferBackend))
+    tunes = args.tune if isinstance(args.tune, list) else [args.tune]
     peak = matmul_flops()
     print(f"bf16 matmul (8192^3): {peak / 1e12:.0f} TFLOPS")
+    others = [name for name, _ in backends[1:]]
     print(f"{'kind':>4} {'heads':>5} {'new':>6} {'prefix':>7} {'triton ms':>10} {'TFLOPS':>7} {'of mm':>6} "
-          f"{'torch ms':>9}")
+          + "".join(f"{name + ' ms':>14}" for name in others) + "  tune")
     rows = []
-    for kind, heads in (("mla", args.mla_heads), ("mha", 96)):
-        for new, prefix in args.cases:
-            row = run_case(kind, new, prefix, heads, backends, args.repeats)
-            row["of_matmul"] = row["triton_tflops"] * 1e12 / peak
-            rows.append(row)
-            print(f"{kind:>4} {heads:>5} {new:>6} {prefix:>7} {row['triton_ms']:>10.3f} {row['triton_tflops']:>7.1f} "
-                  f"{row['of_matmul']:>6.1%} {row.get('torch_ms', float('nan')):>9.3f}")
+    for tune in tunes:
+        for kind, heads in (("mla", args.mla_heads), ("mha", 96)):
+            for new, prefix in args.cases:
+                try:
+                    row = run_case(kind, new, prefix, heads, backends, args.repeats, tune)
+                except Exception as e:  # noqa: BLE001 - a setting that does not compile is reported
+                    print(f"{kind:>4} {heads:>5} {new:>6} {prefix:>7} failed: {str(e).splitlines()[0][:90]}  "
+                          f"{json.dumps(tune)}")
+                    continue
+                row.update(of_matmul=row["triton_tflops"] * 1e12 / peak, tune=tune)
+                rows.append(row)
+                print(f"{kind:>4} {heads:>5} {new:>6} {prefix:>7} {row['triton_ms']:>10.3f} "
+                      f"{row['triton_tflops']:>7.1f} {row['of_matmul']:>6.1%} "
+                      + "".join(f"{row[name + '_ms']:>14.3f}" for name in others) + f"  {json.dumps(tune)}",
+                      flush=True)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "matmul_tflops": peak / 1e12, "rows": rows}, f, indent=2)
