@@ -68,6 +68,8 @@ class FlashInferBackend(AttentionBackend):
         cache = self.pool.buffers[layer][0]
         store_tokens(self.batch.out_slots, [(cache, latent)])
         rank = q_latent.shape[-1]
+        if not q_latent.shape[0]:  # an empty step (a DP group without tokens): nothing to plan
+            return q_latent.new_empty(q_latent.shape)
         if self.planned_scale != scale:
             self._plan_mla(q_latent.shape[1], rank, cache.shape[-1] - rank, scale, q_latent.dtype)
         return self.wrapper.run(query=(q_latent.contiguous(), q_rope.contiguous()),
@@ -91,6 +93,8 @@ class FlashInferBackend(AttentionBackend):
             return self.triton.forward_mha(layer, q, k, v, scale)
         keys, values = self.pool.buffers[layer]
         store_tokens(self.batch.out_slots, [(keys, k), (values, v)])
+        if not q.shape[0]:
+            return q.new_empty(0, q.shape[1], values.shape[-1])
         if self.planned_scale != scale:
             self._plan_mha(q.shape[1], keys.shape[2], q.shape[2], values.shape[3], scale, q.dtype)
         return self.wrapper.run(q.contiguous(), (keys, values))

@@ -4,8 +4,10 @@ For each request it picks a prefill and a decode instance (random, round_robin o
 healthy ones), adds `bootstrap_host/port/room` (the bootstrap port is learned from the prefill's
 `/server_info`), sends the request to both at once and relays the decode's answer, streamed or whole.
 If the prefill fails before the decode answers, the decode request is dropped (which aborts it) and
-the client gets the prefill's error. Instances are probed on `/health`; one that stops answering is out
-of rotation until it answers again.
+the client gets the prefill's error. Instances are probed on `/health`. One that is gone (connection
+refused or dropped) or says it is unhealthy is out of rotation at once; one that is only slow to answer
+stays in until `SLOW_PROBES_TO_REMOVE` probes in a row time out (a busy instance on a loaded host is
+not a dead one). Either comes back at its next good answer.
 """
 from __future__ import annotations
 
@@ -25,12 +27,14 @@ from dserve.runtime.protocol import error_body
 
 log = logging.getLogger("dserve.router")
 POLICIES = ("random", "round_robin", "least_load")
+SLOW_PROBES_TO_REMOVE = 3
 
 
 @dataclass
 class Backend:
     url: str
     healthy: bool = False
+    slow_probes: int = 0  # probes in a row that timed out
     in_flight: int = 0
     bootstrap_port: int | None = None
 
@@ -81,17 +85,22 @@ class Router:
 
     async def _check(self, backend: Backend) -> None:
         probe = aiohttp.ClientTimeout(total=max(self.health_interval_s, 1.0))
+        slow = False
         try:
             async with self.session.get(backend.url + "/health", timeout=probe) as r:
                 ok = r.status == 200
             if ok and backend in self.prefills and backend.bootstrap_port is None:
                 async with self.session.get(backend.url + "/server_info", timeout=probe) as r:
                     backend.bootstrap_port = (await r.json())["bootstrap_port"]
-        except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, ValueError):
+        except asyncio.TimeoutError:
+            ok, slow = False, True
+        except (aiohttp.ClientError, KeyError, ValueError):
             ok = False
-        if ok != backend.healthy:
-            log.warning("%s is %s", backend.url, "back in rotation" if ok else "out of rotation (not answering)")
-        backend.healthy = ok
+        backend.slow_probes = backend.slow_probes + 1 if slow else 0
+        healthy = ok or (backend.healthy and slow and backend.slow_probes < SLOW_PROBES_TO_REMOVE)
+        if healthy != backend.healthy:
+            log.warning("%s is %s", backend.url, "back in rotation" if healthy else "out of rotation (not answering)")
+        backend.healthy = healthy
 
     def pick(self, kind: str) -> Backend | None:
         pool = [b for b in (self.prefills if kind == "prefill" else self.decodes) if b.healthy]
@@ -105,8 +114,8 @@ class Router:
 
     async def health(self, _: web.Request) -> web.Response:
         ok = any(b.healthy for b in self.prefills) and any(b.healthy for b in self.decodes)
-        body = {"status": "ok" if ok else "degraded",
-                "prefill": {b.url: b.healthy for b in self.prefills}, "decode": {b.url: b.healthy for b in self.decodes}}
+        body = {"status": "ok" if ok else "degraded", "prefill": {b.url: b.healthy for b in self.prefills},
+                "decode": {b.url: b.healthy for b in self.decodes}}
         return web.json_response(body, status=200 if ok else 503)
 
     async def models(self, _: web.Request) -> web.Response:

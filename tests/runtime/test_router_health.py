@@ -1,0 +1,78 @@
+"""The router's health probes over real HTTP, against small aiohttp servers standing in for the
+instances' `/health` (the router's policy is under test, not the instances): an instance that is
+slow to answer stays in rotation for a while, one that is gone or says it is unhealthy leaves at
+once, and either comes back at its next good answer."""
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+from aiohttp import web
+
+from dserve.runtime.router import SLOW_PROBES_TO_REMOVE, Router
+from tests.servers import free_port
+
+
+class Instance:
+    """`/health` answering 200, 503 or only after `delay_s`; `/server_info` with a bootstrap port."""
+
+    def __init__(self):
+        self.status, self.delay_s, self.port, self.runner = 200, 0.0, free_port(), None
+
+    async def health(self, _):
+        await asyncio.sleep(self.delay_s)
+        return web.json_response({}, status=self.status)
+
+    async def start(self):
+        app = web.Application()
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/server_info", lambda _: web.json_response({"bootstrap_port": 1}))
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+
+    async def stop(self):
+        await self.runner.cleanup()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def test_slow_gone_and_unhealthy_instances():
+    async def scenario():
+        prefill, decode = Instance(), Instance()
+        for inst in (prefill, decode):
+            await inst.start()
+        router = Router([prefill.url], [decode.url], health_interval_s=0.2)  # probes time out after 1 s
+        router.session = aiohttp.ClientSession()
+        try:
+            await router.check_all()
+            assert router.prefills[0].healthy and router.decodes[0].healthy
+            assert router.prefills[0].bootstrap_port == 1
+
+            decode.delay_s = 1.5  # busy: each probe times out
+            for _ in range(SLOW_PROBES_TO_REMOVE - 1):
+                await router.check_all()
+                assert router.decodes[0].healthy, "a slow instance stays in rotation for a while"
+            await router.check_all()
+            assert not router.decodes[0].healthy and router.pick("decode") is None
+            decode.delay_s = 0.0
+            await router.check_all()
+            assert router.decodes[0].healthy, "back at its first good answer"
+
+            decode.status = 503  # the instance says it is broken: out at once
+            await router.check_all()
+            assert not router.decodes[0].healthy
+            decode.status = 200
+            await router.check_all()
+            assert router.decodes[0].healthy
+
+            await prefill.stop()  # gone: connection refused, out at once
+            await router.check_all()
+            assert not router.prefills[0].healthy and router.pick("prefill") is None
+        finally:
+            await router.session.close()
+            await decode.stop()
+
+    asyncio.run(scenario())
