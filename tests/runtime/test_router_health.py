@@ -23,10 +23,13 @@ class Instance:
         await asyncio.sleep(self.delay_s)
         return web.json_response({}, status=self.status)
 
+    async def server_info(self, _):
+        return web.json_response({"bootstrap_port": 1})
+
     async def start(self):
         app = web.Application()
         app.router.add_get("/health", self.health)
-        app.router.add_get("/server_info", lambda _: web.json_response({"bootstrap_port": 1}))
+        app.router.add_get("/server_info", self.server_info)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
