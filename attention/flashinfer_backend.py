@@ -3,9 +3,10 @@
 MLA (absorbed) runs `flashinfer.mla.BatchMLAPagedAttentionWrapper` over the paged latent cache: the
 pool's [pages, page_size, rank + rope] buffer is handed over as its two column views (the kernels take
 page and token strides, so the page-major pool needs no copy). MHA/GQA runs
-`BatchPrefillWithPagedKVCacheWrapper` over the K and V buffers (layout NHD). Every span is causal
-(one decode token, a few draft tokens or a prompt chunk alike); a draft tree's mask goes to the
-Triton extend kernel. New tokens are stored into pages by the Triton store kernel.
+`BatchPrefillWithPagedKVCacheWrapper` over the K and V buffers (layout NHD), every span causal (one
+decode token, a few draft tokens or a prompt chunk alike). A batch that holds a draft tree's mask runs
+on the Triton kernels instead (FlashInfer's MLA kernel takes no mask). New tokens are stored into pages
+by the Triton store kernel.
 
 FlashInfer's kernels take bf16/fp16 only, and a plan (page lists, split work) made on the host per
 batch: these steps run eagerly, not under CUDA graphs (`runs_static` is False). The plan is made at
