@@ -31,73 +31,98 @@ SPANS = {"decode": [(1, n, None) for n in (1, 64, 1000, 8191, 32768)],
          "tree": [(8, 200, 9), (4, 4000, 5)]}
 
 
-def random_batch(pool: KVPool, spans, gen) -> ForwardBatch:
+def tree_mask(q_len: int, tail: int, gen) -> torch.Tensor:
+    """Every token sees the tail's first position (the last accepted token) and itself; others at random."""
+    mask = torch.rand(q_len, tail, generator=gen) < 0.5
+    mask[:, 0] = True
+    mask[torch.arange(q_len), tail - q_len + torch.arange(q_len)] = True
+    return mask
+
+
+def random_batch(pool: KVPool, spans, gen, device: str) -> ForwardBatch:
+    """One batch of `spans` over pages scattered through `pool`, each span's new tokens in its last slots."""
     ps = pool.layout.page_size
-    pages = [-(-seq_len // ps) for _, seq_len, _ in spans]
-    order = torch.randperm(pool.num_pages, generator=gen)
+    pages = [(seq_len + ps - 1) // ps for _, seq_len, _ in spans]
+    order = torch.randperm(pool.num_pages, generator=gen)[:sum(pages)]
     table = torch.zeros(len(spans), max(pages), dtype=torch.int64)
-    slots, positions, masks, used = [], [], [], 0
-    for i, ((q_len, seq_len, tail), n) in enumerate(zip(spans, pages)):
+    used = 0
+    for i, n in enumerate(pages):
         table[i, :n] = order[used:used + n]
         used += n
+    slots, positions = [], []
+    for i, (q_len, seq_len, _) in enumerate(spans):
         pos = torch.arange(seq_len - q_len, seq_len)
         slots.append(table[i, pos // ps] * ps + pos % ps)
         positions.append(pos)
-        mask = None
-        if tail is not None:  # each token sees the tail's first position, itself, others at random
-            mask = torch.rand(q_len, tail, generator=gen) < 0.5
-            mask[:, 0] = True
-            mask[torch.arange(q_len), tail - q_len + torch.arange(q_len)] = True
-        masks.append(mask)
     tokens = sum(q for q, _, _ in spans)
-    return ForwardBatch(torch.zeros(tokens, dtype=torch.int64), torch.cat(positions), [q for q, _, _ in spans],
-                        [s for _, s, _ in spans], table, torch.cat(slots), torch.arange(tokens),
-                        tree_masks=masks).to(torch.device("cuda"))
+    masks = [None if tail is None else tree_mask(q_len, tail, gen) for q_len, _, tail in spans]
+    batch = ForwardBatch(torch.zeros(tokens, dtype=torch.int64), torch.cat(positions), [q for q, _, _ in spans],
+                         [s for _, s, _ in spans], table, torch.cat(slots), torch.arange(tokens),
+                         tree_masks=masks)
+    return batch.to(torch.device(device))
+
+
+def pages_for(spans, page_size: int) -> int:
+    """A pool with room for the spans' pages to be scattered over (at least 64 pages)."""
+    return max(64, 2 * sum(-(-seq_len // page_size) for _, seq_len, _ in spans))
+
+
+def run_both(pool, batch, forward, backend_class, expect_extend: bool = False) -> list[torch.Tensor]:
+    """The torch reference's output and `backend_class(pool)`'s (float32), on the same pool and batch."""
+    outs = []
+    for backend in (TorchBackend(pool), backend_class(pool)):
+        backend.plan(batch)
+        if expect_extend:
+            assert not getattr(backend, "decode", False), "the batch must take the extend path"
+        outs.append(forward(backend).float())
+    return outs
+
+
+def mla_case(heads, rank, rope, page_size, dtype, spans, backend_class, device="cuda", expect_extend=False):
+    """(reference, backend) outputs of one absorbed-MLA layer over a random pool and batch of `spans`."""
+    gen = torch.Generator().manual_seed(0)
+    layout = KVLayout("mla", 1, page_size, dtype, latent_dim=rank + rope, kv_lora_rank=rank)
+    pool = KVPool(layout, pages_for(spans, page_size), device)
+    pool.pages.copy_(torch.randn(pool.pages.shape, generator=gen).to(dtype))
+    batch = random_batch(pool, spans, gen, device)
+    tokens = batch.num_tokens
+    q_latent, q_rope, latent = (torch.randn(*shape, generator=gen).to(device, dtype)
+                                for shape in ((tokens, heads, rank), (tokens, heads, rope), (tokens, rank + rope)))
+    return run_both(pool, batch, lambda b: b.forward_mla(0, q_latent, q_rope, latent, (rank + rope) ** -0.5),
+                    backend_class, expect_extend)
+
+
+def mha_case(heads, kv_heads, head_dim, page_size, dtype, spans, backend_class, device="cuda", expect_extend=False):
+    """(reference, backend) outputs of one MHA/GQA layer over a random pool and batch of `spans`."""
+    gen = torch.Generator().manual_seed(1)
+    layout = KVLayout("mha", 1, page_size, dtype, num_kv_heads=kv_heads, head_dim=head_dim, v_head_dim=head_dim)
+    pool = KVPool(layout, pages_for(spans, page_size), device)
+    pool.pages.copy_(torch.randn(pool.pages.shape, generator=gen).to(dtype))
+    batch = random_batch(pool, spans, gen, device)
+    tokens = batch.num_tokens
+    q, k, v = (torch.randn(tokens, h, head_dim, generator=gen).to(device, dtype)
+               for h in (heads, kv_heads, kv_heads))
+    return run_both(pool, batch, lambda b: b.forward_mha(0, q, k, v, head_dim ** -0.5), backend_class, expect_extend)
 
 
 def relative_error(ref: torch.Tensor, got: torch.Tensor) -> float:
     return float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
 
 
-def attention_error(backend: str, layout: KVLayout, spans, make_inputs, forward) -> float:
-    gen = torch.Generator().manual_seed(0)
-    pool = KVPool(layout, 2 * sum(-(-s // layout.page_size) for _, s, _ in spans) + 1, "cuda")
-    pool.pages.copy_(torch.randn(pool.pages.shape, generator=gen).to(layout.dtype))
-    batch = random_batch(pool, spans, gen)
-    inputs = make_inputs(batch.num_tokens, gen)
-    outs = []
-    for b in (TorchBackend(pool), create_backend(backend, pool)):
-        b.plan(batch)
-        outs.append(forward(b, *inputs))
-    return relative_error(*outs)
+def named(backend: str):
+    return lambda pool: create_backend(backend, pool)
 
 
 def mla_rows(backends: list[str]) -> list[dict]:
-    rows = []
-    for heads in (128, 16):
-        layout = KVLayout("mla", 1, 64, BF16, latent_dim=576, kv_lora_rank=512)
-        make = lambda t, gen, h=heads: [torch.randn(*s, generator=gen).to("cuda", BF16)
-                                        for s in ((t, h, 512), (t, h, 64), (t, 576))]
-        forward = lambda b, ql, qr, lat: b.forward_mla(0, ql, qr, lat, 576 ** -0.5)
-        for backend in backends:
-            for kind, spans in SPANS.items():
-                err = attention_error(backend, layout, spans, make, forward)
-                rows.append({"kernel": f"MLA {kind} ({backend})", "shape": f"{heads} heads", "error": err,
-                             "tolerance": ATTENTION_TOL})
-    return rows
+    return [{"kernel": f"MLA {kind} ({backend})", "shape": f"{heads} heads", "tolerance": ATTENTION_TOL,
+             "error": relative_error(*mla_case(heads, 512, 64, 64, BF16, spans, named(backend)))}
+            for heads in (128, 16) for backend in backends for kind, spans in SPANS.items()]
 
 
 def mha_rows(backends: list[str]) -> list[dict]:
-    rows = []
-    layout = KVLayout("mha", 1, 64, BF16, num_kv_heads=8, head_dim=128, v_head_dim=128)
-    make = lambda t, gen: [torch.randn(t, h, 128, generator=gen).to("cuda", BF16) for h in (96, 8, 8)]
-    forward = lambda b, q, k, v: b.forward_mha(0, q, k, v, 128 ** -0.5)
-    for backend in backends:
-        for kind, spans in SPANS.items():
-            err = attention_error(backend, layout, spans, make, forward)
-            rows.append({"kernel": f"MHA {kind} ({backend})", "shape": "96/8 heads x 128", "error": err,
-                         "tolerance": ATTENTION_TOL})
-    return rows
+    return [{"kernel": f"MHA {kind} ({backend})", "shape": "96/8 heads x 128", "tolerance": ATTENTION_TOL,
+             "error": relative_error(*mha_case(96, 8, 128, 64, BF16, spans, named(backend)))}
+            for backend in backends for kind, spans in SPANS.items()]
 
 
 def elementwise_rows() -> list[dict]:

@@ -17,13 +17,12 @@ import time
 
 import torch
 
+from dserve.transfer.agent import ucx_settings
+
 
 def agent_ucx_env(device: str) -> dict:
-    """The UCX settings `TransferAgent` sets for GPU pools on a 127.0.0.1 instance (a user's wins)."""
-    env = {"UCX_NET_DEVICES": "lo"}
-    if device.startswith("cuda"):
-        env.update(UCXPY_PROGRESS_MODE="thread-polling")
-    return env
+    """The UCX settings `TransferAgent` runs with on a 127.0.0.1 instance."""
+    return ucx_settings(device.startswith("cuda"), "127.0.0.1")
 
 
 def _buffer(device: str, nbytes: int):

@@ -65,6 +65,18 @@ def start_agent(config: AgentConfig, pools: list, dp_rank: int, attn_rank: int, 
     return TransferAgent(config.front_address, dp_rank, attn_rank, attn_tp, described, config.host, config.fail_rate)
 
 
+def ucx_settings(cuda: bool, host: str) -> dict:
+    """The UCX/ucxx settings an agent runs with, unless the environment sets them. Measured on 2x H200
+    (bench/notes/kv-transfer-*.md): a polling progress thread cuts ~0.2 ms off every room for one busy
+    core per rank; UCX's own rendezvous choice moves a room (one message) faster than the put_zcopy
+    once forced for per-layer messages, so it is left alone. On 127.0.0.1 the network devices are
+    the loopback only (shared memory and CUDA IPC are not network devices)."""
+    env = {"UCXPY_PROGRESS_MODE": "thread-polling"} if cuda else {}
+    if host in ("127.0.0.1", "localhost"):
+        env["UCX_NET_DEVICES"] = "lo"
+    return env
+
+
 def message_pages(layout, message_mib: int) -> int:
     """Pages per message for a cap of `message_mib` (0: no cap)."""
     return max(1, (message_mib << 20) // layout.bytes_per_page) if message_mib else 0
@@ -108,14 +120,9 @@ class TransferAgent:
         import zmq
         import zmq.asyncio
 
-        if any(pool.device.type == "cuda" for _, pool in self.pools):
-            # ucxx reads this when its context is made (the first ucxx call below); a user's setting
-            # wins. Measured on 2x H200 (bench/notes/kv-transfer-*.md): a polling progress thread cuts
-            # ~0.2 ms off every room for one busy core per rank. UCX's own rendezvous choice moves a
-            # room (one message) faster than the put_zcopy that was forced for per-layer messages.
-            os.environ.setdefault("UCXPY_PROGRESS_MODE", "thread-polling")
-        if self.host in ("127.0.0.1", "localhost"):  # shared memory and CUDA IPC are not network devices
-            os.environ.setdefault("UCX_NET_DEVICES", "lo")
+        cuda = any(pool.device.type == "cuda" for _, pool in self.pools)
+        for key, value in ucx_settings(cuda, self.host).items():  # read when the context is made, below
+            os.environ.setdefault(key, value)  # a user's setting wins
         self.address = ucxx.get_worker_address().tobytes().hex()  # makes the context; progress on this loop
         self.zctx = zmq.asyncio.Context()
         self.sock = self.zctx.socket(zmq.DEALER)
@@ -217,15 +224,14 @@ class TransferAgent:
     @staticmethod
     def _in_place(msg: Message) -> bool:
         """Whether the message's bytes are a view of consecutive whole pages (no gather to make)."""
-        first = msg.src_pages[0]
-        return msg.src_heads is None and msg.src_pages == tuple(range(first, first + len(msg.src_pages)))
+        return msg.src_heads is None and _consecutive(msg.src_pages)
 
     def _source(self, msg: Message) -> torch.Tensor:
         """The message's bytes: a view of consecutive whole pages, else a gathered copy."""
         pool = self.pools[msg.pool][1]
         first, n = msg.src_pages[0], len(msg.src_pages)
-        consecutive = msg.src_pages == tuple(range(first, first + n))
-        index = slice(first, first + n) if consecutive else torch.tensor(msg.src_pages, device=pool.device)
+        index = slice(first, first + n) if _consecutive(msg.src_pages) else torch.tensor(msg.src_pages,
+                                                                                         device=pool.device)
         if msg.src_heads is None:
             return pool.pages[index].contiguous()
         h0, hn = msg.src_heads
@@ -398,6 +404,10 @@ class TransferAgent:
         empty = np.zeros(0, dtype=np.uint8)
         for tag in list(state["tags"]):
             await ep.send(empty, tag=tag, force_tag=True)
+
+
+def _consecutive(pages: tuple) -> bool:
+    return pages == tuple(range(pages[0], pages[0] + len(pages)))
 
 
 def _made(f: asyncio.Future) -> bool:

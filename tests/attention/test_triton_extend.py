@@ -9,10 +9,8 @@ import torch
 
 pytest.importorskip("triton")  # tests/conftest.py sets TRITON_INTERPRET=1 on a CPU host
 
-from dserve.attention.backend import ForwardBatch  # noqa: E402
-from dserve.attention.torch_backend import TorchBackend  # noqa: E402
+from bench import kernel_check  # noqa: E402  (the random pools and batches, shared with the GPU check)
 from dserve.attention.triton_backend import TritonBackend  # noqa: E402
-from dserve.scheduler.kv_pool import KVLayout, KVPool  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (new tokens, context after the step, tree tail or None): a prompt, an extend over a prefix in
@@ -20,74 +18,13 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SPANS = [(37, 37, None), (20, 70, None), (1, 9, None), (4, 12, 5), (1, 1, None)]
 
 
-def tree_mask(q_len: int, tail: int, gen) -> torch.Tensor:
-    """Every token sees the tail's first position (the last accepted token) and itself; others at random."""
-    mask = torch.rand(q_len, tail, generator=gen) < 0.5
-    mask[:, 0] = True
-    mask[torch.arange(q_len), tail - q_len + torch.arange(q_len)] = True
-    return mask
+def mla_case(heads, rank, rope, page_size, dtype, spans=SPANS):
+    return kernel_check.mla_case(heads, rank, rope, page_size, dtype, spans, TritonBackend, DEVICE, expect_extend=True)
 
 
-def batch_over(pool: KVPool, spans, gen) -> ForwardBatch:
-    ps = pool.layout.page_size
-    pages = [(seq_len + ps - 1) // ps for _, seq_len, _ in spans]
-    order = torch.randperm(pool.num_pages, generator=gen)[:sum(pages)]
-    table = torch.zeros(len(spans), max(pages), dtype=torch.int64)
-    used = 0
-    for i, n in enumerate(pages):
-        table[i, :n] = order[used:used + n]
-        used += n
-    slots, positions = [], []
-    for i, (q_len, seq_len, _) in enumerate(spans):
-        pos = torch.arange(seq_len - q_len, seq_len)
-        slots.append(table[i, pos // ps] * ps + pos % ps)
-        positions.append(pos)
-    tokens = sum(q for q, _, _ in spans)
-    masks = [None if tail is None else tree_mask(q_len, tail, gen) for q_len, _, tail in spans]
-    batch = ForwardBatch(torch.zeros(tokens, dtype=torch.int64), torch.cat(positions), [q for q, _, _ in spans],
-                         [s for _, s, _ in spans], table, torch.cat(slots), torch.arange(tokens),
-                         tree_masks=masks)
-    return batch.to(torch.device(DEVICE))
-
-
-def run_both(pool, batch, forward, backend_class=TritonBackend):
-    """The reference's output and `backend_class`'s, on the same pool and batch."""
-    outs = []
-    for backend in (TorchBackend(pool), backend_class(pool)):
-        backend.plan(batch)
-        assert not getattr(backend, "decode", False), "the batch must take the extend path"
-        outs.append(forward(backend).float())
-    return outs
-
-
-def pages_for(spans, page_size: int) -> int:
-    """A pool with room for the spans' pages to be scattered over (at least 64 pages)."""
-    return max(64, 2 * sum(-(-seq_len // page_size) for _, seq_len, _ in spans))
-
-
-def mla_case(heads, rank, rope, page_size, dtype, spans=SPANS, backend_class=TritonBackend):
-    gen = torch.Generator().manual_seed(0)
-    layout = KVLayout("mla", 1, page_size, dtype, latent_dim=rank + rope, kv_lora_rank=rank)
-    pool = KVPool(layout, pages_for(spans, page_size), DEVICE)
-    pool.pages.copy_(torch.randn(pool.pages.shape, generator=gen).to(dtype))
-    batch = batch_over(pool, spans, gen)
-    tokens = batch.num_tokens
-    q_latent, q_rope, latent = (torch.randn(*shape, generator=gen).to(DEVICE, dtype)
-                                for shape in ((tokens, heads, rank), (tokens, heads, rope), (tokens, rank + rope)))
-    return run_both(pool, batch, lambda b: b.forward_mla(0, q_latent, q_rope, latent, (rank + rope) ** -0.5),
-                    backend_class)
-
-
-def mha_case(heads, kv_heads, head_dim, page_size, dtype, spans=SPANS, backend_class=TritonBackend):
-    gen = torch.Generator().manual_seed(1)
-    layout = KVLayout("mha", 1, page_size, dtype, num_kv_heads=kv_heads, head_dim=head_dim, v_head_dim=head_dim)
-    pool = KVPool(layout, pages_for(spans, page_size), DEVICE)
-    pool.pages.copy_(torch.randn(pool.pages.shape, generator=gen).to(dtype))
-    batch = batch_over(pool, spans, gen)
-    tokens = batch.num_tokens
-    q, k, v = (torch.randn(tokens, h, head_dim, generator=gen).to(DEVICE, dtype)
-               for h in (heads, kv_heads, kv_heads))
-    return run_both(pool, batch, lambda b: b.forward_mha(0, q, k, v, head_dim ** -0.5), backend_class)
+def mha_case(heads, kv_heads, head_dim, page_size, dtype, spans=SPANS):
+    return kernel_check.mha_case(heads, kv_heads, head_dim, page_size, dtype, spans, TritonBackend, DEVICE,
+                                 expect_extend=True)
 
 
 def test_mla_spans_and_tree_match_the_reference():
