@@ -36,6 +36,18 @@ def import_flashinfer():
     return flashinfer
 
 
+def check_shapes(layout) -> None:
+    """FlashInfer's MLA kernels (SM90: fa2/fa3) take a latent of a multiple of 128 and a rotary part of
+    a multiple of 64 (DeepSeek-V3: 512 and 64); a clear error at start for other models."""
+    if layout.kind != "mla":
+        return
+    rank, rope = layout.kv_lora_rank, layout.latent_dim - layout.kv_lora_rank
+    if rank % 128 or rope % 64:
+        raise ValueError(f"FlashInfer's MLA kernels need kv_lora_rank a multiple of 128 and qk_rope_head_dim a "
+                         f"multiple of 64 (DeepSeek-V3: 512 and 64); this model has {rank} and {rope}: use "
+                         "--attention-backend triton")
+
+
 class FlashInferBackend(AttentionBackend):
     def __init__(self, pool):
         if pool.device.type != "cuda":
@@ -43,6 +55,7 @@ class FlashInferBackend(AttentionBackend):
         if pool.layout.dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"FlashInfer's kernels take bfloat16 or float16 KV, not {pool.layout.dtype}; "
                              "use --dtype bfloat16 (or the triton backend for float32)")
+        check_shapes(pool.layout)
         self.flashinfer = import_flashinfer()
         super().__init__(pool)
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=pool.device)

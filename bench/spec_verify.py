@@ -8,6 +8,8 @@ with fewer layers and experts so it fits one GPU, random weights made on the dev
 
     python -m bench.spec_verify [--layers 4 --experts 32] [--batches 1,8,32] [--drafts 1,2,3]
 
+(`--experts 0`: every layer dense, to see the verify's own cost without the experts it adds.)
+
 prints decode ms, verify ms and their ratio per batch and k, and writes JSON. The issue's goal is a
 ratio of at most 1.15 for k = 2 at batch <= 32. "bytes ratio" is the ratio of the two steps'
 rooflines (`decode_step.step_bytes`): a verify's tokens (distinct ids, as real drafts are) select
@@ -29,10 +31,11 @@ from bench.cuda_timing import median_seconds
 
 def deepseek_v3_config_dir(layers: int, experts: int) -> str:
     """A config.json of DeepSeek-V3's shapes with `layers` layers (the first dense) and `experts`
-    routed experts (8 per token, groups scaled down to fit)."""
+    routed experts (8 per token, groups scaled down to fit); `experts` 0: every layer dense (MLP of
+    18432), the model's shape without MoE."""
     import transformers as tf
 
-    groups = min(8, experts // 4)
+    groups = max(1, min(8, experts // 4))
     cfg = tf.DeepseekV3Config(
         vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
         num_hidden_layers=layers, num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,

@@ -70,10 +70,14 @@ def corpus(num_phrases: int, seed: int):
     return sample
 
 
-def train(arch: str, out: str, steps: int, seed: int = 0, log=print) -> dict:
+def train(arch: str, out: str, steps: int, seed: int = 0, log=print, shapes: dict | None = None) -> dict:
+    """Train and write the checkpoint; `shapes` overrides fields of the tiny config (e.g. attention
+    dims a kernel library needs). Returns the losses and held-out prompts."""
     torch.manual_seed(seed)
     tokenizer = train_tokenizer(VOCAB)
     cfg = _hf_config(arch, VOCAB, tokenizer.bos_token_id, tokenizer.eos_token_id, 2)
+    if shapes:
+        cfg = type(cfg)(**{**cfg.to_dict(), **shapes})
     cfg._attn_implementation = "sdpa"  # causal without a mask, in training and in the draft's layer
     target = _model_class(arch)(cfg)
     donor = _model_class(arch)(type(cfg)(**{**cfg.to_dict(), "num_hidden_layers": 3}))
@@ -122,7 +126,8 @@ def measure(path: str, prompts: list[list[int]], steps_list=(1, 2, 3), max_new_t
     seconds = time.perf_counter() - start
     plain.shutdown()
     tokens = sum(map(len, expected))
-    rows = [{"steps": 0, "topk": 0, "naive": False, "accept_length": 1.0, "tokens_per_s": tokens / seconds}]  # speculation off
+    rows = [{"steps": 0, "topk": 0, "naive": False, "accept_length": 1.0,  # speculation off
+             "tokens_per_s": tokens / seconds}]
     for steps in steps_list:
         engine = Engine(path, device="cpu", load_progress=False, speculative_num_steps=steps,
                         speculative_eagle_topk=topk, speculative_naive=naive,

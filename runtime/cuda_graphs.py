@@ -1,10 +1,17 @@
 """CUDA graphs for decode-like steps: one captured forward per padded token count.
 
-A step qualifies when it is a target pass (not a two-pass draft pass) without DP attention (other
-groups' token counts change the collectives), with at most the largest bucket's tokens, and every
-attention backend it uses can run it from device tensors alone (`AttentionBackend.runs_static`:
-spans of a few causal tokens on the MLA decode kernel; with naive speculation the draft's backend
-too). Decode steps, chain verifies and the naive fused step qualify; prompts and trees run eagerly.
+A step qualifies when it has no DP attention (other groups' token counts change the collectives),
+at most the largest bucket's tokens, and every attention backend it uses can run it from device
+tensors alone (`AttentionBackend.runs_static`: spans of a few causal tokens on the decode kernels;
+with naive speculation the draft's backend too). Decode steps, chain verifies and the naive fused
+step qualify, and so do the two-pass draft's passes over a few tokens per request (its catch-up
+after a verify, a chain's further steps); prompts and trees run eagerly.
+
+Target steps and draft passes have their own `StaticSteps`. A draft pass reads rows of the previous
+pass's hidden states (`ForwardBatch.hidden_rows`), whose tensor is another each step: they are
+gathered into the draft's static input on the device before the replay, one set of graphs per width
+of those states (an EAGLE-3 draft's catch-up reads the target's three aux states, its further passes
+its own state).
 
 The step's tokens are padded up to the next bucket. A pad token reads the first context slot of the
 batch's first sequence, writes its KV into a scratch page the KV manager never hands out (each
@@ -31,7 +38,7 @@ from dserve.attention.backend import FusedDraft, ForwardBatch
 
 log = logging.getLogger("dserve.runtime")
 FIELDS = ("input_ids", "positions", "out_slots", "token_seqs", "token_ctx_lens", "next_ids", "from_target",
-          "real_tokens")
+          "real_tokens", "hidden_rows")
 ROW = {name: i for i, name in enumerate(FIELDS)}
 
 
@@ -52,14 +59,18 @@ class StaticSteps:
     table ([tokens, max_pages] rows); a step copies it from its pinned twin up to the last table row
     it uses, in one copy. The host side is filled through numpy views (cheaper per call than torch)."""
 
-    def __init__(self, runner, max_tokens: int, max_context: int):
+    def __init__(self, runner, max_tokens: int, max_context: int, hidden_width: int | None = None):
+        """Target steps, or with `hidden_width` the draft's passes reading hidden states that wide."""
         self.runner, self.device = runner, runner.device
+        self.hidden_width = hidden_width
         page_size = runner.pool.layout.page_size
         self.scratch_slot = runner.num_pages * page_size  # the first slot of the page past the manager's
         self.max_pages = min(-(-max_context // page_size), runner.num_pages)
         self.max_context = self.max_pages * page_size
         self.buckets = token_buckets(max_tokens)
-        self.fused = runner.config.speculative_naive
+        self.fused = runner.config.speculative_naive and hidden_width is None
+        self.backends = ([runner.draft_backend] if hidden_width is not None
+                         else [runner.backend] + ([runner.draft_backend] if self.fused else []))
         most, fields = self.buckets[-1], len(FIELDS)
         self.table_start = (2 + fields) * most
         size = self.table_start + most * self.max_pages
@@ -69,6 +80,8 @@ class StaticSteps:
         self.select, self.ints, self.table = self._views(self.flat)
         self.host_select, self.host_ints, self.host_table = (t.numpy() for t in self._views(self.host))
         self.rows = torch.arange(most, device=self.device)
+        if hidden_width is not None:  # the draft's input states, gathered here before each replay
+            self.hidden = torch.zeros(most, hidden_width, dtype=runner.config.torch_dtype, device=self.device)
         pad = dict(out_slots=self.scratch_slot, token_ctx_lens=1, from_target=-1)  # the rest 0
         self.pad = np.array([pad.get(name, 0) for name in FIELDS], dtype=np.int64)[:, None]
         self.copied = torch.cuda.Event() if pinned else None  # the host buffer is free again
@@ -83,8 +96,7 @@ class StaticSteps:
     def usable(self) -> bool:
         """Whether the model's backends (the draft's too, for the fused step) run a one-token step statically."""
         batch = self.static_batch(1)
-        backends = [self.runner.backend] + ([self.runner.draft_backend] if self.fused else [])
-        return all(b.runs_static(batch) for b in backends)
+        return all(b.runs_static(batch) for b in self.backends)
 
     def static_batch(self, n: int) -> ForwardBatch:
         """The batch a graph of `n` tokens is captured for: its tensors are the static buffers."""
@@ -96,10 +108,22 @@ class StaticSteps:
                             token_ctx_lens=f["token_ctx_lens"], real_tokens=f["real_tokens"])
 
     def fits(self, batch: ForwardBatch) -> bool:
-        return (batch.hidden_rows is None and batch.dp_num_tokens is None and 0 < batch.num_tokens <= self.buckets[-1]
+        if self.hidden_width is None:
+            if batch.hidden_rows is not None:
+                return False
+        elif (batch.hidden_rows is None or self.runner.last_hidden is None
+              or self.runner.last_hidden.shape[-1] != self.hidden_width):
+            return False
+        return (batch.dp_num_tokens is None and 0 < batch.num_tokens <= self.buckets[-1]
                 and batch.input_ids.device.type == "cpu"
                 and (batch.fused_draft is not None) == self.fused and batch.page_table.shape[1] <= self.max_pages
-                and max(batch.seq_lens) <= self.max_context and self.runner.backend.runs_static(batch))
+                and max(batch.seq_lens) <= self.max_context and self.backends[0].runs_static(batch))
+
+    def _forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        n = batch.num_tokens
+        if self.hidden_width is None:
+            return self.runner.run_model(batch)
+        return self.runner.run_draft(batch, self.hidden[:n])
 
     def capture(self) -> None:
         """One graph per bucket, largest first, sharing one memory pool."""
@@ -110,15 +134,16 @@ class StaticSteps:
         for n in reversed(self.buckets):
             batch = self.static_batch(n)
             for _ in range(2):  # compile the kernels, settle the allocator
-                self.runner.run_model(batch)
+                self._forward(batch)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                outputs = self.runner.run_model(batch)
+                outputs = self._forward(batch)
             self.graphs[n] = (graph, outputs)
         torch.cuda.synchronize(self.device)
-        log.info("captured %d CUDA graphs (up to %d tokens, contexts up to %d) in %.1f s", len(self.graphs),
-                 self.buckets[-1], self.max_context, time.monotonic() - started)
+        what = "steps" if self.hidden_width is None else f"draft passes over states of width {self.hidden_width}"
+        log.info("captured %d CUDA graphs of %s (up to %d tokens, contexts up to %d) in %.1f s", len(self.graphs),
+                 what, self.buckets[-1], self.max_context, time.monotonic() - started)
 
     def run(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits at the batch's rows, hidden states at every padded row) of one step."""
@@ -130,11 +155,13 @@ class StaticSteps:
         self.flat[:end].copy_(self.host[:end], non_blocking=True)
         if self.copied is not None:
             self.copied.record()
+        if self.hidden_width is not None:
+            torch.index_select(self.runner.last_hidden, 0, self.ints[ROW["hidden_rows"], :n], out=self.hidden[:n])
         if n in self.graphs:
             graph, (logits, hidden) = self.graphs[n]
             graph.replay()
         else:  # the CPU: the same buffers, run eagerly
-            logits, hidden = self.runner.run_model(self.static_batch(n))
+            logits, hidden = self._forward(self.static_batch(n))
         return torch.index_select(logits, 0, self.select[:wanted]), hidden
 
     def _pack(self, batch: ForwardBatch, n: int) -> int:
@@ -144,6 +171,8 @@ class StaticSteps:
         h[:, t:n] = self.pad
         for name in ("input_ids", "positions", "out_slots", "token_seqs", "token_ctx_lens"):
             h[ROW[name], :t] = getattr(batch, name).numpy()
+        if batch.hidden_rows is not None:
+            h[ROW["hidden_rows"], :t] = batch.hidden_rows.numpy()
         h[ROW["real_tokens"], :t] = 1
         select = batch.logits_indices.numpy()
         if batch.fused_draft is not None:  # the graph's draft reads the target's argmax at token rows

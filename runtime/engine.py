@@ -174,10 +174,11 @@ class Engine:
             group_logits = self.speculator.split(batches, group_logits)
         done, rows, verified = [], [], []
         for g, (spans, group, logits) in enumerate(zip(plans, self.groups, group_logits)):
-            row = 0
+            row, argmax = 0, logits.argmax(dim=-1).tolist() if any(span.draft for span in spans) else None
             for span in spans:
                 if span.draft:  # speculative: the drafts the target agrees with, then its own next token
-                    tokens = self.speculator.verify(span, logits[row:row + span.length], group.kv, g)
+                    rows_of_span = slice(row, row + span.length)
+                    tokens = self.speculator.verify(span, logits[rows_of_span], argmax[rows_of_span], group.kv, g)
                     verified.append((span.req, tokens))
                     row += span.length
                 elif span.completes:

@@ -1,8 +1,10 @@
 """Where forward passes run: in this process (one rank) or in spawned rank processes.
 
 `execute(batches)` takes one `ForwardBatch` per DP group (an empty one where a group has nothing
-to do: its ranks still join the MoE collectives) and returns each group's logits. A rank that dies
-or fails takes the whole instance down with a message naming it; no rank is left waiting.
+to do: its ranks still join the MoE collectives) and returns each group's logits: on the rank's
+device in this process (the front moves only the ids and values it needs), on the host from rank
+processes. A rank that dies or fails takes the whole instance down with a message naming it; no
+rank is left waiting.
 """
 from __future__ import annotations
 
@@ -41,7 +43,8 @@ class LocalExecutor:
             self.agent = start_agent(transfer, self.runner.transfer_pools, 0, 0, 1)
 
     def execute(self, batches: list[ForwardBatch]) -> list[torch.Tensor]:
-        return [self.runner.forward(batches[0]).cpu()]
+        """The logits stay on the device: the front moves only the ids and values it needs."""
+        return [self.runner.forward(batches[0])]
 
     def shutdown(self) -> None:
         pass

@@ -2,7 +2,8 @@
 
 Pool sizing: `max_total_tokens` when given; on a GPU otherwise what `mem_fraction_static` of the
 device memory leaves after the weights; on the CPU 16384 tokens. Decode-like steps replay CUDA
-graphs where the backend allows it (`cuda_graphs.py`); everything else runs eagerly.
+graphs where the backend allows it (`cuda_graphs.py`), the draft's passes too; everything else runs
+eagerly.
 """
 from __future__ import annotations
 
@@ -109,17 +110,24 @@ class ModelRunner:
         log.info("KV pool: %d pages x %d tokens = %d tokens, %.2f MB (%s, %d layers, %s)", self.num_pages,
                  layout.page_size, self.num_pages * layout.page_size, self.pool.total_bytes / 1e6, layout.kind,
                  layout.num_layers, config.dtype)
-        self.static = self._static_steps() if static else None
+        self.statics = self._static_steps() if static else []
 
-    def _static_steps(self) -> StaticSteps | None:
-        """Static decode-like steps where every backend of the step runs them, captured on a GPU."""
-        steps = StaticSteps(self, self.config.cuda_graph_max_bs * tokens_per_seq(self.config),
-                            self.model_config.max_position_embeddings)
-        if not steps.usable:
-            return None
-        if self.device.type == "cuda":
-            steps.capture()
-        return steps
+    def _static_steps(self) -> list[StaticSteps]:
+        """Static decode-like target steps, and the two-pass draft's passes (per width of the states
+        they read), where every backend of the step runs them; captured on a GPU."""
+        widths = [None]
+        if self.draft is not None and not self.config.speculative_naive:
+            aux = len(self.aux_layers) * self.model_config.hidden_size if self.aux_layers else None
+            widths += sorted({aux or self.model_config.hidden_size, self.draft.cfg.hidden_size})
+        out = []
+        for width in widths:
+            steps = StaticSteps(self, self.config.cuda_graph_max_bs * tokens_per_seq(self.config),
+                                self.model_config.max_position_embeddings, width)
+            if steps.usable:
+                if self.device.type == "cuda":
+                    steps.capture()
+                out.append(steps)
+        return out
 
     @property
     def transfer_pools(self) -> list:
@@ -138,8 +146,9 @@ class ModelRunner:
             moves = batch.kv_moves.to(self.device, non_blocking=True)
             self.pool.move(moves[0], moves[1])
             batch = replace(batch, kv_moves=None)  # done: not copied again with the batch
-        if self.static is not None and self.static.fits(batch):
-            logits, feed = self.static.run(batch)
+        static = next((steps for steps in self.statics if steps.fits(batch)), None)
+        if static is not None:
+            logits, feed = static.run(batch)
         else:
             logits, feed = self.run_model(batch.to(self.device))
         if self.draft is not None:
@@ -150,15 +159,19 @@ class ModelRunner:
         """One pass of the target (or, with `hidden_rows`, the draft): its logits at the batch's rows
         (then the fused draft's), and the hidden states a following draft pass reads."""
         if batch.hidden_rows is not None:  # a draft pass reads the previous pass's hidden states
-            model, hidden = self.draft, self.draft(batch, self.last_hidden[batch.hidden_rows], self.draft_backend)
-            feed = hidden
-        else:
-            model, (hidden, aux) = self.model, self.model.forward_with_aux(batch, self.backend, self.aux_layers)
-            feed = hidden if aux is None else aux
-        logits = model.compute_logits(hidden[batch.logits_indices])
+            return self.run_draft(batch, self.last_hidden[batch.hidden_rows])
+        hidden, aux = self.model.forward_with_aux(batch, self.backend, self.aux_layers)
+        feed = hidden if aux is None else aux
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
         if batch.fused_draft is not None:
             logits = torch.cat([logits, self._fused_draft(batch, logits, feed)])
         return logits, feed
+
+    def run_draft(self, batch: ForwardBatch, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pass of the two-pass draft over `states` (the rows of the previous pass's hidden
+        states its tokens read): its logits at the batch's rows, and its hidden states."""
+        hidden = self.draft(batch, states, self.draft_backend)
+        return self.draft.compute_logits(hidden[batch.logits_indices]), hidden
 
     def _fused_draft(self, batch: ForwardBatch, logits: torch.Tensor, feed: torch.Tensor) -> torch.Tensor:
         """Naive speculation: the draft over the target's tokens, each reading the token after it

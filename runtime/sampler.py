@@ -54,21 +54,23 @@ def processed_probs(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, reqs: list[Request]) -> SampleOutput:
-    """logits [N, vocab] float32, one row per request in `reqs`."""
+    """logits [N, vocab] float32, one row per request in `reqs`, on the rank's device or the CPU.
+    On a GPU only what is needed crosses to the host: the argmax ids, the sampled rows'
+    probabilities (drawn on the host, from each request's own generator), the logprobs asked for."""
     raw = logits
-    logits = _penalise(logits.clone(), reqs)
-    greedy = [r.params.greedy for r in reqs]
-    tokens = logits.argmax(dim=-1)
-    if not all(greedy):
-        rows = [i for i, g in enumerate(greedy) if not g]
-        probs = processed_probs(logits[rows], [reqs[i] for i in rows])
+    if any(r.params.repetition_penalty != 1.0 or r.params.frequency_penalty or r.params.presence_penalty
+           for r in reqs):
+        logits = _penalise(logits.clone(), reqs)
+    token_ids = logits.argmax(dim=-1).tolist()
+    rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
+    if rows:
+        probs = processed_probs(logits[rows], [reqs[i] for i in rows]).cpu()
         for j, i in enumerate(rows):
-            tokens[i] = torch.multinomial(probs[j], 1, generator=reqs[i].generator)[0]
-    token_ids = tokens.tolist()
+            token_ids[i] = int(torch.multinomial(probs[j], 1, generator=reqs[i].generator)[0])
     if not any(r.params.return_logprob for r in reqs):
         return SampleOutput(token_ids, None, None)
     logprobs = raw.log_softmax(dim=-1)
-    chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+    chosen = logprobs.gather(1, torch.tensor(token_ids, device=raw.device)[:, None])[:, 0].tolist()
     tops = []
     for i, req in enumerate(reqs):
         n = req.params.top_logprobs_num

@@ -45,15 +45,17 @@ class Speculator:
         self.accepted = [0] * num_steps
         self.moves: dict[int, list[tuple[int, int]]] = {}  # DP group -> target-pool (src, dst) slots due
 
-    def verify(self, span: Span, logits: torch.Tensor, kv: KVCacheManager, group: int = 0) -> list[int]:
+    def verify(self, span: Span, logits: torch.Tensor, argmax: list[int], kv: KVCacheManager,
+               group: int = 0) -> list[int]:
         """Tokens a verified span yields. `logits` [len(span.draft) + 1, vocab] are the target's
-        after each token of the span. Sets the span's `rejected` and `kept`, and queues the moves
-        of the accepted path's KV for the next pass of `group`."""
+        after each token of the span (on the rank's device), `argmax` their argmax ids. Sets the
+        span's `rejected` and `kept`, and queues the moves of the accepted path's KV for the next
+        pass of `group`."""
         req = span.req
         if req.params.greedy:
-            path, tokens = accept_greedy(span.draft, span.parents, logits)
-        else:
-            probs = processed_probs(logits, [req] * logits.shape[0])
+            path, tokens = accept_greedy(span.draft, span.parents, argmax)
+        else:  # the walk draws from the request's generator, on the host
+            probs = processed_probs(logits, [req] * logits.shape[0]).cpu()
             path, tokens = accept_sampled(span.draft, span.parents, probs, req.generator)
         span.rejected = len(span.draft) - len(path)
         span.kept = [0] + [n + 1 for n in path]
@@ -114,8 +116,9 @@ class Speculator:
         everyone = [tree for trees in growing for tree in trees]
         logits = self._run(seqs, kvs)
         for trees, group_logits in zip(growing, logits):
+            top = top_children(group_logits, self.topk)
             for i, tree in enumerate(trees):
-                tree.add(group_logits[i:i + 1], [tree.root_row], [-1], self.topk)
+                tree.add(top[i:i + 1], [tree.root_row], [-1], self.topk)
         for step in range(1, self.num_steps):
             seqs = [[t.expansion(step, self.topk) for t in trees if t.allocate(kv, step, self.topk)]
                     for trees, kv in zip(growing, kvs)]
@@ -124,10 +127,10 @@ class Speculator:
                 break
             logits = self._run(seqs, kvs)
             for trees, group_logits in zip(growing, logits):
-                row = 0
+                top, row = top_children(group_logits, self.topk), 0
                 for tree in trees:
                     k = len(tree.frontier)
-                    tree.add(group_logits[row:row + k], list(range(row, row + k)), tree.frontier, self.topk)
+                    tree.add(top[row:row + k], list(range(row, row + k)), tree.frontier, self.topk)
                     row += k
         for tree in everyone:
             tree.req.draft_tokens, tree.req.draft_parents = map(list, select(tree.candidates, self.num_nodes))
@@ -159,6 +162,13 @@ class Speculator:
         return seqs, growing
 
 
+def top_children(logits: torch.Tensor, topk: int) -> list[list[tuple[float, int]]]:
+    """Per row of a draft pass's `logits`, its `topk` (log-probability, token) pairs: computed where
+    the logits are, and only these cross to the host."""
+    top = logits.float().log_softmax(dim=-1).topk(topk, dim=-1)
+    return [list(zip(v, i)) for v, i in zip(top.values.tolist(), top.indices.tolist())]
+
+
 class GrowingTree:
     """One request's draft tree while the draft passes run. Expanded nodes take the cache indices
     past the request's tokens, `topk` per pass: pass j's at base + (j-1)*topk ... base + j*topk - 1."""
@@ -172,14 +182,14 @@ class GrowingTree:
         self.offsets: dict[int, int] = {}  # expanded candidate -> its cache index - base
         self.alive = True
 
-    def add(self, logits: torch.Tensor, rows: list[int], parents: list[int], topk: int) -> None:
-        """The topk children of each of `parents` (candidate ids, -1: the root) from the draft's
-        `logits` after them (computed at `rows` of the pass); the best topk become the frontier."""
-        top = logits.float().log_softmax(dim=-1).topk(topk, dim=-1)
+    def add(self, top: list[list[tuple[float, int]]], rows: list[int], parents: list[int], topk: int) -> None:
+        """The topk children of each of `parents` (candidate ids, -1: the root), `top` per parent
+        the draft's (log-probability, token) pairs after it (`top_children`, computed at `rows` of
+        the pass); the best topk become the frontier."""
         new = []
         for b, parent in enumerate(parents):
             above = self.candidates[parent] if parent >= 0 else None
-            for value, token in zip(top.values[b].tolist(), top.indices[b].tolist()):
+            for value, token in top[b]:
                 self.candidates.append(Candidate(token, parent, (above.score if above else 0.0) + value,
                                                  above.depth + 1 if above else 1))
                 new.append((len(self.candidates) - 1, rows[b]))

@@ -50,10 +50,11 @@ def fused_draft(spans: list[Span]) -> tuple[FusedDraft, list[int | None]]:
 def take_proposals(spans: list[Span], firsts: list[int | None], draft_logits: torch.Tensor, live) -> None:
     """Each drafting request's next d1: the draft's argmax after its last kept token. `live(req)`
     says whether it goes on (a prefill's request ended at its first token still sends its draft)."""
+    argmax = draft_logits.argmax(dim=-1).tolist()  # one small copy, not the logits
     for span, first in zip(spans, firsts):
         req = span.req
         req.draft_tokens, req.draft_parents = [], []
         if first is None or not live(req) or req.num_computed_tokens != req.num_tokens - 1:
             continue
         row = first + (span.length - 1 - span.rejected if span.draft else 0)
-        req.draft_tokens, req.draft_parents = [int(draft_logits[row].argmax())], [-1]
+        req.draft_tokens, req.draft_parents = [argmax[row]], [-1]

@@ -58,10 +58,9 @@ def children(parents, node: int) -> list[int]:
     return [i for i, p in enumerate(parents) if p == node]
 
 
-def accept_greedy(tokens, parents, logits: torch.Tensor) -> tuple[list[int], list[int]]:
-    """(accepted node indices along the path, emitted tokens) given the target's `logits`
-    [1 + len(tokens), vocab] after the root and each node."""
-    target = logits.argmax(dim=-1).tolist()
+def accept_greedy(tokens, parents, target: list[int]) -> tuple[list[int], list[int]]:
+    """(accepted node indices along the path, emitted tokens) given the target's argmax `target`
+    after the root and each node (1 + len(tokens) ids)."""
     path, node = [], -1
     while True:
         want = target[node + 1]

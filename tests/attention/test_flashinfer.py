@@ -35,6 +35,16 @@ def test_flashinfer_refuses_the_cpu():
         create_backend("flashinfer", pool)
 
 
+def test_flashinfer_mla_shapes_are_checked_at_start():
+    """FlashInfer's SM90 MLA kernels take DeepSeek's latent (512 + 64), not a tiny model's (32 + 16)."""
+    from dserve.attention.flashinfer_backend import check_shapes
+
+    with pytest.raises(ValueError, match="kv_lora_rank a multiple of 128.*has 32 and 16"):
+        check_shapes(KVLayout("mla", 1, 4, torch.bfloat16, latent_dim=48, kv_lora_rank=32))
+    check_shapes(KVLayout("mla", 1, 64, torch.bfloat16, latent_dim=576, kv_lora_rank=512))
+    check_shapes(KVLayout("mha", 1, 64, torch.bfloat16, num_kv_heads=2, head_dim=32, v_head_dim=32))
+
+
 def relative_error(ref, ours) -> float:
     return float((ours - ref).abs().max() / ref.abs().max())
 

@@ -28,26 +28,30 @@ def test_token_buckets():
                          ids=["mla-decode", "mha-decode", "mtp-chain", "mtp-naive"])
 def test_static_steps_give_the_reference_tokens(arch, spec, tiny_dir, make_engine):
     """Greedy tokens equal the torch backend's plain engine. With room for two sequences' tokens,
-    steps of three sequences run eagerly and the later ones statically, padded to a bucket."""
+    steps of three sequences run eagerly and the later ones statically, padded to a bucket. With
+    two-pass MTP the draft's passes (its catch-up, its second step) run statically too."""
     path = tiny_dir(arch, mtp=True)
     prompts = random_prompts(3, 512, [5, 40, 13], seed=1)
     params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in LENGTHS]
     expected = make_engine(path, **EXACT).generate(input_ids=prompts, sampling_params=params)
     engine = make_engine(path, attention_backend="triton", cuda_graph_max_bs=2, **EXACT, **spec)
-    static = engine.executor.runner.static
-    assert static is not None and static.scratch_slot == engine.groups[0].kv.num_pages * 4
-    runs = count_calls(static, "run")
+    statics = engine.executor.runner.statics
+    two_pass = bool(spec) and not spec.get("speculative_naive")
+    assert len(statics) == 1 + two_pass  # the MTP draft reads states as wide as the target's
+    assert statics[0].scratch_slot == engine.groups[0].kv.num_pages * 4
+    runs = [count_calls(static, "run") for static in statics]
     got = engine.generate(input_ids=prompts, sampling_params=params)
     assert [g.output_ids for g in got] == [e.output_ids for e in expected]
-    assert len(runs) >= LENGTHS[-1] - LENGTHS[1] - 1  # at least the steps where one request is left
-    if DEVICE == "cuda":
-        assert sorted(static.graphs) == static.buckets
+    for static, calls in zip(statics, runs):
+        assert len(calls) >= LENGTHS[-1] - LENGTHS[1] - 1  # at least the steps where one request is left
+        if DEVICE == "cuda":
+            assert sorted(static.graphs) == static.buckets
 
 
 def test_disabled_static_steps_run_eagerly(tiny_dir, make_engine):
     """`disable_cuda_graph` runs every step eagerly, and the KV manager gets every page (no scratch)."""
     off = make_engine(tiny_dir("deepseek_v3"), attention_backend="triton", disable_cuda_graph=True, **EXACT)
-    assert off.executor.runner.static is None
+    assert off.executor.runner.statics == []
     assert off.groups[0].kv.num_pages == off.executor.runner.pool.num_pages == 4096 // 4
 
 

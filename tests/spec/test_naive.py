@@ -77,8 +77,9 @@ def test_naive_through_static_steps(algorithm, arch, trained_dir, trained_eagle3
     plain = make_engine(path, **kwargs).generate(input_ids=ids, sampling_params=params)
     two = make_engine(path, **kwargs, **spec).generate(input_ids=ids, sampling_params=params)
     engine = make_engine(path, attention_backend="triton", speculative_naive=True, **kwargs, **spec)
-    runs = count_calls(engine.executor.runner.static, "run")
+    runs = count_calls(engine.executor.runner.statics[0], "run")
     naive = engine.generate(input_ids=ids, sampling_params=params)
     assert [n.output_ids for n in naive] == [p.output_ids for p in plain]
     assert [n.meta["spec_accepted_per_step"] for n in naive] == [t.meta["spec_accepted_per_step"] for t in two]
     assert len(runs) >= 5
+

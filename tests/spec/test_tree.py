@@ -35,20 +35,13 @@ def test_select_keeps_every_parent_and_orders_breadth_first():
     assert tokens == [1, 2, 3, 4, 5, 6] and parents == [-1, -1, 0, 0, 1, 2]
 
 
-def one_hot_logits(targets: list[int], vocab: int = 20) -> torch.Tensor:
-    logits = torch.zeros(len(targets), vocab)
-    logits[torch.arange(len(targets)), torch.tensor(targets)] = 5.0
-    return logits
-
-
 def test_greedy_walk_takes_the_branch_the_target_agrees_with():
     # target after: root -> 11 (node 1), node 1 -> 14 (node 4), node 4 -> 15 (node 5), node 5 -> 7
-    logits = one_hot_logits([11, 0, 14, 0, 0, 15, 7])
-    assert accept_greedy(TOKENS, PARENTS, logits) == ([1, 4, 5], [11, 14, 15, 7])
-    logits = one_hot_logits([11, 0, 14, 0, 0, 3, 7])  # node 4's child is wrong: the target's 3 instead
-    assert accept_greedy(TOKENS, PARENTS, logits) == ([1, 4], [11, 14, 3])
-    logits = one_hot_logits([9, 0, 0, 0, 0, 0, 0])  # no child of the root: the target's own token only
-    assert accept_greedy(TOKENS, PARENTS, logits) == ([], [9])
+    assert accept_greedy(TOKENS, PARENTS, [11, 0, 14, 0, 0, 15, 7]) == ([1, 4, 5], [11, 14, 15, 7])
+    # node 4's child is wrong: the target's 3 instead
+    assert accept_greedy(TOKENS, PARENTS, [11, 0, 14, 0, 0, 3, 7]) == ([1, 4], [11, 14, 3])
+    # no child of the root: the target's own token only
+    assert accept_greedy(TOKENS, PARENTS, [9, 0, 0, 0, 0, 0, 0]) == ([], [9])
 
 
 def test_sampled_walk_keeps_the_target_distribution():
