@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from dserve.attention.backend import ForwardBatch
@@ -73,7 +74,7 @@ def assemble(seqs: list[Seq], kv: KVCacheManager) -> ForwardBatch:
     """Sequences -> a batch."""
     ids, positions, slots, logits_rows = [], [], [], []
     max_pages = max([len(kv.tables[s.key]) for s in seqs], default=0)
-    table = torch.zeros(len(seqs), max_pages, dtype=torch.int64)
+    table = np.zeros((len(seqs), max_pages), dtype=np.int64)  # rows filled by numpy: cheaper than torch per row
     for i, s in enumerate(seqs):
         end = s.start + len(s.tokens)
         logits_rows.extend(len(ids) + r for r in s.logits_rows)
@@ -81,10 +82,10 @@ def assemble(seqs: list[Seq], kv: KVCacheManager) -> ForwardBatch:
         positions.extend(range(s.start, end) if s.positions is None else s.positions)
         slots.extend(kv.slots(s.key, s.start, end))
         pages = kv.tables[s.key]
-        table[i, : len(pages)] = torch.tensor(pages, dtype=torch.int64)
+        table[i, : len(pages)] = pages
     as_long = lambda values: torch.tensor(values, dtype=torch.int64)
     masks = [s.mask for s in seqs]
     return ForwardBatch(
         input_ids=as_long(ids), positions=as_long(positions), q_lens=[len(s.tokens) for s in seqs],
-        seq_lens=[s.start + len(s.tokens) for s in seqs], page_table=table, out_slots=as_long(slots),
+        seq_lens=[s.start + len(s.tokens) for s in seqs], page_table=torch.from_numpy(table), out_slots=as_long(slots),
         logits_indices=as_long(logits_rows), tree_masks=masks if any(m is not None for m in masks) else None)

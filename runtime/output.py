@@ -29,23 +29,51 @@ class StreamChunk:
 
 
 class TextTracker:
+    """A request's text, decoded incrementally: each update decodes only the tokens since the last
+    complete character, with a few tokens before them for context (as vLLM and SGLang do), so a
+    long output costs the same per token as a short one. Text that ends in half a multi-byte
+    character waits for the next token."""
+
     def __init__(self, tokenizer, req: Request):
         self.tokenizer, self.req = tokenizer, req
         self.stops = req.params.stop_strings
-        self.text = ""
+        self.longest_stop = max(map(len, self.stops), default=0)
+        self.decoded = ""
+        self.context = 0  # output_ids[context:read] give the decoder the context of the tokens after
+        self.read = 0  # output_ids[:read] are in self.decoded
+        self.stopped = False  # cut at a stop string: later tokens add no text
         self.sent_chars = 0
         self.sent_tokens = 0
 
+    @property
+    def text(self) -> str:
+        """The text so far; once the request ended, with any half character it ended on."""
+        if self.req.finished and not self.stopped and self.read < len(self.req.output_ids):
+            self._decode_new(complete_only=False)
+        return self.decoded
+
+    def _decode_new(self, complete_only: bool) -> None:
+        ids, skip = self.req.output_ids, self.req.params.skip_special_tokens
+        before = self.tokenizer.decode(ids[self.context:self.read], skip_special_tokens=skip)
+        window = self.tokenizer.decode(ids[self.context:], skip_special_tokens=skip)
+        if len(window) > len(before) and not (complete_only and window.endswith("\ufffd")):
+            self.decoded += window[len(before):]
+            self.context, self.read = self.read, len(ids)
+
     def update(self) -> str | None:
-        """Re-decode the output; returns the stop string matched, if any (the text is cut before it)."""
-        text = self.tokenizer.decode(self.req.output_ids, skip_special_tokens=self.req.params.skip_special_tokens)
-        matched = None
-        if self.stops:
-            hits = [(text.find(s), s) for s in self.stops if s in text]
-            if hits:
-                index, matched = min(hits)
-                text = text[:index]
-        self.text = text
+        """Decode the new tokens; returns the stop string matched, if any (the text is cut before it)."""
+        if self.stopped:
+            return None
+        start = len(self.decoded)
+        self._decode_new(complete_only=True)
+        if not self.stops or len(self.decoded) == start:
+            return None
+        since = max(start - self.longest_stop + 1, 0)  # a stop ending in the new text
+        hits = [(index, stop) for stop in self.stops if (index := self.decoded.find(stop, since)) >= 0]
+        if not hits:
+            return None
+        index, matched = min(hits)
+        self.decoded, self.stopped = self.decoded[:index], True
         return matched
 
     def _safe_end(self, finished: bool) -> int:
