@@ -30,9 +30,10 @@ class StreamChunk:
 
 class TextTracker:
     """A request's text, decoded incrementally: each update decodes only the tokens since the last
-    complete character, with a few tokens before them for context (as vLLM and SGLang do), so a
-    long output costs the same per token as a short one. Text that ends in half a multi-byte
-    character waits for the next token."""
+    complete character, with the previous update's tokens before them for context (as vLLM and
+    SGLang do: a tokenizer may render a token differently at the start of a text), so a long output
+    costs the same per token as a short one. Text that ends in half a multi-byte character waits
+    for the next token."""
 
     def __init__(self, tokenizer, req: Request):
         self.tokenizer, self.req = tokenizer, req

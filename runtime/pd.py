@@ -104,7 +104,8 @@ class PrefillSide:
     def abort(self, rid: str) -> bool:
         room = self.rooms.get(rid)
         if room is not None and room.state == "computing" and hold_key(rid, "send") in self.engine.held:
-            room.key, room.state = hold_key(rid, "send"), "waiting"  # computed, not yet polled: end it like a waiting one
+            # computed, not yet polled: end it like a waiting one
+            room.key, room.state = hold_key(rid, "send"), "waiting"
         if room is None or room.state == "computing":
             return False  # the engine aborts it; poll() drops the room
         if room.state == "waiting":
