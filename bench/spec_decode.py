@@ -47,14 +47,13 @@ MODES = {
 
 def eagle3_dummy_dir(target_dir: str) -> str:
     """config.json of an EAGLE-3 draft for the DeepSeek-V3-shaped target in `target_dir`."""
-    from dserve.models.tiny import eagle3_config, tiny_aux_layer_ids
+    from dserve.models.tiny import eagle3_config
 
     with open(os.path.join(target_dir, "config.json")) as f:
         target = json.load(f)
-    cfg = eagle3_config(target, 32000)
+    cfg = eagle3_config(target, 32000)  # reads three of the target's layers
     cfg.update(num_attention_heads=56, num_key_value_heads=8, head_dim=128, intermediate_size=18432,
-               max_position_embeddings=target["max_position_embeddings"],
-               eagle_config={"eagle_aux_hidden_state_layer_ids": tiny_aux_layer_ids(target["num_hidden_layers"])})
+               max_position_embeddings=target["max_position_embeddings"])
     out = tempfile.mkdtemp(prefix="eagle3-shape-")
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)

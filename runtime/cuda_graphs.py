@@ -108,11 +108,11 @@ class StaticSteps:
                             token_ctx_lens=f["token_ctx_lens"], real_tokens=f["real_tokens"])
 
     def fits(self, batch: ForwardBatch) -> bool:
-        if self.hidden_width is None:
-            if batch.hidden_rows is not None:
-                return False
-        elif (batch.hidden_rows is None or self.runner.last_hidden is None
-              or self.runner.last_hidden.shape[-1] != self.hidden_width):
+        draft_pass = batch.hidden_rows is not None
+        if draft_pass != (self.hidden_width is not None):
+            return False
+        states = self.runner.last_hidden  # what a draft pass reads: as wide as this set's input?
+        if draft_pass and (states is None or states.shape[-1] != self.hidden_width):
             return False
         return (batch.dp_num_tokens is None and 0 < batch.num_tokens <= self.buckets[-1]
                 and batch.input_ids.device.type == "cpu"
