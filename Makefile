@@ -7,7 +7,7 @@ PYTEST_WORKERS ?= 2
 # ucxx wheel matching the host's CUDA major (CPU hosts take the CUDA 12 build)
 UCX_EXTRA  ?= ucx-cu12
 
-.PHONY: demo test install clean
+.PHONY: demo test lint install clean
 
 install: $(VENV)/.installed
 
@@ -21,8 +21,13 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(PY) -m dserve.runtime.demo
 
-test: install
+test: install lint
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) tests
+
+# ruff's formatting (100 columns) and lint set (pyproject.toml), checked, not applied: `ruff format .` fixes
+lint: install
+	$(VENV)/bin/ruff format --check --quiet .
+	$(VENV)/bin/ruff check --quiet .
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

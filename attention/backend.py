@@ -9,6 +9,7 @@ A backend is bound to one KV pool. `plan(batch)` runs once per forward for per-b
 `forward_mha` / `forward_mla` run one layer: store the new tokens' K/V (or latent) into their
 slots, then attend over the whole context through the page table.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -30,8 +31,12 @@ class FusedDraft:
     logits_indices: torch.Tensor  # [M]
 
     def to(self, device: torch.device) -> "FusedDraft":
-        return FusedDraft(*(t.to(device, non_blocking=True) for t in (self.next_ids, self.from_target,
-                                                                      self.logits_indices)))
+        return FusedDraft(
+            *(
+                t.to(device, non_blocking=True)
+                for t in (self.next_ids, self.from_target, self.logits_indices)
+            )
+        )
 
 
 @dataclass
@@ -41,20 +46,32 @@ class ForwardBatch:
     q_lens: list[int]  # new tokens per span
     seq_lens: list[int]  # context length per span after this step (cached + new)
     page_table: torch.Tensor  # [B, max_pages] page ids of each sequence (padding beyond its pages)
-    out_slots: torch.Tensor  # [T] slot (page * page_size + offset) each new token's KV is written to
+    out_slots: (
+        torch.Tensor
+    )  # [T] slot (page * page_size + offset) each new token's KV is written to
     logits_indices: torch.Tensor  # [N] rows of the flattened tokens whose logits are wanted
-    dp_num_tokens: list[int] | None = None  # with DP attention: every DP group's token count this step
-    hidden_rows: torch.Tensor | None = None  # a draft pass: per token, the row of the previous pass's
+    dp_num_tokens: list[int] | None = (
+        None  # with DP attention: every DP group's token count this step
+    )
+    hidden_rows: torch.Tensor | None = (
+        None  # a draft pass: per token, the row of the previous pass's
+    )
     #                                          hidden states it reads (the target's or the draft's own)
     tree_masks: list[torch.Tensor | None] | None = None  # per span, None (causal) or a draft tree's
     #   bool [q_len, tail]: which of the context's last `tail` positions each new token sees (all
     #   positions before those are seen by every token of the span)
-    kv_moves: torch.Tensor | None = None  # [2, M] target-pool slots copied src -> dst before the pass
+    kv_moves: torch.Tensor | None = (
+        None  # [2, M] target-pool slots copied src -> dst before the pass
+    )
     #                                       (the accepted path of a verified draft tree)
-    fused_draft: FusedDraft | None = None  # naive speculation: the draft's pass over these tokens too;
+    fused_draft: FusedDraft | None = (
+        None  # naive speculation: the draft's pass over these tokens too;
+    )
     #                                        the logits returned are the target's rows, then the draft's
     real_tokens: torch.Tensor | None = None  # a padded static step: [T], nonzero on the real tokens
-    token_seqs: torch.Tensor | None = None  # [T] per token, its span's index (derived when not given)
+    token_seqs: torch.Tensor | None = (
+        None  # [T] per token, its span's index (derived when not given)
+    )
     token_ctx_lens: torch.Tensor | None = None  # [T] per token, how many context positions it sees
     #   causally (its position in the span's cache indices + 1; derived when not given)
 
@@ -74,14 +91,21 @@ class ForwardBatch:
         if self.input_ids.device == device:
             return self
         move = lambda t: None if t is None else t.to(device, non_blocking=True)
-        return replace(self, input_ids=move(self.input_ids), positions=move(self.positions),
-                       page_table=move(self.page_table), out_slots=move(self.out_slots),
-                       logits_indices=move(self.logits_indices), hidden_rows=move(self.hidden_rows),
-                       tree_masks=None if self.tree_masks is None else [move(m) for m in self.tree_masks],
-                       kv_moves=move(self.kv_moves),
-                       fused_draft=None if self.fused_draft is None else self.fused_draft.to(device),
-                       token_seqs=move(self.token_seqs), token_ctx_lens=move(self.token_ctx_lens),
-                       real_tokens=move(self.real_tokens))
+        return replace(
+            self,
+            input_ids=move(self.input_ids),
+            positions=move(self.positions),
+            page_table=move(self.page_table),
+            out_slots=move(self.out_slots),
+            logits_indices=move(self.logits_indices),
+            hidden_rows=move(self.hidden_rows),
+            tree_masks=None if self.tree_masks is None else [move(m) for m in self.tree_masks],
+            kv_moves=move(self.kv_moves),
+            fused_draft=None if self.fused_draft is None else self.fused_draft.to(device),
+            token_seqs=move(self.token_seqs),
+            token_ctx_lens=move(self.token_ctx_lens),
+            real_tokens=move(self.real_tokens),
+        )
 
     def span_mask(self, i: int, causal_from: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Span i's [q_len, seq_len] visibility: causal over cache positions `positions` for queries
@@ -90,7 +114,7 @@ class ForwardBatch:
         if tree is None:
             return positions[None, :] <= causal_from[:, None]
         mask = torch.ones(tree.shape[0], self.seq_lens[i], dtype=torch.bool, device=tree.device)
-        mask[:, self.seq_lens[i] - tree.shape[1]:] = tree
+        mask[:, self.seq_lens[i] - tree.shape[1] :] = tree
         return mask
 
 
@@ -108,12 +132,20 @@ class AttentionBackend(ABC):
         """Prepare per-batch metadata; called once before the layers run."""
 
     @abstractmethod
-    def forward_mha(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def forward_mha(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
         """q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv] -> [T, Hq, Dv]; stores k, v first."""
 
     @abstractmethod
-    def forward_mla(self, layer: int, q_latent: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
-                    scale: float) -> torch.Tensor:
+    def forward_mla(
+        self,
+        layer: int,
+        q_latent: torch.Tensor,
+        q_rope: torch.Tensor,
+        latent: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
         """Absorbed MLA: q_latent [T, H, R], q_rope [T, H, P], latent [T, R + P] (normalised c_kv
         then roped k_pe) -> attention-weighted latents [T, H, R]; stores latent first."""
 

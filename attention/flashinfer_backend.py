@@ -15,6 +15,7 @@ the first layer of a pass, which is when the softmax scale is known.
 Install: FlashInfer compiles its kernels on first use with the host's nvcc (see the README's
 "GPU hosts" for the version that works with torch 2.11 / CUDA 13).
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,9 +24,11 @@ from dserve.attention.backend import AttentionBackend, ForwardBatch
 from dserve.attention.triton_store import store_tokens
 
 WORKSPACE_BYTES = 128 << 20
-INSTALL_HINT = ("attention_backend='flashinfer' needs the flashinfer-python package (0.7.2.post1 is the version known "
-                "to work with torch 2.11 / CUDA 13: pip install flashinfer-python==0.7.2.post1; its kernels compile "
-                "on first use with nvcc); or use --attention-backend triton")
+INSTALL_HINT = (
+    "attention_backend='flashinfer' needs the flashinfer-python package (0.7.2.post1 is the version known "
+    "to work with torch 2.11 / CUDA 13: pip install flashinfer-python==0.7.2.post1; its kernels compile "
+    "on first use with nvcc); or use --attention-backend triton"
+)
 
 
 def import_flashinfer():
@@ -43,18 +46,24 @@ def check_shapes(layout) -> None:
         return
     rank, rope = layout.kv_lora_rank, layout.latent_dim - layout.kv_lora_rank
     if rank % 128 or rope % 64:
-        raise ValueError(f"FlashInfer's MLA kernels need kv_lora_rank a multiple of 128 and qk_rope_head_dim a "
-                         f"multiple of 64 (DeepSeek-V3: 512 and 64); this model has {rank} and {rope}: use "
-                         "--attention-backend triton")
+        raise ValueError(
+            f"FlashInfer's MLA kernels need kv_lora_rank a multiple of 128 and qk_rope_head_dim a "
+            f"multiple of 64 (DeepSeek-V3: 512 and 64); this model has {rank} and {rope}: use "
+            "--attention-backend triton"
+        )
 
 
 class FlashInferBackend(AttentionBackend):
     def __init__(self, pool):
         if pool.device.type != "cuda":
-            raise ValueError("attention_backend='flashinfer' needs a CUDA device; use the torch backend on the CPU")
+            raise ValueError(
+                "attention_backend='flashinfer' needs a CUDA device; use the torch backend on the CPU"
+            )
         if pool.layout.dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError(f"FlashInfer's kernels take bfloat16 or float16 KV, not {pool.layout.dtype}; "
-                             "use --dtype bfloat16 (or the triton backend for float32)")
+            raise ValueError(
+                f"FlashInfer's kernels take bfloat16 or float16 KV, not {pool.layout.dtype}; "
+                "use --dtype bfloat16 (or the triton backend for float32)"
+            )
         check_shapes(pool.layout)
         self.flashinfer = import_flashinfer()
         super().__init__(pool)
@@ -86,8 +95,10 @@ class FlashInferBackend(AttentionBackend):
             return q_latent.new_empty(q_latent.shape)
         if self.planned_scale != scale:
             self._plan_mla(q_latent.shape[1], rank, cache.shape[-1] - rank, scale, q_latent.dtype)
-        return self.wrapper.run(query=(q_latent.contiguous(), q_rope.contiguous()),
-                                kv_cache=(cache[..., :rank], cache[..., rank:]))
+        return self.wrapper.run(
+            query=(q_latent.contiguous(), q_rope.contiguous()),
+            kv_cache=(cache[..., :rank], cache[..., rank:]),
+        )
 
     def _plan_mla(self, heads: int, rank: int, rope: int, scale: float, dtype: torch.dtype) -> None:
         from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
@@ -95,10 +106,21 @@ class FlashInferBackend(AttentionBackend):
         if not isinstance(self.wrapper, BatchMLAPagedAttentionWrapper):
             self.wrapper = BatchMLAPagedAttentionWrapper(self.workspace)
         m = self.metadata
-        self.wrapper.plan(metadata=MLAPlanMetadata.csr(m["qo_indptr"], m["kv_indptr"], m["kv_indices"], m["kv_lens"]),
-                          num_heads=heads, head_dim_ckv=rank, head_dim_kpe=rope, page_size=self.pool.layout.page_size,
-                          causal=True, sm_scale=scale, q_data_type=dtype, kv_data_type=self.pool.layout.dtype,
-                          query_layout="split", kv_cache_layout="split")
+        self.wrapper.plan(
+            metadata=MLAPlanMetadata.csr(
+                m["qo_indptr"], m["kv_indptr"], m["kv_indices"], m["kv_lens"]
+            ),
+            num_heads=heads,
+            head_dim_ckv=rank,
+            head_dim_kpe=rope,
+            page_size=self.pool.layout.page_size,
+            causal=True,
+            sm_scale=scale,
+            q_data_type=dtype,
+            kv_data_type=self.pool.layout.dtype,
+            query_layout="split",
+            kv_cache_layout="split",
+        )
         self.planned_scale = scale
 
     # ---- MHA ----------------------------------------------------------------------------------------
@@ -113,14 +135,28 @@ class FlashInferBackend(AttentionBackend):
             self._plan_mha(q.shape[1], keys.shape[2], q.shape[2], values.shape[3], scale, q.dtype)
         return self.wrapper.run(q.contiguous(), (keys, values))
 
-    def _plan_mha(self, heads: int, kv_heads: int, head_dim: int, v_dim: int, scale: float, dtype) -> None:
+    def _plan_mha(
+        self, heads: int, kv_heads: int, head_dim: int, v_dim: int, scale: float, dtype
+    ) -> None:
         fi = self.flashinfer
         if not isinstance(self.wrapper, fi.BatchPrefillWithPagedKVCacheWrapper):
             self.wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         m = self.metadata
-        self.wrapper.plan(m["qo_indptr"], m["kv_indptr"], m["kv_indices"], m["last_page_lens"], heads, kv_heads,
-                          head_dim, self.pool.layout.page_size, head_dim_vo=v_dim, causal=True, sm_scale=scale,
-                          q_data_type=dtype, kv_data_type=self.pool.layout.dtype)
+        self.wrapper.plan(
+            m["qo_indptr"],
+            m["kv_indptr"],
+            m["kv_indices"],
+            m["last_page_lens"],
+            heads,
+            kv_heads,
+            head_dim,
+            self.pool.layout.page_size,
+            head_dim_vo=v_dim,
+            causal=True,
+            sm_scale=scale,
+            q_data_type=dtype,
+            kv_data_type=self.pool.layout.dtype,
+        )
         self.planned_scale = scale
 
 
@@ -135,6 +171,10 @@ def page_lists(batch: ForwardBatch, page_size: int) -> dict:
     kv_indptr = torch.cat([zero, pages.cumsum(0, dtype=torch.int32)])
     used = torch.arange(batch.page_table.shape[1]) < pages[:, None]  # [B, max_pages] on the host
     indices = batch.page_table[used.to(device)].to(torch.int32)
-    host = {"qo_indptr": torch.cat([zero, q_lens.cumsum(0, dtype=torch.int32)]), "kv_indptr": kv_indptr,
-            "kv_lens": kv_lens, "last_page_lens": kv_lens - (pages - 1) * page_size}
+    host = {
+        "qo_indptr": torch.cat([zero, q_lens.cumsum(0, dtype=torch.int32)]),
+        "kv_indptr": kv_indptr,
+        "kv_lens": kv_lens,
+        "last_page_lens": kv_lens - (pages - 1) * page_size,
+    }
     return {**{k: v.to(device, non_blocking=True) for k, v in host.items()}, "kv_indices": indices}

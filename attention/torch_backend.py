@@ -3,6 +3,7 @@
 It gathers each sequence's context through its page table and applies a causal mask at the span's
 offset (or the span's draft-tree mask). Fast kernels are checked against this backend.
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,10 +36,16 @@ class TorchBackend(AttentionBackend):
         out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
         group = q.shape[1] // k.shape[1]
         for rows, slots, mask in self._spans():
-            keys = self.pool.read(layer, 0, slots).to(q.dtype).repeat_interleave(group, dim=1)  # [S, Hq, D]
+            keys = (
+                self.pool.read(layer, 0, slots).to(q.dtype).repeat_interleave(group, dim=1)
+            )  # [S, Hq, D]
             values = self.pool.read(layer, 1, slots).to(q.dtype).repeat_interleave(group, dim=1)
             scores = torch.einsum("qhd,khd->hqk", q[rows], keys) * scale
-            probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+            probs = (
+                scores.masked_fill(~mask, float("-inf"))
+                .softmax(dim=-1, dtype=torch.float32)
+                .to(q.dtype)
+            )
             out[rows] = torch.einsum("hqk,khd->qhd", probs, values)
         return out
 
@@ -49,8 +56,14 @@ class TorchBackend(AttentionBackend):
         for rows, slots, mask in self._spans():
             ctx = self.pool.read(layer, 0, slots).to(q_latent.dtype)  # [S, R + P]
             c_kv, k_rope = ctx[:, :rank], ctx[:, rank:]
-            scores = (torch.einsum("qhr,kr->hqk", q_latent[rows], c_kv)
-                      + torch.einsum("qhp,kp->hqk", q_rope[rows], k_rope)) * scale
-            probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1, dtype=torch.float32).to(q_latent.dtype)
+            scores = (
+                torch.einsum("qhr,kr->hqk", q_latent[rows], c_kv)
+                + torch.einsum("qhp,kp->hqk", q_rope[rows], k_rope)
+            ) * scale
+            probs = (
+                scores.masked_fill(~mask, float("-inf"))
+                .softmax(dim=-1, dtype=torch.float32)
+                .to(q_latent.dtype)
+            )
             out[rows] = torch.einsum("hqk,kr->qhr", probs, c_kv)
         return out

@@ -9,6 +9,7 @@ triton`; on a GPU the choice also puts the model's RMSNorms (fused with the resi
 `triton_norm.py`), rotary embeddings (`triton_rotary.py`) and routed experts (grouped GEMMs,
 `triton_moe.py`) on their Triton kernels.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,28 +19,37 @@ import triton
 from dserve.attention.backend import AttentionBackend, ForwardBatch
 from dserve.attention.triton_store import store_tokens
 
-
 MAX_DECODE_LIKE = 8  # spans up to this many tokens go through the decode kernel, one row per token
 # Extend launches: `rows` (token, head) rows per program, keys per block, warps, pipelining depth
 # (None: Triton's default); MLA programs take `block_h` heads of a token. MLA: 64 heads of one token,
 # 64 keys a block, 3 stages ran 1.4x faster than 16 heads of 4 tokens with 32 keys on an H100
 # (`python -m bench.extend_attention --tune ...`, bench/notes/flashinfer-2026-11-23.md).
-EXTEND_TUNE = {"mla": {"rows": 64, "block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 3},
-               "mha": {"rows": 64, "block_n": 32, "num_warps": 4, "num_stages": None}}
+EXTEND_TUNE = {
+    "mla": {"rows": 64, "block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 3},
+    "mha": {"rows": 64, "block_n": 32, "num_warps": 4, "num_stages": None},
+}
 
 
 class TritonBackend(AttentionBackend):
     def __init__(self, pool):
         if pool.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("attention_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1, which "
-                             "runs its kernels in Triton's interpreter, for tests); use the torch backend on the CPU")
+            raise ValueError(
+                "attention_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1, which "
+                "runs its kernels in Triton's interpreter, for tests); use the torch backend on the CPU"
+            )
         super().__init__(pool)
-        self.extend_tune = {kind: dict(tune) for kind, tune in EXTEND_TUNE.items()}  # benches may change it
+        self.extend_tune = {
+            kind: dict(tune) for kind, tune in EXTEND_TUNE.items()
+        }  # benches may change it
 
     def runs_static(self, batch: ForwardBatch) -> bool:
         """Spans of a few causal tokens: the decode kernels read everything they need from the batch's
         device tensors (one query row per token, with its span's page-table row and context)."""
-        return bool(batch.q_lens) and all(n <= MAX_DECODE_LIKE for n in batch.q_lens) and batch.tree_masks is None
+        return (
+            bool(batch.q_lens)
+            and all(n <= MAX_DECODE_LIKE for n in batch.q_lens)
+            and batch.tree_masks is None
+        )
 
     def plan(self, batch: ForwardBatch) -> None:
         self.batch = batch
@@ -53,7 +63,9 @@ class TritonBackend(AttentionBackend):
 
         if block_m not in self.extend_plans:
             b = self.batch
-            self.extend_plans[block_m] = plan_extend(b.q_lens, b.seq_lens, b.tree_masks, block_m, b.page_table.device)
+            self.extend_plans[block_m] = plan_extend(
+                b.q_lens, b.seq_lens, b.tree_masks, block_m, b.page_table.device
+            )
         return self.extend_plans[block_m]
 
     def forward_mha(self, layer, q, k, v, scale):
@@ -63,15 +75,32 @@ class TritonBackend(AttentionBackend):
         if self.decode:
             from dserve.attention.triton_mha import mha_decode
 
-            return mha_decode(q.contiguous(), keys, values, b.page_table, b.token_ctx_lens, scale,
-                              row_seqs=b.token_seqs, max_len=self.max_len)
+            return mha_decode(
+                q.contiguous(),
+                keys,
+                values,
+                b.page_table,
+                b.token_ctx_lens,
+                scale,
+                row_seqs=b.token_seqs,
+                max_len=self.max_len,
+            )
         from dserve.attention.triton_extend import mha_extend
 
         tune = self.extend_tune["mha"]
         group = triton.next_power_of_2(q.shape[1] // k.shape[1])
         plan = self.extend_plan(max(1, tune["rows"] // group))
-        return mha_extend(q.contiguous(), keys, values, b.page_table, plan, scale, block_n=tune["block_n"],
-                          num_warps=tune["num_warps"], num_stages=tune["num_stages"])
+        return mha_extend(
+            q.contiguous(),
+            keys,
+            values,
+            b.page_table,
+            plan,
+            scale,
+            block_n=tune["block_n"],
+            num_warps=tune["num_warps"],
+            num_stages=tune["num_stages"],
+        )
 
     def forward_mla(self, layer, q_latent, q_rope, latent, scale):
         b = self.batch
@@ -80,13 +109,30 @@ class TritonBackend(AttentionBackend):
         if self.decode:
             from dserve.attention.triton_mla import mla_decode
 
-            return mla_decode(q_latent.contiguous(), q_rope.contiguous(), cache, b.page_table,
-                              b.token_ctx_lens, scale, max_len=self.max_len, row_seqs=b.token_seqs)
+            return mla_decode(
+                q_latent.contiguous(),
+                q_rope.contiguous(),
+                cache,
+                b.page_table,
+                b.token_ctx_lens,
+                scale,
+                max_len=self.max_len,
+                row_seqs=b.token_seqs,
+            )
         from dserve.attention.triton_extend import mla_extend
 
         tune = self.extend_tune["mla"]
         block_h = min(tune["block_h"], triton.next_power_of_2(q_latent.shape[1]))
         plan = self.extend_plan(max(1, tune["rows"] // block_h))
-        return mla_extend(q_latent.contiguous(), q_rope.contiguous(), cache, b.page_table, plan, scale,
-                          block_h=block_h, block_n=tune["block_n"], num_warps=tune["num_warps"],
-                          num_stages=tune["num_stages"])
+        return mla_extend(
+            q_latent.contiguous(),
+            q_rope.contiguous(),
+            cache,
+            b.page_table,
+            plan,
+            scale,
+            block_h=block_h,
+            block_n=tune["block_n"],
+            num_warps=tune["num_warps"],
+            num_stages=tune["num_stages"],
+        )

@@ -11,6 +11,7 @@ per-token metadata; `plan_extend` builds it once per batch. Checked against the 
 backend (`tests/attention/test_triton_extend.py`), under `TRITON_INTERPRET=1` on the CPU at small
 shapes.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,11 +32,15 @@ class ExtendPlan:
     block_m: int
 
 
-def plan_extend(q_lens: list[int], seq_lens: list[int], tree_masks, block_m: int, device) -> ExtendPlan:
+def plan_extend(
+    q_lens: list[int], seq_lens: list[int], tree_masks, block_m: int, device
+) -> ExtendPlan:
     """Per-token metadata and the work blocks (at most `block_m` tokens of one span each)."""
     blocks, ctx, tails = [], [], []
     longest = max([m.shape[1] for m in tree_masks or [] if m is not None], default=1)
-    tree = torch.zeros(sum(q_lens), longest, dtype=torch.int8, device=device)  # masks copied on the device
+    tree = torch.zeros(
+        sum(q_lens), longest, dtype=torch.int8, device=device
+    )  # masks copied on the device
     row = 0
     for i, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
         blocks += [(i, s, min(s + block_m, row + q_len)) for s in range(row, row + q_len, block_m)]
@@ -46,7 +51,7 @@ def plan_extend(q_lens: list[int], seq_lens: list[int], tree_masks, block_m: int
         else:
             ctx += [seq_len] * q_len
             tails += [seq_len - mask.shape[1]] * q_len
-            tree[row:row + q_len, :mask.shape[1]] = mask.to(device, torch.int8)
+            tree[row : row + q_len, : mask.shape[1]] = mask.to(device, torch.int8)
         row += q_len
     ints = lambda v: torch.tensor(v, dtype=torch.int32).to(device, non_blocking=True)  # noqa: E731
     return ExtendPlan(ints(blocks).reshape(-1, 3), ints(ctx), ints(tails), tree, block_m)
@@ -56,7 +61,11 @@ def plan_extend(q_lens: list[int], seq_lens: list[int], tree_masks, block_m: int
 def _block_rows(Blocks, CtxLens, TailStarts, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
     """The program's rows: (token, head-in-block) pairs, with each token's mask bounds."""
     blk = tl.program_id(0)
-    span, tok0, tok_end = tl.load(Blocks + blk * 3), tl.load(Blocks + blk * 3 + 1), tl.load(Blocks + blk * 3 + 2)
+    span, tok0, tok_end = (
+        tl.load(Blocks + blk * 3),
+        tl.load(Blocks + blk * 3 + 1),
+        tl.load(Blocks + blk * 3 + 2),
+    )
     rows = tl.arange(0, BLOCK_M * BLOCK_H)
     toks = tok0 + rows // BLOCK_H
     tmask = toks < tok_end
@@ -70,24 +79,60 @@ def _visible(Tree, s_tree_t, toks, tmask, ctx, tail, kv):
     """[rows, BLOCK_N]: which of the context positions `kv` each row sees."""
     vis = (kv[None, :] < ctx[:, None]) & tmask[:, None]
     in_tail = kv[None, :] >= tail[:, None]
-    bits = tl.load(Tree + toks[:, None].to(tl.int64) * s_tree_t + (kv[None, :] - tail[:, None]),
-                   mask=vis & in_tail, other=0)
+    bits = tl.load(
+        Tree + toks[:, None].to(tl.int64) * s_tree_t + (kv[None, :] - tail[:, None]),
+        mask=vis & in_tail,
+        other=0,
+    )
     return vis & (~in_tail | (bits != 0))
 
 
 @triton.jit
-def _mla_kernel(QL, QR, Cache, Out, PageTable, Blocks, CtxLens, TailStarts, Tree,
-                s_ql_t, s_ql_h, s_qr_t, s_qr_h, s_c_page, s_c_tok, s_pt_b, s_o_t, s_o_h, s_tree_t,
-                num_heads, scale, page_size,
-                R: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
-                BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+def _mla_kernel(
+    QL,
+    QR,
+    Cache,
+    Out,
+    PageTable,
+    Blocks,
+    CtxLens,
+    TailStarts,
+    Tree,
+    s_ql_t,
+    s_ql_h,
+    s_qr_t,
+    s_qr_h,
+    s_c_page,
+    s_c_tok,
+    s_pt_b,
+    s_o_t,
+    s_o_h,
+    s_tree_t,
+    num_heads,
+    scale,
+    page_size,
+    R: tl.constexpr,
+    P: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     span, toks, hrow, tmask, ctx, tail = _block_rows(Blocks, CtxLens, TailStarts, BLOCK_M, BLOCK_H)
     heads = tl.program_id(1) * BLOCK_H + hrow
     rmask = tmask & (heads < num_heads)
     r, p = tl.arange(0, R), tl.arange(0, P)
     t64 = toks.to(tl.int64)
-    ql = tl.load(QL + t64[:, None] * s_ql_t + heads[:, None] * s_ql_h + r[None, :], mask=rmask[:, None], other=0.0)
-    qr = tl.load(QR + t64[:, None] * s_qr_t + heads[:, None] * s_qr_h + p[None, :], mask=rmask[:, None], other=0.0)
+    ql = tl.load(
+        QL + t64[:, None] * s_ql_t + heads[:, None] * s_ql_h + r[None, :],
+        mask=rmask[:, None],
+        other=0.0,
+    )
+    qr = tl.load(
+        QR + t64[:, None] * s_qr_t + heads[:, None] * s_qr_h + p[None, :],
+        mask=rmask[:, None],
+        other=0.0,
+    )
     table = PageTable + span.to(tl.int64) * s_pt_b
     m = tl.full([BLOCK_M * BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M * BLOCK_H], tl.float32)
@@ -102,24 +147,59 @@ def _mla_kernel(QL, QR, Cache, Out, PageTable, Blocks, CtxLens, TailStarts, Tree
         vis = _visible(Tree, s_tree_t, toks, rmask, ctx, tail, kv)
         m, l, acc = _online_softmax_step(s * scale, vis, ckv, m, l, acc, IEEE)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
-    tl.store(Out + t64[:, None] * s_o_t + heads[:, None] * s_o_h + r[None, :], out.to(Out.dtype.element_ty),
-             mask=rmask[:, None])
+    tl.store(
+        Out + t64[:, None] * s_o_t + heads[:, None] * s_o_h + r[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=rmask[:, None],
+    )
 
 
 @triton.jit
-def _mha_kernel(Q, K, V, Out, PageTable, Blocks, CtxLens, TailStarts, Tree,
-                s_q_t, s_q_h, s_k_page, s_k_tok, s_k_head, s_v_page, s_v_tok, s_v_head, s_pt_b, s_o_t, s_o_h,
-                s_tree_t, group, scale, page_size, head_dim, v_head_dim,
-                D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
-                BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+def _mha_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    PageTable,
+    Blocks,
+    CtxLens,
+    TailStarts,
+    Tree,
+    s_q_t,
+    s_q_h,
+    s_k_page,
+    s_k_tok,
+    s_k_head,
+    s_v_page,
+    s_v_tok,
+    s_v_head,
+    s_pt_b,
+    s_o_t,
+    s_o_h,
+    s_tree_t,
+    group,
+    scale,
+    page_size,
+    head_dim,
+    v_head_dim,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     span, toks, g, tmask, ctx, tail = _block_rows(Blocks, CtxLens, TailStarts, BLOCK_M, BLOCK_G)
     kv_head = tl.program_id(1)
     heads = kv_head * group + g
     rmask = tmask & (g < group)
     d, dv = tl.arange(0, D), tl.arange(0, DV)
     t64 = toks.to(tl.int64)
-    q = tl.load(Q + t64[:, None] * s_q_t + heads[:, None] * s_q_h + d[None, :],
-                mask=rmask[:, None] & (d[None, :] < head_dim), other=0.0)
+    q = tl.load(
+        Q + t64[:, None] * s_q_t + heads[:, None] * s_q_h + d[None, :],
+        mask=rmask[:, None] & (d[None, :] < head_dim),
+        other=0.0,
+    )
     table = PageTable + span.to(tl.int64) * s_pt_b
     m = tl.full([BLOCK_M * BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M * BLOCK_G], tl.float32)
@@ -127,21 +207,43 @@ def _mha_kernel(Q, K, V, Out, PageTable, Blocks, CtxLens, TailStarts, Tree,
     end = tl.max(ctx, 0)  # the furthest position any row sees
     for n0 in range(0, end, BLOCK_N):
         kv, kmask, page, off = _context_block(table, n0, end, page_size, BLOCK_N)
-        k = tl.load(K + page[:, None] * s_k_page + off[:, None] * s_k_tok + kv_head * s_k_head + d[None, :],
-                    mask=kmask[:, None] & (d[None, :] < head_dim), other=0.0)
-        v = tl.load(V + page[:, None] * s_v_page + off[:, None] * s_v_tok + kv_head * s_v_head + dv[None, :],
-                    mask=kmask[:, None] & (dv[None, :] < v_head_dim), other=0.0)
+        k = tl.load(
+            K + page[:, None] * s_k_page + off[:, None] * s_k_tok + kv_head * s_k_head + d[None, :],
+            mask=kmask[:, None] & (d[None, :] < head_dim),
+            other=0.0,
+        )
+        v = tl.load(
+            V
+            + page[:, None] * s_v_page
+            + off[:, None] * s_v_tok
+            + kv_head * s_v_head
+            + dv[None, :],
+            mask=kmask[:, None] & (dv[None, :] < v_head_dim),
+            other=0.0,
+        )
         s = _dot(q, tl.trans(k), IEEE)
         vis = _visible(Tree, s_tree_t, toks, rmask, ctx, tail, kv)
         m, l, acc = _online_softmax_step(s * scale, vis, v, m, l, acc, IEEE)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
-    tl.store(Out + t64[:, None] * s_o_t + heads[:, None] * s_o_h + dv[None, :], out.to(Out.dtype.element_ty),
-             mask=rmask[:, None] & (dv[None, :] < v_head_dim))
+    tl.store(
+        Out + t64[:, None] * s_o_t + heads[:, None] * s_o_h + dv[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=rmask[:, None] & (dv[None, :] < v_head_dim),
+    )
 
 
-def mla_extend(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
-               plan: ExtendPlan, scale: float, block_h: int = 16, block_n: int = 32,
-               num_warps: int = 8, num_stages: int | None = None) -> torch.Tensor:
+def mla_extend(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    cache: torch.Tensor,
+    page_table: torch.Tensor,
+    plan: ExtendPlan,
+    scale: float,
+    block_h: int = 16,
+    block_n: int = 32,
+    num_warps: int = 8,
+    num_stages: int | None = None,
+) -> torch.Tensor:
     """q_latent [T, H, R], q_rope [T, H, P] (the spans' tokens, span after span); `cache` one layer's
     latent pages [num_pages, page_size, R + P], the new tokens' latents already stored; `page_table`
     [S, max_pages], row i for span i. Returns the attention-weighted latents [T, H, R]."""
@@ -152,11 +254,37 @@ def mla_extend(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
         return out
     block_h = min(block_h, triton.next_power_of_2(heads))
     _mla_kernel[(plan.blocks.shape[0], triton.cdiv(heads, block_h))](
-        q_latent, q_rope, cache, out, page_table, plan.blocks, plan.ctx_lens, plan.tail_starts, plan.tree,
-        q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), cache.stride(0),
-        cache.stride(1), page_table.stride(0), out.stride(0), out.stride(1), plan.tree.stride(0),
-        heads, scale, cache.shape[1], R=rank, P=q_rope.shape[-1], BLOCK_M=plan.block_m, BLOCK_H=block_h,
-        BLOCK_N=block_n, IEEE=q_latent.dtype == torch.float32, num_warps=num_warps, **stages(num_stages))
+        q_latent,
+        q_rope,
+        cache,
+        out,
+        page_table,
+        plan.blocks,
+        plan.ctx_lens,
+        plan.tail_starts,
+        plan.tree,
+        q_latent.stride(0),
+        q_latent.stride(1),
+        q_rope.stride(0),
+        q_rope.stride(1),
+        cache.stride(0),
+        cache.stride(1),
+        page_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        plan.tree.stride(0),
+        heads,
+        scale,
+        cache.shape[1],
+        R=rank,
+        P=q_rope.shape[-1],
+        BLOCK_M=plan.block_m,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        IEEE=q_latent.dtype == torch.float32,
+        num_warps=num_warps,
+        **stages(num_stages),
+    )
     return out
 
 
@@ -165,9 +293,17 @@ def stages(num_stages: int | None) -> dict:
     return {} if num_stages is None else {"num_stages": num_stages}
 
 
-def mha_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-               plan: ExtendPlan, scale: float, block_n: int = 32, num_warps: int = 4,
-               num_stages: int | None = None) -> torch.Tensor:
+def mha_extend(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    plan: ExtendPlan,
+    scale: float,
+    block_n: int = 32,
+    num_warps: int = 4,
+    num_stages: int | None = None,
+) -> torch.Tensor:
     """q [T, Hq, D]; `k_cache` [num_pages, page_size, Hkv, D] and `v_cache` [.., Hkv, Dv] one layer's
     pages, the new tokens' K/V already stored. Returns [T, Hq, Dv]. The plan's `block_m` tokens times
     the query heads of one KV head (padded to a power of two) are a program's rows."""
@@ -179,11 +315,39 @@ def mha_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pa
     if not tokens:
         return out
     _mha_kernel[(plan.blocks.shape[0], kv_heads)](
-        q, k_cache, v_cache, out, page_table, plan.blocks, plan.ctx_lens, plan.tail_starts, plan.tree,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
-        v_cache.stride(1), v_cache.stride(2), page_table.stride(0), out.stride(0), out.stride(1),
-        plan.tree.stride(0), group, scale, k_cache.shape[1], head_dim, v_head_dim,
-        D=triton.next_power_of_2(head_dim), DV=triton.next_power_of_2(v_head_dim), BLOCK_M=plan.block_m,
-        BLOCK_G=triton.next_power_of_2(group), BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
-        num_warps=num_warps, **stages(num_stages))
+        q,
+        k_cache,
+        v_cache,
+        out,
+        page_table,
+        plan.blocks,
+        plan.ctx_lens,
+        plan.tail_starts,
+        plan.tree,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        page_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        plan.tree.stride(0),
+        group,
+        scale,
+        k_cache.shape[1],
+        head_dim,
+        v_head_dim,
+        D=triton.next_power_of_2(head_dim),
+        DV=triton.next_power_of_2(v_head_dim),
+        BLOCK_M=plan.block_m,
+        BLOCK_G=triton.next_power_of_2(group),
+        BLOCK_N=block_n,
+        IEEE=q.dtype == torch.float32,
+        num_warps=num_warps,
+        **stages(num_stages),
+    )
     return out

@@ -7,6 +7,7 @@ per head and accumulates the attention-weighted latents. A second kernel merges 
 their log-sum-exp. Checked against the torch reference backend (`tests/attention`), under
 `TRITON_INTERPRET=1` on the CPU at small shapes.
 """
+
 from __future__ import annotations
 
 import torch
@@ -15,13 +16,43 @@ import triton.language as tl
 
 
 @triton.jit
-def _split_kernel(QL, QR, Cache, HalfBlocks, RopeBlocks, PageTable, RowSeqs, SeqLens, MidO, MidLse,
-                  s_ql_b, s_ql_h, s_qr_b, s_qr_h, s_c_page, s_c_tok, s_pt_b,
-                  s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
-                  num_heads, scale, page_size, min_split,
-                  R: tl.constexpr, P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_V: tl.constexpr, REST: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
-                  TMA: tl.constexpr):
+def _split_kernel(
+    QL,
+    QR,
+    Cache,
+    HalfBlocks,
+    RopeBlocks,
+    PageTable,
+    RowSeqs,
+    SeqLens,
+    MidO,
+    MidLse,
+    s_ql_b,
+    s_ql_h,
+    s_qr_b,
+    s_qr_h,
+    s_c_page,
+    s_c_tok,
+    s_pt_b,
+    s_mo_b,
+    s_mo_h,
+    s_mo_s,
+    s_ml_b,
+    s_ml_h,
+    num_heads,
+    scale,
+    page_size,
+    min_split,
+    R: tl.constexpr,
+    P: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    REST: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    IEEE: tl.constexpr,
+    TMA: tl.constexpr,
+):
     b, split = tl.program_id(0), tl.program_id(2)
     # a program owns BLOCK_V of the R value columns: the scores need all R (+ P) columns, the
     # accumulator only its own, which keeps it in registers when R is wide
@@ -36,15 +67,24 @@ def _split_kernel(QL, QR, Cache, HalfBlocks, RopeBlocks, PageTable, RowSeqs, Seq
     hmask = heads < tl.where(start < end, num_heads, 0)  # an empty split reads nothing
     own = vb * BLOCK_V + tl.arange(0, BLOCK_V)  # this program's value columns, then the other half
     rest, p = (1 - vb) * BLOCK_V + tl.arange(0, REST), tl.arange(0, P)
-    q_own = tl.load(QL + b * s_ql_b + heads[:, None] * s_ql_h + own[None, :], mask=hmask[:, None], other=0.0)
-    q_rest = tl.load(QL + b * s_ql_b + heads[:, None] * s_ql_h + rest[None, :],
-                     mask=hmask[:, None] & (BLOCK_V < R), other=0.0)
-    qr = tl.load(QR + b * s_qr_b + heads[:, None] * s_qr_h + p[None, :], mask=hmask[:, None], other=0.0)
+    q_own = tl.load(
+        QL + b * s_ql_b + heads[:, None] * s_ql_h + own[None, :], mask=hmask[:, None], other=0.0
+    )
+    q_rest = tl.load(
+        QL + b * s_ql_b + heads[:, None] * s_ql_h + rest[None, :],
+        mask=hmask[:, None] & (BLOCK_V < R),
+        other=0.0,
+    )
+    qr = tl.load(
+        QR + b * s_qr_b + heads[:, None] * s_qr_h + p[None, :], mask=hmask[:, None], other=0.0
+    )
     table = PageTable + tl.load(RowSeqs + b).to(tl.int64) * s_pt_b
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
-    if TMA:  # whole blocks (one page each) through Hopper's tensor memory accelerator; the tail below
+    if (
+        TMA
+    ):  # whole blocks (one page each) through Hopper's tensor memory accelerator; the tail below
         whole_end = start + (end - start) // BLOCK_N * BLOCK_N
         for n0 in range(start, whole_end, BLOCK_N):
             page, off = tl.load(table + n0 // page_size).to(tl.int32), (n0 % page_size).to(tl.int32)
@@ -67,8 +107,18 @@ def _split_kernel(QL, QR, Cache, HalfBlocks, RopeBlocks, PageTable, RowSeqs, Seq
             s += _dot(q_rest, tl.trans(c_rest), IEEE)
         m, l, acc = _online_softmax_step(s * scale, tmask[None, :], c_own, m, l, acc, IEEE)
     # every value block writes the same log-sum-exp
-    _store_split(MidO + b * s_mo_b + split * s_mo_s, MidLse + b * s_ml_b + split, heads, own, heads < num_heads,
-                 s_mo_h, s_ml_h, m, l, acc)
+    _store_split(
+        MidO + b * s_mo_b + split * s_mo_s,
+        MidLse + b * s_ml_b + split,
+        heads,
+        own,
+        heads < num_heads,
+        s_mo_h,
+        s_ml_h,
+        m,
+        l,
+        acc,
+    )
 
 
 @triton.jit
@@ -115,8 +165,21 @@ def _store_split(MidO, MidLse, heads, cols, written, s_mo_h, s_ml_h, m, l, acc):
 
 
 @triton.jit
-def _combine_kernel(MidO, MidLse, Out, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h, s_o_b, s_o_h,
-                    R: tl.constexpr, NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr):
+def _combine_kernel(
+    MidO,
+    MidLse,
+    Out,
+    s_mo_b,
+    s_mo_h,
+    s_mo_s,
+    s_ml_b,
+    s_ml_h,
+    s_o_b,
+    s_o_h,
+    R: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     """Out = the splits' outputs weighted by softmax(lse); the [splits, R] partial outputs are read
     CHUNK splits at a time, so many splits do not spill registers."""
     b, h = tl.program_id(0), tl.program_id(1)
@@ -134,13 +197,20 @@ def _combine_kernel(MidO, MidLse, Out, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h, s
     tl.store(Out + b * s_o_b + h * s_o_h + r, out.to(Out.dtype.element_ty))
 
 
-def default_splits(batch: int, heads: int, max_len: int, block_n: int, device: torch.device,
-                   block_h: int = 16) -> int:
+def default_splits(
+    batch: int, heads: int, max_len: int, block_n: int, device: torch.device, block_h: int = 16
+) -> int:
     """Enough programs to fill the GPU twice over, no split shorter than four blocks, at most 256; a
     power of two. (H100, 16 heads, batch 1, 32k context: 256 splits read at 32% of the copy
     bandwidth, 64 splits at 23%: bench/notes/flashinfer-2026-11-23.md.)"""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    want = max(1, min(256, -(-2 * sms // (batch * triton.cdiv(heads, block_h))), max_len // (4 * block_n)))
+    sms = (
+        torch.cuda.get_device_properties(device).multi_processor_count
+        if device.type == "cuda"
+        else 8
+    )
+    want = max(
+        1, min(256, -(-2 * sms // (batch * triton.cdiv(heads, block_h))), max_len // (4 * block_n))
+    )
     return 1 << (want - 1).bit_length()
 
 
@@ -155,15 +225,33 @@ def default_tune(heads: int, rank: int, page_size: int, device: torch.device) ->
         return {"block_h": 16, "num_warps": 4, "block_n": 32}
     hopper = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
     if hopper and page_size % 32 == 0 and rank // 2 <= 256:
-        return {"tma": True, "block_h": min(128, triton.next_power_of_2(heads)), "num_warps": 8, "block_n": 32}
+        return {
+            "tma": True,
+            "block_h": min(128, triton.next_power_of_2(heads)),
+            "num_warps": 8,
+            "block_n": 32,
+        }
     return {"block_h": 64, "num_warps": 8, "block_n": 32}
 
 
-def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
-               seq_lens: torch.Tensor, scale: float, num_splits: int | None = None, block_n: int | None = None,
-               max_len: int | None = None, block_h: int | None = None, num_warps: int | None = None,
-               num_stages: int = 2, row_seqs: torch.Tensor | None = None, min_split: int | None = None,
-               block_v: int | None = None, tma: bool | None = None) -> torch.Tensor:
+def mla_decode(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    max_len: int | None = None,
+    block_h: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+    row_seqs: torch.Tensor | None = None,
+    min_split: int | None = None,
+    block_v: int | None = None,
+    tma: bool | None = None,
+) -> torch.Tensor:
     """q_latent [B, H, R], q_rope [B, H, P] (one query row per decode token); `cache` one layer's
     latent pages [num_pages, page_size, R + P] (any page stride); `seq_lens` [B] tokens in KV each row
     sees (the new one's latent already stored); `page_table` [S, max_pages], row `row_seqs[b]` for
@@ -176,39 +264,92 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
     `default_tune`."""
     batch, heads, rank = q_latent.shape
     tune = default_tune(heads, rank, cache.shape[1], q_latent.device)
-    block_n, block_h, num_warps = block_n or tune["block_n"], block_h or tune["block_h"], num_warps or tune["num_warps"]
+    block_n, block_h, num_warps = (
+        block_n or tune["block_n"],
+        block_h or tune["block_h"],
+        num_warps or tune["num_warps"],
+    )
     tma = tune.get("tma", False) if tma is None else tma
     if num_splits is None:
-        num_splits = default_splits(batch, heads, max_len or 1 << 16, block_n, q_latent.device, block_h)
+        num_splits = default_splits(
+            batch, heads, max_len or 1 << 16, block_n, q_latent.device, block_h
+        )
     if row_seqs is None:
         row_seqs = torch.arange(batch, device=q_latent.device)
     rope = q_rope.shape[-1]
-    assert cache.shape[-1] == rank + rope and cache.stride(-1) == 1 and cache.stride(1) == rank + rope
+    assert (
+        cache.shape[-1] == rank + rope and cache.stride(-1) == 1 and cache.stride(1) == rank + rope
+    )
     assert q_latent.stride(-1) == 1 and q_rope.stride(-1) == 1 and page_table.stride(-1) == 1
-    mid_out = torch.empty(batch, heads, num_splits, rank, dtype=torch.float32, device=q_latent.device)
+    mid_out = torch.empty(
+        batch, heads, num_splits, rank, dtype=torch.float32, device=q_latent.device
+    )
     mid_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q_latent.device)
     block_v = block_v or (rank // 2 if tma else rank)
     assert block_v in (rank, rank // 2), "a program accumulates all value columns or half of them"
     halves = ropes = None
     if tma:
-        assert block_v == rank // 2 and cache.shape[1] % block_n == 0, "TMA blocks: half the columns, within a page"
+        assert block_v == rank // 2 and cache.shape[1] % block_n == 0, (
+            "TMA blocks: half the columns, within a page"
+        )
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         shape, strides = list(cache.shape), list(cache.stride())
         halves = TensorDescriptor(cache, shape, strides, [1, block_n, block_v])
         ropes = TensorDescriptor(cache, shape, strides, [1, block_n, rope])
     _split_kernel[(batch, triton.cdiv(heads, block_h) * (rank // block_v), num_splits)](
-        q_latent, q_rope, cache, halves, ropes, page_table, row_seqs, seq_lens, mid_out, mid_lse,
-        q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
-        cache.stride(0), cache.stride(1), page_table.stride(0),
-        mid_out.stride(0), mid_out.stride(1), mid_out.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        heads, scale, cache.shape[1], 2 * block_n if min_split is None else min_split,
-        R=rank, P=rope, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_V=block_v, REST=max(rank - block_v, 1),
-        NUM_SPLITS=num_splits, IEEE=q_latent.dtype == torch.float32, TMA=tma, num_warps=num_warps,
-        num_stages=num_stages)
+        q_latent,
+        q_rope,
+        cache,
+        halves,
+        ropes,
+        page_table,
+        row_seqs,
+        seq_lens,
+        mid_out,
+        mid_lse,
+        q_latent.stride(0),
+        q_latent.stride(1),
+        q_rope.stride(0),
+        q_rope.stride(1),
+        cache.stride(0),
+        cache.stride(1),
+        page_table.stride(0),
+        mid_out.stride(0),
+        mid_out.stride(1),
+        mid_out.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        heads,
+        scale,
+        cache.shape[1],
+        2 * block_n if min_split is None else min_split,
+        R=rank,
+        P=rope,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        BLOCK_V=block_v,
+        REST=max(rank - block_v, 1),
+        NUM_SPLITS=num_splits,
+        IEEE=q_latent.dtype == torch.float32,
+        TMA=tma,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     out = torch.empty_like(q_latent)
     _combine_kernel[(batch, heads)](
-        mid_out, mid_lse, out, mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
-        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), R=rank, NUM_SPLITS=num_splits,
-        CHUNK=min(num_splits, 16))
+        mid_out,
+        mid_lse,
+        out,
+        mid_out.stride(0),
+        mid_out.stride(1),
+        mid_out.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        R=rank,
+        NUM_SPLITS=num_splits,
+        CHUNK=min(num_splits, 16),
+    )
     return out

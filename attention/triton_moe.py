@@ -8,6 +8,7 @@ SiLU(gate) * up, then down scaled by the pair's routing weight; the slots of a t
 Same arithmetic as `models.layers.moe.Experts.forward` up to rounding (float32 accumulation, one
 rounding to the activation dtype per GEMM).
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,10 +18,29 @@ import triton.language as tl
 
 
 @triton.jit
-def _grouped_gemm(a_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, scale_ptr, num_pairs, N, K,
-                  stride_am, stride_we, stride_wn, stride_wk, stride_om,
-                  TOP_K: tl.constexpr, ROWS_PER_TOKEN: tl.constexpr, SCALE: tl.constexpr, PRECISION: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _grouped_gemm(
+    a_ptr,
+    w_ptr,
+    out_ptr,
+    pairs_ptr,
+    block_expert_ptr,
+    scale_ptr,
+    num_pairs,
+    N,
+    K,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    TOP_K: tl.constexpr,
+    ROWS_PER_TOKEN: tl.constexpr,
+    SCALE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert >= 0:
@@ -31,18 +51,32 @@ def _grouped_gemm(a_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, scale_ptr,
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(a_ptr + row[:, None] * stride_am + offs_k[None, :],
-                        mask=valid[:, None] & (offs_k[None, :] < K), other=0.0)
-            w = tl.load(w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk,
-                        mask=(offs_n[None, :] < N) & (offs_k[:, None] < K), other=0.0)
+            a = tl.load(
+                a_ptr + row[:, None] * stride_am + offs_k[None, :],
+                mask=valid[:, None] & (offs_k[None, :] < K),
+                other=0.0,
+            )
+            w = tl.load(
+                w_ptr
+                + expert * stride_we
+                + offs_n[None, :] * stride_wn
+                + offs_k[:, None] * stride_wk,
+                mask=(offs_n[None, :] < N) & (offs_k[:, None] < K),
+                other=0.0,
+            )
             acc += tl.dot(a, w, input_precision=PRECISION)
         if SCALE:
             acc *= tl.load(scale_ptr + pair, mask=valid, other=0.0)[:, None]
-        tl.store(out_ptr + pair[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=valid[:, None] & (offs_n[None, :] < N))
+        tl.store(
+            out_ptr + pair[:, None] * stride_om + offs_n[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=valid[:, None] & (offs_n[None, :] < N),
+        )
 
 
-def sort_pairs(ids: torch.Tensor, first: int, num_local: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sort_pairs(
+    ids: torch.Tensor, first: int, num_local: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(pairs, block_expert): the flat (token, slot) pair indices grouped by local expert, each
     expert's run padded to `block_m` with the sentinel `ids.numel()`, in a buffer of static size;
     and per BLOCK_M run its local expert (-1: padding past the last run). Pairs routed to experts
@@ -53,15 +87,21 @@ def sort_pairs(ids: torch.Tensor, first: int, num_local: int, block_m: int) -> t
     capacity = -(-(n + num_local * (block_m - 1)) // block_m) * block_m
     order = torch.argsort(flat, stable=True)
     expert = flat[order]
-    counts = torch.zeros(num_local + 1, dtype=torch.int64, device=ids.device)  # not bincount: it syncs on CUDA
+    counts = torch.zeros(
+        num_local + 1, dtype=torch.int64, device=ids.device
+    )  # not bincount: it syncs on CUDA
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts[:num_local] + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     start = torch.cumsum(counts, 0) - counts
     here = expert < num_local
     clamped = expert.clamp(max=num_local - 1)
-    position = padded_end[clamped] - padded[clamped] + torch.arange(n, device=ids.device) - start[expert]
-    position = torch.where(here, position, capacity)  # the pairs not here all land in one dropped slot
+    position = (
+        padded_end[clamped] - padded[clamped] + torch.arange(n, device=ids.device) - start[expert]
+    )
+    position = torch.where(
+        here, position, capacity
+    )  # the pairs not here all land in one dropped slot
     pairs = torch.full((capacity + 1,), n, dtype=torch.int64, device=ids.device)
     pairs.scatter_(0, position, order)
     block_start = torch.arange(0, capacity, block_m, device=ids.device)
@@ -78,8 +118,17 @@ def default_block_m(pairs: int, num_experts: int) -> int:
     return 1 << (want - 1).bit_length()
 
 
-def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                  first: int = 0, block_m: int | None = None, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
+def fused_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    first: int = 0,
+    block_m: int | None = None,
+    block_n: int = 64,
+    block_k: int = 64,
+) -> torch.Tensor:
     """sum over slots s of weights[t, s] * down_e(SiLU(gate_e(x_t)) * up_e(x_t)), e = ids[t, s], for
     the experts held here (w13 [E, 2I, H] gate then up, w2 [E, H, I], experts first .. first+E-1)."""
     tokens, top_k = ids.shape
@@ -95,10 +144,29 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
 
     def launch(a, w, out, rows_per_token, use_scale, N, K):
         grid = (block_expert.numel(), triton.cdiv(N, block_n))
-        _grouped_gemm[grid](a, w, out, pairs, block_expert, scale, n, N, K, a.stride(0), w.stride(0), w.stride(1),
-                            w.stride(2), out.stride(0), TOP_K=top_k, ROWS_PER_TOKEN=rows_per_token, SCALE=use_scale,
-                            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # float32 stays exact
-                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+        _grouped_gemm[grid](
+            a,
+            w,
+            out,
+            pairs,
+            block_expert,
+            scale,
+            n,
+            N,
+            K,
+            a.stride(0),
+            w.stride(0),
+            w.stride(1),
+            w.stride(2),
+            out.stride(0),
+            TOP_K=top_k,
+            ROWS_PER_TOKEN=rows_per_token,
+            SCALE=use_scale,
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # float32 stays exact
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+        )
 
     launch(x.contiguous(), w13, gate_up, True, False, two_i, hidden)
     gate, up = gate_up.chunk(2, dim=-1)

@@ -9,6 +9,7 @@ bit, so the model keeps float32 (and fp16) on the torch code. DeepSeek's interle
 (x[0::2], x[1::2]) come out de-interleaved, and features past `rotary_dim` (GLM's partial rotary)
 are copied, both as the torch code does.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,15 +22,36 @@ def _rounded(x, dt: tl.constexpr, ASM: tl.constexpr):
     """float32 x rounded to bf16 precision (nearest even), kept in float32. On a GPU through inline
     PTX, which the compiler can neither fold away nor fuse into an FMA with the product before it."""
     if ASM:
-        return tl.inline_asm_elementwise("{ .reg .b16 t; cvt.rn.bf16.f32 t, $1; cvt.f32.bf16 $0, t; }", "=r,r",
-                                         [x], dtype=tl.float32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 t; cvt.rn.bf16.f32 t, $1; cvt.f32.bf16 $0, t; }",
+            "=r,r",
+            [x],
+            dtype=tl.float32,
+            is_pure=True,
+            pack=1,
+        )
     return x.to(dt).to(tl.float32)
 
 
 @triton.jit
-def _rotary_kernel(X, Out, Cos, Sin, s_x_t, s_x_h, s_o_t, s_o_h, s_c_t, heads, dim,
-                   HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
-                   ASM: tl.constexpr):
+def _rotary_kernel(
+    X,
+    Out,
+    Cos,
+    Sin,
+    s_x_t,
+    s_x_h,
+    s_o_t,
+    s_o_h,
+    s_c_t,
+    heads,
+    dim,
+    HALF: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    ASM: tl.constexpr,
+):
     t, hb = tl.program_id(0), tl.program_id(1)
     h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = h < heads
@@ -52,7 +74,9 @@ def _rotary_kernel(X, Out, Cos, Sin, s_x_t, s_x_h, s_o_t, s_o_h, s_c_t, heads, d
     tl.store(dst + rest[None, :], tl.load(src + rest[None, :], mask=keep, other=0.0), mask=keep)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+def apply_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
+) -> torch.Tensor:
     """x [tokens, heads, dim] (any token and head strides), cos/sin [tokens, rotary_dim // 2]; returns a
     new contiguous tensor."""
     tokens, heads, dim = x.shape
@@ -63,7 +87,21 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
         return out
     block_h = min(16, triton.next_power_of_2(heads))
     _rotary_kernel[(tokens, triton.cdiv(heads, block_h))](
-        x, out, cos, sin, x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0), heads, dim,
-        HALF=half, INTERLEAVED=interleaved, BLOCK_H=block_h, BLOCK_P=triton.next_power_of_2(max(dim - 2 * half, 1)),
-        ASM=x.is_cuda and x.dtype == torch.bfloat16)
+        x,
+        out,
+        cos,
+        sin,
+        x.stride(0),
+        x.stride(1),
+        out.stride(0),
+        out.stride(1),
+        cos.stride(0),
+        heads,
+        dim,
+        HALF=half,
+        INTERLEAVED=interleaved,
+        BLOCK_H=block_h,
+        BLOCK_P=triton.next_power_of_2(max(dim - 2 * half, 1)),
+        ASM=x.is_cuda and x.dtype == torch.bfloat16,
+    )
     return out

@@ -1,5 +1,6 @@
 """Timing of GPU work for the benchmarks: CUDA events around a call, median over repeats; the
 device copy bandwidth they compare against."""
+
 from __future__ import annotations
 
 import statistics

@@ -17,6 +17,7 @@ With the triton backend the steps replay CUDA graphs (`--eager`: not); CUDA even
 `transformers`' DeepseekV3ForCausalLM (random weights, bf16) one token per request over a prefilled
 DynamicCache of the same context. Prints a table and writes JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,7 +28,14 @@ import os
 import torch
 
 from bench.cuda_timing import copy_bandwidth, median_seconds
-from bench.spec_verify import deepseek_v3_config_dir, dummy_runner, model_args, step_batch, timing_args, uses_graphs
+from bench.spec_verify import (
+    deepseek_v3_config_dir,
+    dummy_runner,
+    model_args,
+    step_batch,
+    timing_args,
+    uses_graphs,
+)
 
 
 def step_bytes(runner, batch) -> int:
@@ -72,7 +80,9 @@ def peer_step_seconds(path: str, batch: int, context: int, repeats: int) -> floa
         cache = tf.DynamicCache()
         model(input_ids=ids, past_key_values=cache, use_cache=True)
         token = ids[:, -1:]
-        return median_seconds(lambda: model(input_ids=token, past_key_values=cache, use_cache=True), repeats)
+        return median_seconds(
+            lambda: model(input_ids=token, past_key_values=cache, use_cache=True), repeats
+        )
 
 
 def our_steps(path: str, args, copy: float) -> tuple[list[dict], int]:
@@ -82,9 +92,17 @@ def our_steps(path: str, args, copy: float) -> tuple[list[dict], int]:
     for b in args.batches:
         batch = step_batch(kv, b, args.context, 1)
         nbytes = step_bytes(runner, batch)
-        seconds = median_seconds(lambda: runner.forward(batch), args.repeats)
-        rows.append({"batch": b, "step_s": seconds, "bytes": nbytes, "roofline_s": nbytes / copy,
-                     "over_roofline": seconds * copy / nbytes, "tokens_per_s": b / seconds})
+        seconds = median_seconds(lambda batch=batch: runner.forward(batch), args.repeats)
+        rows.append(
+            {
+                "batch": b,
+                "step_s": seconds,
+                "bytes": nbytes,
+                "roofline_s": nbytes / copy,
+                "over_roofline": seconds * copy / nbytes,
+                "tokens_per_s": b / seconds,
+            }
+        )
     return rows, runner.parameter_bytes
 
 
@@ -92,8 +110,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     model_args(parser)
     timing_args(parser)
-    parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 128])
-    parser.add_argument("--peer-batches", type=lambda s: [int(x) for x in s.split(",") if x], default=[1, 32])
+    parser.add_argument(
+        "--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 128]
+    )
+    parser.add_argument(
+        "--peer-batches", type=lambda s: [int(x) for x in s.split(",") if x], default=[1, 32]
+    )
     parser.add_argument("--out", default="bench/results/decode_step.json")
     args = parser.parse_args()
 
@@ -104,23 +126,46 @@ def main() -> None:
     torch.cuda.empty_cache()
     for row in rows:
         if row["batch"] in args.peer_batches:
-            row["peer_step_s"] = peer_step_seconds(path, row["batch"], args.context, max(5, args.repeats // 4))
+            row["peer_step_s"] = peer_step_seconds(
+                path, row["batch"], args.context, max(5, args.repeats // 4)
+            )
             row["speedup_over_peer"] = row["peer_step_s"] / row["step_s"]
-    print(f"{'batch':>5} {'step ms':>8} {'roofline ms':>11} {'x roofline':>10} {'tok/s':>8} {'peer ms':>8} "
-          f"{'vs peer':>7}")
+    print(
+        f"{'batch':>5} {'step ms':>8} {'roofline ms':>11} {'x roofline':>10} {'tok/s':>8} {'peer ms':>8} "
+        f"{'vs peer':>7}"
+    )
     for r in rows:
-        peer = f"{r['peer_step_s'] * 1e3:>8.1f} {r['speedup_over_peer']:>6.1f}x" if "peer_step_s" in r else ""
-        print(f"{r['batch']:>5} {r['step_s'] * 1e3:>8.2f} {r['roofline_s'] * 1e3:>11.3f} {r['over_roofline']:>10.1f} "
-              f"{r['tokens_per_s']:>8.0f} {peer}")
-    print(f"device copy: {copy / 1e9:.0f} GB/s (read + write); model {parameter_bytes / 1e9:.2f} GB of weights, "
-          f"context {args.context}, attention backend {args.attention_backend}, "
-          f"{'CUDA graphs' if uses_graphs(args) else 'eager steps'}")
+        peer = (
+            f"{r['peer_step_s'] * 1e3:>8.1f} {r['speedup_over_peer']:>6.1f}x"
+            if "peer_step_s" in r
+            else ""
+        )
+        print(
+            f"{r['batch']:>5} {r['step_s'] * 1e3:>8.2f} {r['roofline_s'] * 1e3:>11.3f} {r['over_roofline']:>10.1f} "
+            f"{r['tokens_per_s']:>8.0f} {peer}"
+        )
+    print(
+        f"device copy: {copy / 1e9:.0f} GB/s (read + write); model {parameter_bytes / 1e9:.2f} GB of weights, "
+        f"context {args.context}, attention backend {args.attention_backend}, "
+        f"{'CUDA graphs' if uses_graphs(args) else 'eager steps'}"
+    )
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "layers": args.layers, "experts": args.experts,
-                   "context": args.context, "copy_gb_per_s": copy / 1e9, "parameter_bytes": parameter_bytes,
-                   "attention_backend": args.attention_backend, "cuda_graphs": uses_graphs(args), "rows": rows},
-                  f, indent=2)
+        json.dump(
+            {
+                "device": torch.cuda.get_device_name(),
+                "layers": args.layers,
+                "experts": args.experts,
+                "context": args.context,
+                "copy_gb_per_s": copy / 1e9,
+                "parameter_bytes": parameter_bytes,
+                "attention_backend": args.attention_backend,
+                "cuda_graphs": uses_graphs(args),
+                "rows": rows,
+            },
+            f,
+            indent=2,
+        )
     print(f"wrote {args.out}")
 
 

@@ -10,6 +10,7 @@ a table and writes JSON. `--tune` takes Triton launch settings (keys of `triton_
 rows, block_h, block_n, num_warps, num_stages), or a list of them to compare; `--flashinfer` adds
 FlashInfer's kernels (the flashinfer backend) as a column.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,7 +25,7 @@ from bench.cuda_timing import median_seconds
 def matmul_flops(n: int = 8192, repeats: int = 10) -> float:
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    return 2 * n ** 3 / median_seconds(lambda: a @ b, repeats)
+    return 2 * n**3 / median_seconds(lambda: a @ b, repeats)
 
 
 def span_batch(pool, new: int, prefix: int):
@@ -35,20 +36,30 @@ def span_batch(pool, new: int, prefix: int):
     table = torch.randperm(pool.num_pages)[:pages].view(1, pages)  # scattered, as in serving
     pos = torch.arange(prefix, total)
     slots = table[0, pos // ps] * ps + pos % ps
-    batch = ForwardBatch(torch.zeros(new, dtype=torch.int64), pos, [new], [total], table, slots, torch.arange(new))
+    batch = ForwardBatch(
+        torch.zeros(new, dtype=torch.int64), pos, [new], [total], table, slots, torch.arange(new)
+    )
     return batch.to(torch.device("cuda"))
 
 
-def run_case(kind: str, new: int, prefix: int, heads: int, backends, repeats: int, tune: dict) -> dict:
+def run_case(
+    kind: str, new: int, prefix: int, heads: int, backends, repeats: int, tune: dict
+) -> dict:
     from dserve.scheduler.kv_pool import KVLayout, KVPool
 
     ps, dtype, total = 64, torch.bfloat16, new + prefix
     if kind == "mla":
         layout = KVLayout("mla", 1, ps, dtype, latent_dim=576, kv_lora_rank=512)
-        shapes, per_pair = ((new, heads, 512), (new, heads, 64), (new, 576)), heads * 2 * (576 + 512)
+        shapes, per_pair = (
+            ((new, heads, 512), (new, heads, 64), (new, 576)),
+            heads * 2 * (576 + 512),
+        )
     else:
         layout = KVLayout("mha", 1, ps, dtype, num_kv_heads=8, head_dim=128, v_head_dim=128)
-        shapes, per_pair = ((new, heads, 128), (new, 8, 128), (new, 8, 128)), heads * 2 * (128 + 128)
+        shapes, per_pair = (
+            ((new, heads, 128), (new, 8, 128), (new, 8, 128)),
+            heads * 2 * (128 + 128),
+        )
     pool = KVPool(layout, -(-total // ps) + 8, "cuda")
     pool.pages.normal_()
     batch = span_batch(pool, new, prefix)
@@ -58,23 +69,34 @@ def run_case(kind: str, new: int, prefix: int, heads: int, backends, repeats: in
     for name, cls in backends:
         backend = cls(pool)
         if name == "triton":
-            backend.extend_tune[kind].update({k: v for k, v in tune.items() if k in backend.extend_tune[kind]})
+            backend.extend_tune[kind].update(
+                {k: v for k, v in tune.items() if k in backend.extend_tune[kind]}
+            )
         backend.plan(batch)
         forward = backend.forward_mla if kind == "mla" else backend.forward_mha
-        seconds = median_seconds(lambda: forward(0, *inputs, 0.1), repeats)
+        seconds = median_seconds(lambda f=forward: f(0, *inputs, 0.1), repeats)
         row[f"{name}_ms"], row[f"{name}_tflops"] = seconds * 1e3, flops / seconds / 1e12
     return row
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", type=lambda s: [tuple(int(v) for v in c.split(":")) for c in s.split(",")],
-                        default=[(1024, 0), (4096, 0), (1024, 8192), (256, 32768)])
+    parser.add_argument(
+        "--cases",
+        type=lambda s: [tuple(int(v) for v in c.split(":")) for c in s.split(",")],
+        default=[(1024, 0), (4096, 0), (1024, 8192), (256, 32768)],
+    )
     parser.add_argument("--mla-heads", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--no-torch", action="store_true", help="skip the (slow) torch reference backend")
-    parser.add_argument("--flashinfer", action="store_true", help="add FlashInfer's kernels as a column")
-    parser.add_argument("--tune", type=json.loads, default={}, help="Triton launch settings as JSON, or a list")
+    parser.add_argument(
+        "--no-torch", action="store_true", help="skip the (slow) torch reference backend"
+    )
+    parser.add_argument(
+        "--flashinfer", action="store_true", help="add FlashInfer's kernels as a column"
+    )
+    parser.add_argument(
+        "--tune", type=json.loads, default={}, help="Triton launch settings as JSON, or a list"
+    )
     parser.add_argument("--out", default="bench/results/extend_attention.json")
     args = parser.parse_args()
     from dserve.attention.torch_backend import TorchBackend
@@ -89,8 +111,11 @@ def main() -> None:
     peak = matmul_flops()
     print(f"bf16 matmul (8192^3): {peak / 1e12:.0f} TFLOPS")
     others = [name for name, _ in backends[1:]]
-    print(f"{'kind':>4} {'heads':>5} {'new':>6} {'prefix':>7} {'triton ms':>10} {'TFLOPS':>7} {'of mm':>6} "
-          + "".join(f"{name + ' ms':>14}" for name in others) + "  tune")
+    print(
+        f"{'kind':>4} {'heads':>5} {'new':>6} {'prefix':>7} {'triton ms':>10} {'TFLOPS':>7} {'of mm':>6} "
+        + "".join(f"{name + ' ms':>14}" for name in others)
+        + "  tune"
+    )
     rows = []
     for tune in tunes:
         for kind, heads in (("mla", args.mla_heads), ("mha", 96)):
@@ -98,18 +123,27 @@ def main() -> None:
                 try:
                     row = run_case(kind, new, prefix, heads, backends, args.repeats, tune)
                 except Exception as e:  # noqa: BLE001 - a setting that does not compile is reported
-                    print(f"{kind:>4} {heads:>5} {new:>6} {prefix:>7} failed: {str(e).splitlines()[0][:90]}  "
-                          f"{json.dumps(tune)}")
+                    print(
+                        f"{kind:>4} {heads:>5} {new:>6} {prefix:>7} failed: {str(e).splitlines()[0][:90]}  "
+                        f"{json.dumps(tune)}"
+                    )
                     continue
                 row.update(of_matmul=row["triton_tflops"] * 1e12 / peak, tune=tune)
                 rows.append(row)
-                print(f"{kind:>4} {heads:>5} {new:>6} {prefix:>7} {row['triton_ms']:>10.3f} "
-                      f"{row['triton_tflops']:>7.1f} {row['of_matmul']:>6.1%} "
-                      + "".join(f"{row[name + '_ms']:>14.3f}" for name in others) + f"  {json.dumps(tune)}",
-                      flush=True)
+                print(
+                    f"{kind:>4} {heads:>5} {new:>6} {prefix:>7} {row['triton_ms']:>10.3f} "
+                    f"{row['triton_tflops']:>7.1f} {row['of_matmul']:>6.1%} "
+                    + "".join(f"{row[name + '_ms']:>14.3f}" for name in others)
+                    + f"  {json.dumps(tune)}",
+                    flush=True,
+                )
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "matmul_tflops": peak / 1e12, "rows": rows}, f, indent=2)
+        json.dump(
+            {"device": torch.cuda.get_device_name(), "matmul_tflops": peak / 1e12, "rows": rows},
+            f,
+            indent=2,
+        )
     print(f"wrote {args.out}")
 
 

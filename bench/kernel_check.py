@@ -11,6 +11,7 @@ the routed experts against their torch modules. Prints the largest error relativ
 largest magnitude, next to the tolerance (bf16 keeps 8 bits: 2^-8 per rounding; sums over thousands of
 terms, a few of those), and writes JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,9 +27,11 @@ from dserve.scheduler.kv_pool import KVLayout, KVPool
 BF16 = torch.bfloat16
 ATTENTION_TOL = 2e-2
 # (new tokens, context after the step, draft-tree tail or None)
-SPANS = {"decode": [(1, n, None) for n in (1, 64, 1000, 8191, 32768)],
-         "extend": [(700, 700, None), (300, 1500, None), (1, 90, None), (8, 200, None)],
-         "tree": [(8, 200, 9), (4, 4000, 5)]}
+SPANS = {
+    "decode": [(1, n, None) for n in (1, 64, 1000, 8191, 32768)],
+    "extend": [(700, 700, None), (300, 1500, None), (1, 90, None), (8, 200, None)],
+    "tree": [(8, 200, 9), (4, 4000, 5)],
+}
 
 
 def tree_mask(q_len: int, tail: int, gen) -> torch.Tensor:
@@ -43,11 +46,11 @@ def random_batch(pool: KVPool, spans, gen, device: str) -> ForwardBatch:
     """One batch of `spans` over pages scattered through `pool`, each span's new tokens in its last slots."""
     ps = pool.layout.page_size
     pages = [(seq_len + ps - 1) // ps for _, seq_len, _ in spans]
-    order = torch.randperm(pool.num_pages, generator=gen)[:sum(pages)]
+    order = torch.randperm(pool.num_pages, generator=gen)[: sum(pages)]
     table = torch.zeros(len(spans), max(pages), dtype=torch.int64)
     used = 0
     for i, n in enumerate(pages):
-        table[i, :n] = order[used:used + n]
+        table[i, :n] = order[used : used + n]
         used += n
     slots, positions = [], []
     for i, (q_len, seq_len, _) in enumerate(spans):
@@ -56,9 +59,16 @@ def random_batch(pool: KVPool, spans, gen, device: str) -> ForwardBatch:
         positions.append(pos)
     tokens = sum(q for q, _, _ in spans)
     masks = [None if tail is None else tree_mask(q_len, tail, gen) for q_len, _, tail in spans]
-    batch = ForwardBatch(torch.zeros(tokens, dtype=torch.int64), torch.cat(positions), [q for q, _, _ in spans],
-                         [s for _, s, _ in spans], table, torch.cat(slots), torch.arange(tokens),
-                         tree_masks=masks)
+    batch = ForwardBatch(
+        torch.zeros(tokens, dtype=torch.int64),
+        torch.cat(positions),
+        [q for q, _, _ in spans],
+        [s for _, s, _ in spans],
+        table,
+        torch.cat(slots),
+        torch.arange(tokens),
+        tree_masks=masks,
+    )
     return batch.to(torch.device(device))
 
 
@@ -67,7 +77,9 @@ def pages_for(spans, page_size: int) -> int:
     return max(64, 2 * sum(-(-seq_len // page_size) for _, seq_len, _ in spans))
 
 
-def run_both(pool, batch, forward, backend_class, expect_extend: bool = False) -> list[torch.Tensor]:
+def run_both(
+    pool, batch, forward, backend_class, expect_extend: bool = False
+) -> list[torch.Tensor]:
     """The torch reference's output and `backend_class(pool)`'s (float32), on the same pool and batch."""
     outs = []
     for backend in (TorchBackend(pool), backend_class(pool)):
@@ -78,7 +90,9 @@ def run_both(pool, batch, forward, backend_class, expect_extend: bool = False) -
     return outs
 
 
-def mla_case(heads, rank, rope, page_size, dtype, spans, backend_class, device="cuda", expect_extend=False):
+def mla_case(
+    heads, rank, rope, page_size, dtype, spans, backend_class, device="cuda", expect_extend=False
+):
     """(reference, backend) outputs of one absorbed-MLA layer over a random pool and batch of `spans`."""
     gen = torch.Generator().manual_seed(0)
     layout = KVLayout("mla", 1, page_size, dtype, latent_dim=rank + rope, kv_lora_rank=rank)
@@ -86,23 +100,50 @@ def mla_case(heads, rank, rope, page_size, dtype, spans, backend_class, device="
     pool.pages.copy_(torch.randn(pool.pages.shape, generator=gen).to(dtype))
     batch = random_batch(pool, spans, gen, device)
     tokens = batch.num_tokens
-    q_latent, q_rope, latent = (torch.randn(*shape, generator=gen).to(device, dtype)
-                                for shape in ((tokens, heads, rank), (tokens, heads, rope), (tokens, rank + rope)))
-    return run_both(pool, batch, lambda b: b.forward_mla(0, q_latent, q_rope, latent, (rank + rope) ** -0.5),
-                    backend_class, expect_extend)
+    q_latent, q_rope, latent = (
+        torch.randn(*shape, generator=gen).to(device, dtype)
+        for shape in ((tokens, heads, rank), (tokens, heads, rope), (tokens, rank + rope))
+    )
+    return run_both(
+        pool,
+        batch,
+        lambda b: b.forward_mla(0, q_latent, q_rope, latent, (rank + rope) ** -0.5),
+        backend_class,
+        expect_extend,
+    )
 
 
-def mha_case(heads, kv_heads, head_dim, page_size, dtype, spans, backend_class, device="cuda", expect_extend=False):
+def mha_case(
+    heads,
+    kv_heads,
+    head_dim,
+    page_size,
+    dtype,
+    spans,
+    backend_class,
+    device="cuda",
+    expect_extend=False,
+):
     """(reference, backend) outputs of one MHA/GQA layer over a random pool and batch of `spans`."""
     gen = torch.Generator().manual_seed(1)
-    layout = KVLayout("mha", 1, page_size, dtype, num_kv_heads=kv_heads, head_dim=head_dim, v_head_dim=head_dim)
+    layout = KVLayout(
+        "mha", 1, page_size, dtype, num_kv_heads=kv_heads, head_dim=head_dim, v_head_dim=head_dim
+    )
     pool = KVPool(layout, pages_for(spans, page_size), device)
     pool.pages.copy_(torch.randn(pool.pages.shape, generator=gen).to(dtype))
     batch = random_batch(pool, spans, gen, device)
     tokens = batch.num_tokens
-    q, k, v = (torch.randn(tokens, h, head_dim, generator=gen).to(device, dtype)
-               for h in (heads, kv_heads, kv_heads))
-    return run_both(pool, batch, lambda b: b.forward_mha(0, q, k, v, head_dim ** -0.5), backend_class, expect_extend)
+    q, k, v = (
+        torch.randn(tokens, h, head_dim, generator=gen).to(device, dtype)
+        for h in (heads, kv_heads, kv_heads)
+    )
+    return run_both(
+        pool,
+        batch,
+        lambda b: b.forward_mha(0, q, k, v, head_dim**-0.5),
+        backend_class,
+        expect_extend,
+    )
 
 
 def relative_error(ref: torch.Tensor, got: torch.Tensor) -> float:
@@ -114,15 +155,30 @@ def named(backend: str):
 
 
 def mla_rows(backends: list[str]) -> list[dict]:
-    return [{"kernel": f"MLA {kind} ({backend})", "shape": f"{heads} heads", "tolerance": ATTENTION_TOL,
-             "error": relative_error(*mla_case(heads, 512, 64, 64, BF16, spans, named(backend)))}
-            for heads in (128, 16) for backend in backends for kind, spans in SPANS.items()]
+    return [
+        {
+            "kernel": f"MLA {kind} ({backend})",
+            "shape": f"{heads} heads",
+            "tolerance": ATTENTION_TOL,
+            "error": relative_error(*mla_case(heads, 512, 64, 64, BF16, spans, named(backend))),
+        }
+        for heads in (128, 16)
+        for backend in backends
+        for kind, spans in SPANS.items()
+    ]
 
 
 def mha_rows(backends: list[str]) -> list[dict]:
-    return [{"kernel": f"MHA {kind} ({backend})", "shape": "96/8 heads x 128", "tolerance": ATTENTION_TOL,
-             "error": relative_error(*mha_case(96, 8, 128, 64, BF16, spans, named(backend)))}
-            for backend in backends for kind, spans in SPANS.items()]
+    return [
+        {
+            "kernel": f"MHA {kind} ({backend})",
+            "shape": "96/8 heads x 128",
+            "tolerance": ATTENTION_TOL,
+            "error": relative_error(*mha_case(96, 8, 128, 64, BF16, spans, named(backend))),
+        }
+        for backend in backends
+        for kind, spans in SPANS.items()
+    ]
 
 
 def elementwise_rows() -> list[dict]:
@@ -138,13 +194,25 @@ def elementwise_rows() -> list[dict]:
     norm.weight.copy_(torch.rand(7168, generator=gen) + 0.5)
     x, r = [(torch.randn(256, 7168, generator=gen) * 3).to("cuda", BF16) for _ in range(2)]
     out, _ = rms_norm(x, norm.weight, norm.eps, r)
-    rows.append({"kernel": "residual add + RMSNorm", "shape": "256 x 7168", "error": relative_error(norm(x + r), out),
-                 "tolerance": 2 ** -7})
+    rows.append(
+        {
+            "kernel": "residual add + RMSNorm",
+            "shape": "256 x 7168",
+            "error": relative_error(norm(x + r), out),
+            "tolerance": 2**-7,
+        }
+    )
     emb = RotaryEmbedding(RopeConfig(rotary_dim=64, theta=10000.0, interleaved=True)).to("cuda")
     q = torch.randn(256, 128, 192, generator=gen).to("cuda", BF16)[..., 128:]
     cos, sin = emb.cos_sin(torch.randint(0, 32768, (256,), generator=gen).to("cuda"), BF16)
-    rows.append({"kernel": "rotary (interleaved)", "shape": "256 x 128 heads x 64 of 192",
-                 "error": relative_error(emb.apply(q, cos, sin), apply_rotary(q, cos, sin, True)), "tolerance": 0.0})
+    rows.append(
+        {
+            "kernel": "rotary (interleaved)",
+            "shape": "256 x 128 heads x 64 of 192",
+            "error": relative_error(emb.apply(q, cos, sin), apply_rotary(q, cos, sin, True)),
+            "tolerance": 0.0,
+        }
+    )
     return rows
 
 
@@ -153,34 +221,49 @@ def moe_rows() -> list[dict]:
     from dserve.models.layers.moe import Experts
 
     gen, rows = torch.Generator("cuda").manual_seed(2), []
-    w13 = (torch.randn(32, 4096, 7168, generator=gen, device="cuda") / 7168 ** 0.5).to(BF16)
-    w2 = (torch.randn(32, 7168, 2048, generator=gen, device="cuda") / 2048 ** 0.5).to(BF16)
+    w13 = (torch.randn(32, 4096, 7168, generator=gen, device="cuda") / 7168**0.5).to(BF16)
+    w2 = (torch.randn(32, 7168, 2048, generator=gen, device="cuda") / 2048**0.5).to(BF16)
     experts = Experts.__new__(Experts)  # the torch experts on these stacked weights
     torch.nn.Module.__init__(experts)
     experts.w13, experts.w2 = torch.nn.Parameter(w13, False), torch.nn.Parameter(w2, False)
     experts.first, experts.num_local, experts.use_kernel = 0, 32, False
     for tokens in (1, 32, 256):
         x = torch.randn(tokens, 7168, generator=gen, device="cuda").to(BF16)
-        ids = torch.stack([torch.randperm(32, generator=gen, device="cuda")[:8] for _ in range(tokens)])
+        ids = torch.stack(
+            [torch.randperm(32, generator=gen, device="cuda")[:8] for _ in range(tokens)]
+        )
         weights = torch.rand(tokens, 8, generator=gen, device="cuda")
-        rows.append({"kernel": "routed experts (grouped GEMM)", "shape": f"{tokens} tokens, 32 experts, top 8",
-                     "error": relative_error(experts(x, weights, ids), fused_experts(x, w13, w2, weights, ids, 0)),
-                     "tolerance": ATTENTION_TOL})
+        rows.append(
+            {
+                "kernel": "routed experts (grouped GEMM)",
+                "shape": f"{tokens} tokens, 32 experts, top 8",
+                "error": relative_error(
+                    experts(x, weights, ids), fused_experts(x, w13, w2, weights, ids, 0)
+                ),
+                "tolerance": ATTENTION_TOL,
+            }
+        )
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backends", type=lambda s: s.split(","), default=["triton"],
-                        help="attention backends to check: triton, flashinfer")
+    parser.add_argument(
+        "--backends",
+        type=lambda s: s.split(","),
+        default=["triton"],
+        help="attention backends to check: triton, flashinfer",
+    )
     parser.add_argument("--out", default="bench/results/kernel_check.json")
     args = parser.parse_args()
     rows = mla_rows(args.backends) + mha_rows(args.backends) + elementwise_rows() + moe_rows()
     print(f"{'kernel':<34} {'shape':<34} {'rel. error':>10} {'tolerance':>10}  ok")
     for r in rows:
         r["ok"] = r["error"] <= r["tolerance"]
-        print(f"{r['kernel']:<34} {r['shape']:<34} {r['error']:>10.2e} {r['tolerance']:>10.2e}  "
-              f"{'yes' if r['ok'] else 'NO'}")
+        print(
+            f"{r['kernel']:<34} {r['shape']:<34} {r['error']:>10.2e} {r['tolerance']:>10.2e}  "
+            f"{'yes' if r['ok'] else 'NO'}"
+        )
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)

@@ -11,6 +11,7 @@ parameters, or a list of them to compare; the table then shows each setting's re
 `--backend flashinfer` times FlashInfer's MLA decode (`BatchMLAPagedAttentionWrapper`) on the same
 cases instead, for the same table.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,38 +29,74 @@ def flashinfer_seconds(q_latent, q_rope, cache, table, lens, page_size: int, rep
     from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
 
     batch, rank = q_latent.shape[0], q_latent.shape[-1]
-    wrapper = BatchMLAPagedAttentionWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"))
+    wrapper = BatchMLAPagedAttentionWrapper(
+        torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+    )
     ints = lambda xs: torch.tensor(xs, dtype=torch.int32, device="cuda")
     kv_indptr = ints([0] + [table.shape[1] * (i + 1) for i in range(batch)])
-    wrapper.plan(metadata=MLAPlanMetadata.csr(ints(list(range(batch + 1))), kv_indptr, table.reshape(-1), lens),
-                 num_heads=q_latent.shape[1], head_dim_ckv=rank, head_dim_kpe=q_rope.shape[-1], page_size=page_size,
-                 causal=True, sm_scale=0.07, q_data_type=q_latent.dtype, kv_data_type=cache.dtype,
-                 query_layout="split", kv_cache_layout="split")
-    run = lambda: wrapper.run(query=(q_latent, q_rope), kv_cache=(cache[..., :rank], cache[..., rank:]))
+    wrapper.plan(
+        metadata=MLAPlanMetadata.csr(
+            ints(list(range(batch + 1))), kv_indptr, table.reshape(-1), lens
+        ),
+        num_heads=q_latent.shape[1],
+        head_dim_ckv=rank,
+        head_dim_kpe=q_rope.shape[-1],
+        page_size=page_size,
+        causal=True,
+        sm_scale=0.07,
+        q_data_type=q_latent.dtype,
+        kv_data_type=cache.dtype,
+        query_layout="split",
+        kv_cache_layout="split",
+    )
+    run = lambda: wrapper.run(
+        query=(q_latent, q_rope), kv_cache=(cache[..., :rank], cache[..., rank:])
+    )
     try:
         return graph_seconds(run, repeats)
     except Exception:  # noqa: BLE001 - a plan that cannot be captured is timed eagerly
         return median_seconds(run, repeats)
 
 
-def run_case(batch: int, context: int, repeats: int, heads=128, rank=512, rope=64, page_size=64,
-             backend="triton", **tune) -> dict:
+def run_case(
+    batch: int,
+    context: int,
+    repeats: int,
+    heads=128,
+    rank=512,
+    rope=64,
+    page_size=64,
+    backend="triton",
+    **tune,
+) -> dict:
     from dserve.attention.triton_mla import mla_decode
 
     pages_per_seq = context // page_size
     num_pages = batch * pages_per_seq
     cache = torch.randn(num_pages, page_size, rank + rope, device="cuda", dtype=torch.bfloat16)
-    table = torch.randperm(num_pages, device="cuda", dtype=torch.int64).to(torch.int32).view(batch, pages_per_seq)
+    table = (
+        torch.randperm(num_pages, device="cuda", dtype=torch.int64)
+        .to(torch.int32)
+        .view(batch, pages_per_seq)
+    )
     lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     q_latent = torch.randn(batch, heads, rank, device="cuda", dtype=torch.bfloat16)
     q_rope = torch.randn(batch, heads, rope, device="cuda", dtype=torch.bfloat16)
     if backend == "flashinfer":
         seconds = flashinfer_seconds(q_latent, q_rope, cache, table, lens, page_size, repeats)
     else:
-        seconds = graph_seconds(lambda: mla_decode(q_latent, q_rope, cache, table, lens, 0.07, max_len=context,
-                                                   **tune), repeats)
+        seconds = graph_seconds(
+            lambda: mla_decode(q_latent, q_rope, cache, table, lens, 0.07, max_len=context, **tune),
+            repeats,
+        )
     nbytes = batch * context * (rank + rope) * 2
-    return {"batch": batch, "context": context, "ms": seconds * 1e3, "bytes": nbytes, "gb_s": nbytes / seconds / 1e9}
+    return {
+        "batch": batch,
+        "context": context,
+        "ms": seconds * 1e3,
+        "bytes": nbytes,
+        "gb_s": nbytes / seconds / 1e9,
+    }
 
 
 def kernel_stats(jit_fn) -> dict:
@@ -67,25 +104,47 @@ def kernel_stats(jit_fn) -> dict:
     whether it uses Hopper's warpgroup MMA (read off Triton's cache; empty where that has moved)."""
     for cache in getattr(jit_fn, "device_caches", {}).values():
         for part in cache if isinstance(cache, tuple) else (cache,):
-            kernels = [k for k in part.values() if hasattr(k, "n_regs")] if isinstance(part, dict) else []
+            kernels = (
+                [k for k in part.values() if hasattr(k, "n_regs")] if isinstance(part, dict) else []
+            )
             if kernels:
                 k = kernels[-1]
-                return {"regs": k.n_regs, "spills": k.n_spills, "wgmma": "wgmma" in k.asm.get("ptx", "")}
+                return {
+                    "regs": k.n_regs,
+                    "spills": k.n_spills,
+                    "wgmma": "wgmma" in k.asm.get("ptx", ""),
+                }
     return {}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32, 128])
-    parser.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 8192, 32768])
+    parser.add_argument(
+        "--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32, 128]
+    )
+    parser.add_argument(
+        "--contexts", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 8192, 32768]
+    )
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--heads", type=int, default=128,
-                        help="query heads per rank: 128 for DeepSeek-V3 on one rank, 16 at attention TP 8")
-    parser.add_argument("--tune", type=json.loads, default={},
-                        help='kernel parameters as JSON, e.g. \'{"block_h": 32, "block_n": 32, "num_warps": 8}\', '
-                             'or a list of such settings')
-    parser.add_argument("--backend", choices=["triton", "flashinfer"], default="triton",
-                        help="whose MLA decode kernel: ours (triton) or FlashInfer's BatchMLAPagedAttentionWrapper")
+    parser.add_argument(
+        "--heads",
+        type=int,
+        default=128,
+        help="query heads per rank: 128 for DeepSeek-V3 on one rank, 16 at attention TP 8",
+    )
+    parser.add_argument(
+        "--tune",
+        type=json.loads,
+        default={},
+        help='kernel parameters as JSON, e.g. \'{"block_h": 32, "block_n": 32, "num_warps": 8}\', '
+        "or a list of such settings",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=["triton", "flashinfer"],
+        default="triton",
+        help="whose MLA decode kernel: ours (triton) or FlashInfer's BatchMLAPagedAttentionWrapper",
+    )
     parser.add_argument("--out", default="bench/results/mla_decode.json")
     args = parser.parse_args()
     from dserve.attention import triton_mla
@@ -93,25 +152,48 @@ def main() -> None:
     tunes = args.tune if isinstance(args.tune, list) else [args.tune]
     copy = copy_bandwidth()
     print(f"copy bandwidth (device to device, read + write): {copy / 1e9:.0f} GB/s")
-    print(f"{'batch':>5} {'context':>8} {'ms':>8} {'GB/s':>8} {'of copy':>8} {'regs':>5} {'spills':>6}  tune")
+    print(
+        f"{'batch':>5} {'context':>8} {'ms':>8} {'GB/s':>8} {'of copy':>8} {'regs':>5} {'spills':>6}  tune"
+    )
     rows = []
     for tune in tunes:
         for b in args.batches:
             for c in args.contexts:
                 try:
-                    row = run_case(b, c, args.repeats, heads=args.heads, backend=args.backend, **tune)
-                except Exception as e:  # a setting that does not compile (shared memory) is reported, not fatal
-                    print(f"{b:>5} {c:>8} failed: {str(e).splitlines()[0][:100]}  {json.dumps(tune)}")
+                    row = run_case(
+                        b, c, args.repeats, heads=args.heads, backend=args.backend, **tune
+                    )
+                except (
+                    Exception
+                ) as e:  # a setting that does not compile (shared memory) is reported, not fatal
+                    print(
+                        f"{b:>5} {c:>8} failed: {str(e).splitlines()[0][:100]}  {json.dumps(tune)}"
+                    )
                     continue
-                row.update(of_copy=row["gb_s"] * 1e9 / copy, tune=tune, backend=args.backend,
-                           **(kernel_stats(triton_mla._split_kernel) if args.backend == "triton" else {}))
+                row.update(
+                    of_copy=row["gb_s"] * 1e9 / copy,
+                    tune=tune,
+                    backend=args.backend,
+                    **(kernel_stats(triton_mla._split_kernel) if args.backend == "triton" else {}),
+                )
                 rows.append(row)
-                print(f"{b:>5} {c:>8} {row['ms']:>8.3f} {row['gb_s']:>8.0f} {row['of_copy']:>8.1%} "
-                      f"{row.get('regs', '?'):>5} {row.get('spills', '?'):>6}  {json.dumps(tune)}")
+                print(
+                    f"{b:>5} {c:>8} {row['ms']:>8.3f} {row['gb_s']:>8.0f} {row['of_copy']:>8.1%} "
+                    f"{row.get('regs', '?'):>5} {row.get('spills', '?'):>6}  {json.dumps(tune)}"
+                )
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "copy_gb_s": copy / 1e9, "heads": args.heads,
-                   "backend": args.backend, "rows": rows}, f, indent=2)
+        json.dump(
+            {
+                "device": torch.cuda.get_device_name(),
+                "copy_gb_s": copy / 1e9,
+                "heads": args.heads,
+                "backend": args.backend,
+                "rows": rows,
+            },
+            f,
+            indent=2,
+        )
     print(f"wrote {args.out}")
 
 

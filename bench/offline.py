@@ -5,6 +5,7 @@ tokens (ignore_eos), all submitted at once. Prints a table and writes JSON.
 
 Without --model it uses the embedded tiny model (CPU numbers are smoke figures only).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,9 +26,13 @@ def run(args: argparse.Namespace) -> dict:
     with Engine(path, **engine_kwargs(args)) as engine:
         vocab = engine.model_config.vocab_size
         rng = random.Random(args.seed)
-        prompts = [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
+        prompts = [
+            [rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(args.num_prompts)
+        ]
         params = SamplingParams(max_new_tokens=args.output_len, temperature=0, ignore_eos=True)
-        engine.generate(input_ids=prompts[0][:8], sampling_params=SamplingParams(max_new_tokens=2))  # warm-up
+        engine.generate(
+            input_ids=prompts[0][:8], sampling_params=SamplingParams(max_new_tokens=2)
+        )  # warm-up
         start = time.perf_counter()
         results = engine.generate(input_ids=prompts, sampling_params=params)
         elapsed = time.perf_counter() - start
@@ -35,29 +40,55 @@ def run(args: argparse.Namespace) -> dict:
         in_tokens = args.num_prompts * args.input_len
         ttfts = [r.meta["ttft"] for r in results]
         return {
-            "model": path, "device": engine.config.device, "dtype": engine.config.dtype,
-            "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-            "elapsed_s": elapsed, "requests_per_s": args.num_prompts / elapsed,
-            "input_tokens_per_s": in_tokens / elapsed, "output_tokens_per_s": out_tokens / elapsed,
+            "model": path,
+            "device": engine.config.device,
+            "dtype": engine.config.dtype,
+            "num_prompts": args.num_prompts,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "elapsed_s": elapsed,
+            "requests_per_s": args.num_prompts / elapsed,
+            "input_tokens_per_s": in_tokens / elapsed,
+            "output_tokens_per_s": out_tokens / elapsed,
             "total_tokens_per_s": (in_tokens + out_tokens) / elapsed,
-            "ttft_median_s": statistics.median(ttfts), "preemptions": engine.preempted_total,
-            "host": platform.node(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "ttft_median_s": statistics.median(ttfts),
+            "preemptions": engine.preempted_total,
+            "host": platform.node(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         }
 
 
 def print_table(row: dict) -> None:
-    keys = ["device", "dtype", "num_prompts", "input_len", "output_len", "elapsed_s", "requests_per_s",
-            "input_tokens_per_s", "output_tokens_per_s", "total_tokens_per_s", "ttft_median_s", "preemptions"]
+    keys = [
+        "device",
+        "dtype",
+        "num_prompts",
+        "input_len",
+        "output_len",
+        "elapsed_s",
+        "requests_per_s",
+        "input_tokens_per_s",
+        "output_tokens_per_s",
+        "total_tokens_per_s",
+        "ttft_median_s",
+        "preemptions",
+    ]
     width = max(map(len, keys))
     for key in keys:
         value = row[key]
-        print(f"{key:<{width}}  {value:.3f}" if isinstance(value, float) else f"{key:<{width}}  {value}")
+        print(
+            f"{key:<{width}}  {value:.3f}"
+            if isinstance(value, float)
+            else f"{key:<{width}}  {value}"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
     from dserve.runtime.cli import add_engine_flags
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=32)

@@ -10,6 +10,7 @@ exactly len. Arrivals are Poisson at `--request-rate` (inf: all at once), option
 `--max-concurrency` in flight. Prints TTFT / ITL / E2E percentiles and throughput, writes JSON and a
 PNG (latency CDFs and TTFT over the run) when matplotlib is installed (`pip install -e .[bench]`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,11 +38,20 @@ def make_requests(args) -> list[tuple[list[int], int]]:
 
 async def one(session, args, ids: list[int], n_out: int) -> dict:
     if args.endpoint == "/generate":
-        body = {"input_ids": ids, "stream": True,
-                "sampling_params": {"max_new_tokens": n_out, "temperature": 0, "ignore_eos": True}}
+        body = {
+            "input_ids": ids,
+            "stream": True,
+            "sampling_params": {"max_new_tokens": n_out, "temperature": 0, "ignore_eos": True},
+        }
     else:
-        body = {"prompt": ids, "max_tokens": n_out, "temperature": 0, "ignore_eos": True, "stream": True,
-                "model": args.model}
+        body = {
+            "prompt": ids,
+            "max_tokens": n_out,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "model": args.model,
+        }
     start = time.perf_counter()
     stamps, tokens, error = [], 0, None
     try:
@@ -57,8 +67,11 @@ async def one(session, args, ids: list[int], n_out: int) -> dict:
                     if "error" in event:
                         error = event["error"]["message"]
                         break
-                    n = len(event["output_ids"]) if "output_ids" in event else (
-                        1 if event["choices"][0].get("text") else 0)
+                    n = (
+                        len(event["output_ids"])
+                        if "output_ids" in event
+                        else (1 if event["choices"][0].get("text") else 0)
+                    )
                     if n:
                         stamps.append(time.perf_counter())
                         tokens += n
@@ -66,8 +79,15 @@ async def one(session, args, ids: list[int], n_out: int) -> dict:
         error = f"{type(e).__name__}: {e}"
     end = time.perf_counter()
     itl = [b - a for a, b in zip(stamps, stamps[1:])]
-    return {"start": start, "ttft": (stamps[0] - start) if stamps else None, "itl": itl, "e2e": end - start,
-            "input_len": len(ids), "output_tokens": tokens, "error": error}
+    return {
+        "start": start,
+        "ttft": (stamps[0] - start) if stamps else None,
+        "itl": itl,
+        "e2e": end - start,
+        "input_len": len(ids),
+        "output_tokens": tokens,
+        "error": error,
+    }
 
 
 async def run(args) -> list[dict]:
@@ -75,7 +95,10 @@ async def run(args) -> list[dict]:
     limit = asyncio.Semaphore(args.max_concurrency or len(requests))
     rng = random.Random(args.seed + 1)
     timeout = aiohttp.ClientTimeout(total=args.timeout_s)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+    async with aiohttp.ClientSession(
+        timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
+    ) as session:
+
         async def gated(ids, n_out):
             async with limit:
                 return await one(session, args, ids, n_out)
@@ -93,29 +116,44 @@ def percentiles(values: list[float]) -> dict:
         return {}
     values = sorted(values)
     pick = lambda q: values[min(len(values) - 1, int(q * len(values)))]
-    return {"mean": sum(values) / len(values), "p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
+    return {
+        "mean": sum(values) / len(values),
+        "p50": pick(0.5),
+        "p90": pick(0.9),
+        "p99": pick(0.99),
+    }
 
 
 def summarize(results: list[dict], wall: float) -> dict:
     ok = [r for r in results if r["error"] is None]
     out_tokens = sum(r["output_tokens"] for r in ok)
-    return {"requests": len(results), "failed": len(results) - len(ok), "duration_s": wall,
-            "request_throughput": len(ok) / wall, "output_token_throughput": out_tokens / wall,
-            "input_token_throughput": sum(r["input_len"] for r in ok) / wall,
-            "ttft_s": percentiles([r["ttft"] for r in ok if r["ttft"] is not None]),
-            "itl_s": percentiles([x for r in ok for x in r["itl"]]),
-            "e2e_s": percentiles([r["e2e"] for r in ok]),
-            "errors": sorted({r["error"] for r in results if r["error"]})[:5]}
+    return {
+        "requests": len(results),
+        "failed": len(results) - len(ok),
+        "duration_s": wall,
+        "request_throughput": len(ok) / wall,
+        "output_token_throughput": out_tokens / wall,
+        "input_token_throughput": sum(r["input_len"] for r in ok) / wall,
+        "ttft_s": percentiles([r["ttft"] for r in ok if r["ttft"] is not None]),
+        "itl_s": percentiles([x for r in ok for x in r["itl"]]),
+        "e2e_s": percentiles([r["e2e"] for r in ok]),
+        "errors": sorted({r["error"] for r in results if r["error"]})[:5],
+    }
 
 
 def print_table(summary: dict) -> None:
-    print(f"requests {summary['requests']} (failed {summary['failed']}) in {summary['duration_s']:.2f}s: "
-          f"{summary['request_throughput']:.2f} req/s, {summary['output_token_throughput']:.1f} output tok/s")
+    print(
+        f"requests {summary['requests']} (failed {summary['failed']}) in {summary['duration_s']:.2f}s: "
+        f"{summary['request_throughput']:.2f} req/s, {summary['output_token_throughput']:.1f} output tok/s"
+    )
     print(f"{'metric (ms)':<12} {'mean':>9} {'p50':>9} {'p90':>9} {'p99':>9}")
     for name in ("ttft_s", "itl_s", "e2e_s"):
         p = summary[name]
         if p:
-            print(f"{name[:-2]:<12} " + " ".join(f"{p[k] * 1e3:>9.2f}" for k in ("mean", "p50", "p90", "p99")))
+            print(
+                f"{name[:-2]:<12} "
+                + " ".join(f"{p[k] * 1e3:>9.2f}" for k in ("mean", "p50", "p90", "p99"))
+            )
     for e in summary["errors"]:
         print("error:", e)
 
@@ -130,12 +168,17 @@ def plot(results: list[dict], path: str) -> bool:
         return False
     ok = [r for r in results if r["error"] is None and r["ttft"] is not None]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for name, values in (("TTFT", [r["ttft"] for r in ok]), ("ITL", [x for r in ok for x in r["itl"]]),
-                         ("E2E", [r["e2e"] for r in ok])):
+    for name, values in (
+        ("TTFT", [r["ttft"] for r in ok]),
+        ("ITL", [x for r in ok for x in r["itl"]]),
+        ("E2E", [r["e2e"] for r in ok]),
+    ):
         values = sorted(v * 1e3 for v in values)
         if values:
             axes[0].plot(values, [i / len(values) for i in range(1, len(values) + 1)], label=name)
-    axes[0].set(xscale="log", xlabel="latency (ms)", ylabel="fraction of samples", title="latency CDF")
+    axes[0].set(
+        xscale="log", xlabel="latency (ms)", ylabel="fraction of samples", title="latency CDF"
+    )
     axes[0].legend()
     t0 = min((r["start"] for r in ok), default=0)
     axes[1].scatter([r["start"] - t0 for r in ok], [r["ttft"] * 1e3 for r in ok], s=6)
@@ -154,10 +197,19 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=100)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--range-ratio", type=float, default=0.5, help="random: lengths in [ratio*len, len]")
-    parser.add_argument("--vocab-size", type=int, default=500, help="prompt token ids are drawn below this")
+    parser.add_argument(
+        "--range-ratio", type=float, default=0.5, help="random: lengths in [ratio*len, len]"
+    )
+    parser.add_argument(
+        "--vocab-size", type=int, default=500, help="prompt token ids are drawn below this"
+    )
     parser.add_argument("--token-low", type=int, default=10)
-    parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all at once")
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests/s (Poisson); inf: all at once",
+    )
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument("--timeout-s", type=float, default=3600)
     parser.add_argument("--seed", type=int, default=0)
@@ -169,10 +221,20 @@ def main() -> None:
     print_table(summary)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"args": {k: v for k, v in vars(args).items() if k != "request_rate"} |
-                   {"request_rate": str(args.request_rate)}, "summary": summary, "requests": results}, f)
+        json.dump(
+            {
+                "args": {k: v for k, v in vars(args).items() if k != "request_rate"}
+                | {"request_rate": str(args.request_rate)},
+                "summary": summary,
+                "requests": results,
+            },
+            f,
+        )
     png = os.path.splitext(args.out)[0] + ".png"
-    print(f"wrote {args.out}" + (f" and {png}" if plot(results, png) else " (no plot: matplotlib missing)"))
+    print(
+        f"wrote {args.out}"
+        + (f" and {png}" if plot(results, png) else " (no plot: matplotlib missing)")
+    )
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ With every draft rejected the catch-up pass has one token per request, not up to
 bound on its cost. The EAGLE-3 draft is a Llama layer of hidden 7168, 56 heads of 128 (8 KV heads)
 and a 32000-token draft vocabulary. Prints a table and writes JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,8 +53,13 @@ def eagle3_dummy_dir(target_dir: str) -> str:
     with open(os.path.join(target_dir, "config.json")) as f:
         target = json.load(f)
     cfg = eagle3_config(target, 32000)  # reads three of the target's layers
-    cfg.update(num_attention_heads=56, num_key_value_heads=8, head_dim=128, intermediate_size=18432,
-               max_position_embeddings=target["max_position_embeddings"])
+    cfg.update(
+        num_attention_heads=56,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=18432,
+        max_position_embeddings=target["max_position_embeddings"],
+    )
     out = tempfile.mkdtemp(prefix="eagle3-shape-")
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
@@ -69,17 +75,29 @@ def step_ms(path: str, mode: str, batch: int, args, draft_dir: str | None) -> di
     if spec.get("speculative_algorithm") == "eagle3":
         spec["speculative_draft_model_path"] = draft_dir
     has_weights = any(name.endswith(".safetensors") for name in os.listdir(path))
-    kwargs = dict(device=args.device, load_format="auto" if has_weights else "dummy", load_progress=False,
-                  attention_backend=args.attention_backend, disable_cuda_graph=args.eager,
-                  cuda_graph_max_bs=batch, max_running_requests=batch,
-                  max_total_tokens=batch * (args.context + args.output_len + 64), **spec)
+    kwargs = dict(
+        device=args.device,
+        load_format="auto" if has_weights else "dummy",
+        load_progress=False,
+        attention_backend=args.attention_backend,
+        disable_cuda_graph=args.eager,
+        cuda_graph_max_bs=batch,
+        max_running_requests=batch,
+        max_total_tokens=batch * (args.context + args.output_len + 64),
+        **spec,
+    )
     rng = random.Random(0)
     with Engine(path, **kwargs) as engine:
         vocab = engine.model_config.vocab_size
         prompts = [[rng.randrange(vocab) for _ in range(args.context)] for _ in range(batch)]
-        engine.generate(input_ids=prompts, sampling_params=SamplingParams(max_new_tokens=8, ignore_eos=True))
+        engine.generate(
+            input_ids=prompts, sampling_params=SamplingParams(max_new_tokens=8, ignore_eos=True)
+        )
         params = SamplingParams(max_new_tokens=args.output_len, temperature=0, ignore_eos=True)
-        reqs = [engine.requests[engine.add_request(input_ids=p, sampling_params=params)] for p in prompts]
+        reqs = [
+            engine.requests[engine.add_request(input_ids=p, sampling_params=params)]
+            for p in prompts
+        ]
         while not all(r.output_ids for r in reqs):  # prompts (chunked), until every request decodes
             engine.step()
         before, steps = sum(len(r.output_ids) for r in reqs), 0
@@ -93,20 +111,33 @@ def step_ms(path: str, mode: str, batch: int, args, draft_dir: str | None) -> di
             engine.step()
         for r in reqs:
             engine.pop_result(r.rid)
-    return {"mode": mode, "batch": batch, "steps": steps, "step_ms": 1e3 * elapsed / steps,
-            "tokens_per_step": gained / (steps * batch)}
+    return {
+        "mode": mode,
+        "batch": batch,
+        "steps": steps,
+        "step_ms": 1e3 * elapsed / steps,
+        "tokens_per_step": gained / (steps * batch),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     model_args(parser)
-    parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
-    parser.add_argument("--modes", type=lambda s: s.split(","), default=["off", "mtp1", "mtp2", "naive", "eagle3"])
-    parser.add_argument("--model-path", help="a checkpoint (or config) directory instead of the DeepSeek-V3 shape")
+    parser.add_argument(
+        "--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32]
+    )
+    parser.add_argument(
+        "--modes", type=lambda s: s.split(","), default=["off", "mtp1", "mtp2", "naive", "eagle3"]
+    )
+    parser.add_argument(
+        "--model-path", help="a checkpoint (or config) directory instead of the DeepSeek-V3 shape"
+    )
     parser.add_argument("--draft-path", help="the EAGLE-3 draft of --model-path")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flashinfer"])
+    parser.add_argument(
+        "--attention-backend", default="auto", choices=["auto", "torch", "triton", "flashinfer"]
+    )
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--out", default="bench/results/spec_decode.json")
     args = parser.parse_args()
@@ -120,20 +151,37 @@ def main() -> None:
     print(f"{'mode':>9} {'batch':>5} {'step ms':>8} {'tokens/step':>11} {'break-even':>10}")
     for batch in args.batches:
         for mode in args.modes:
-            with multiprocessing.get_context("spawn").Pool(1) as pool:  # each engine's GPU memory goes with it
+            with multiprocessing.get_context("spawn").Pool(
+                1
+            ) as pool:  # each engine's GPU memory goes with it
                 row = pool.apply(step_ms, (path, mode, batch, args, draft_dir))
             if mode == "off":
                 plain[batch] = row["step_ms"]
             row["break_even"] = row["step_ms"] / plain[batch] if batch in plain else None
             rows.append(row)
             even = f"{row['break_even']:>10.2f}" if row["break_even"] else f"{'':>10}"
-            print(f"{mode:>9} {batch:>5} {row['step_ms']:>8.2f} {row['tokens_per_step']:>11.2f} {even}", flush=True)
+            print(
+                f"{mode:>9} {batch:>5} {row['step_ms']:>8.2f} {row['tokens_per_step']:>11.2f} {even}",
+                flush=True,
+            )
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-        json.dump({"device": device, "model": args.model_path or "deepseek-v3 shape", "layers": args.layers,
-                   "experts": args.experts, "context": args.context, "output_len": args.output_len, "eager": args.eager,
-                   "attention_backend": args.attention_backend, "rows": rows}, f, indent=2)
+        json.dump(
+            {
+                "device": device,
+                "model": args.model_path or "deepseek-v3 shape",
+                "layers": args.layers,
+                "experts": args.experts,
+                "context": args.context,
+                "output_len": args.output_len,
+                "eager": args.eager,
+                "attention_backend": args.attention_backend,
+                "rows": rows,
+            },
+            f,
+            indent=2,
+        )
     print(f"wrote {args.out}")
 
 

@@ -17,6 +17,7 @@ more routed experts than the decode's, and at batch 1 those experts' weights alo
 the triton backend both steps replay CUDA graphs (`--eager`: eager passes); CUDA events around
 `ModelRunner.forward`, median of the repeats.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,21 +38,51 @@ def deepseek_v3_config_dir(layers: int, experts: int) -> str:
 
     groups = max(1, min(8, experts // 4))
     cfg = tf.DeepseekV3Config(
-        vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
-        num_hidden_layers=layers, num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
-        n_routed_experts=experts, num_experts_per_tok=8, n_group=groups, topk_group=min(4, groups),
-        first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128,
-        v_head_dim=128, routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=163840,
+        vocab_size=129280,
+        hidden_size=7168,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        num_hidden_layers=layers,
+        num_attention_heads=128,
+        num_key_value_heads=128,
+        n_shared_experts=1,
+        n_routed_experts=experts,
+        num_experts_per_tok=8,
+        n_group=groups,
+        topk_group=min(4, groups),
+        first_k_dense_replace=1,
+        kv_lora_rank=512,
+        q_lora_rank=1536,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        max_position_embeddings=163840,
         architectures=["DeepseekV3ForCausalLM"],
-        rope_scaling={"type": "yarn", "rope_type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
-                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
+        rope_scaling={
+            "type": "yarn",
+            "rope_type": "yarn",
+            "factor": 40,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+    )
     out = tempfile.mkdtemp(prefix="dsv3-shape-")
     cfg.to_json_file(os.path.join(out, "config.json"))
     return out
 
 
-def dummy_runner(path: str, max_requests: int, context: int, attention_backend: str = "torch",
-                 graph_tokens: int = 0):
+def dummy_runner(
+    path: str,
+    max_requests: int,
+    context: int,
+    attention_backend: str = "torch",
+    graph_tokens: int = 0,
+):
     """(ModelRunner, KVCacheManager): the model of config dir `path` with random bf16 weights on the
     GPU, its pool sized for `max_requests` requests of `context` tokens (and a few drafts each); with
     the triton backend, steps of up to `graph_tokens` tokens replay CUDA graphs (0: all eager)."""
@@ -59,10 +90,17 @@ def dummy_runner(path: str, max_requests: int, context: int, attention_backend: 
     from dserve.runtime.model_runner import ModelRunner
     from dserve.scheduler.kv_manager import KVCacheManager
 
-    config = EngineConfig(path, device="cuda", dtype="bfloat16", load_format="dummy",
-                          max_total_tokens=max_requests * (context + 72), load_progress=False,
-                          attention_backend=attention_backend, cuda_graph_max_bs=max(graph_tokens, 1),
-                          disable_cuda_graph=not graph_tokens)
+    config = EngineConfig(
+        path,
+        device="cuda",
+        dtype="bfloat16",
+        load_format="dummy",
+        max_total_tokens=max_requests * (context + 72),
+        load_progress=False,
+        attention_backend=attention_backend,
+        cuda_graph_max_bs=max(graph_tokens, 1),
+        disable_cuda_graph=not graph_tokens,
+    )
     runner = ModelRunner(config)
     return runner, KVCacheManager(runner.num_pages, runner.pool.layout.page_size, False)
 
@@ -76,7 +114,9 @@ def step_batch(kv, batch_size: int, context: int, q_len: int):
         rid = f"r{i}"
         if rid not in kv.tables:
             assert kv.allocate_slots(rid, context + 8), "pool too small"
-        entries.append(Seq(rid, context, [100 + 7 * i + j for j in range(q_len)], list(range(q_len))))
+        entries.append(
+            Seq(rid, context, [100 + 7 * i + j for j in range(q_len)], list(range(q_len)))
+        )
     return assemble(entries, kv)
 
 
@@ -90,8 +130,12 @@ def model_args(parser: argparse.ArgumentParser, layers: int = 4) -> None:
 def timing_args(parser: argparse.ArgumentParser) -> None:
     """--repeats, --attention-backend, --eager: how the timed steps run."""
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--attention-backend", default="triton", choices=["torch", "triton", "flashinfer"])
-    parser.add_argument("--eager", action="store_true", help="no CUDA graphs (the triton backend replays them)")
+    parser.add_argument(
+        "--attention-backend", default="triton", choices=["torch", "triton", "flashinfer"]
+    )
+    parser.add_argument(
+        "--eager", action="store_true", help="no CUDA graphs (the triton backend replays them)"
+    )
 
 
 def uses_graphs(args) -> bool:
@@ -107,34 +151,69 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     model_args(parser)
     timing_args(parser)
-    parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
-    parser.add_argument("--drafts", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 3])
+    parser.add_argument(
+        "--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32]
+    )
+    parser.add_argument(
+        "--drafts", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 3]
+    )
     parser.add_argument("--out", default="bench/results/spec_verify.json")
     args = parser.parse_args()
 
     path = deepseek_v3_config_dir(args.layers, args.experts)
     graphs = uses_graphs(args)
-    runner, kv = dummy_runner(path, max(args.batches), args.context, args.attention_backend,
-                              max(args.batches) * (max(args.drafts) + 1) if graphs else 0)
+    runner, kv = dummy_runner(
+        path,
+        max(args.batches),
+        args.context,
+        args.attention_backend,
+        max(args.batches) * (max(args.drafts) + 1) if graphs else 0,
+    )
     from bench.decode_step import step_bytes
 
     rows = []
-    print(f"{'batch':>5} {'k':>3} {'decode ms':>10} {'verify ms':>10} {'ratio':>6} {'bytes ratio':>11}")
+    print(
+        f"{'batch':>5} {'k':>3} {'decode ms':>10} {'verify ms':>10} {'ratio':>6} {'bytes ratio':>11}"
+    )
     for b in args.batches:
         plain = step_batch(kv, b, args.context, 1)
         decode, decode_bytes = forward_ms(runner, plain, args.repeats), step_bytes(runner, plain)
         for k in args.drafts:
             batch = step_batch(kv, b, args.context, k + 1)
-            verify, verify_bytes = forward_ms(runner, batch, args.repeats), step_bytes(runner, batch)
-            rows.append({"batch": b, "k": k, "decode_ms": decode, "verify_ms": verify, "ratio": verify / decode,
-                         "bytes_ratio": verify_bytes / decode_bytes})
-            print(f"{b:>5} {k:>3} {decode:>10.2f} {verify:>10.2f} {verify / decode:>6.2f} "
-                  f"{verify_bytes / decode_bytes:>11.2f}")
+            verify, verify_bytes = (
+                forward_ms(runner, batch, args.repeats),
+                step_bytes(runner, batch),
+            )
+            rows.append(
+                {
+                    "batch": b,
+                    "k": k,
+                    "decode_ms": decode,
+                    "verify_ms": verify,
+                    "ratio": verify / decode,
+                    "bytes_ratio": verify_bytes / decode_bytes,
+                }
+            )
+            print(
+                f"{b:>5} {k:>3} {decode:>10.2f} {verify:>10.2f} {verify / decode:>6.2f} "
+                f"{verify_bytes / decode_bytes:>11.2f}"
+            )
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "layers": args.layers, "experts": args.experts,
-                   "context": args.context, "parameter_bytes": runner.parameter_bytes,
-                   "attention_backend": args.attention_backend, "cuda_graphs": graphs, "rows": rows}, f, indent=2)
+        json.dump(
+            {
+                "device": torch.cuda.get_device_name(),
+                "layers": args.layers,
+                "experts": args.experts,
+                "context": args.context,
+                "parameter_bytes": runner.parameter_bytes,
+                "attention_backend": args.attention_backend,
+                "cuda_graphs": graphs,
+                "rows": rows,
+            },
+            f,
+            indent=2,
+        )
     print(f"wrote {args.out}")
 
 

@@ -8,6 +8,7 @@ share of the summed kernel time. The step's time replayed from a CUDA graph is p
 sum: the difference is time the GPU spends between kernels and waiting for the host, whose time
 to pack the inputs and launch the replay is printed too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,12 +46,19 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--q-len", type=int, default=1)
     parser.add_argument("--top", type=int, default=15)
-    parser.add_argument("--host-profile", action="store_true", help="also cProfile the host side of 50 steps")
+    parser.add_argument(
+        "--host-profile", action="store_true", help="also cProfile the host side of 50 steps"
+    )
     args = parser.parse_args()
 
     tokens = args.batch * args.q_len
-    runner, kv = dummy_runner(deepseek_v3_config_dir(args.layers, args.experts), args.batch, args.context,
-                              "triton", tokens)
+    runner, kv = dummy_runner(
+        deepseek_v3_config_dir(args.layers, args.experts),
+        args.batch,
+        args.context,
+        "triton",
+        tokens,
+    )
     batch = step_batch(kv, args.batch, args.context, args.q_len)
     times = kernel_times(runner, batch)
     total = sum(us for _, us in times.values())
@@ -71,10 +79,12 @@ def main() -> None:
                 torch.cuda.synchronize()
         pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
     print(f"{'kernel':<60} {'calls':>5} {'us':>8} {'share':>6}")
-    for name, (calls, us) in sorted(times.items(), key=lambda kv: -kv[1][1])[:args.top]:
+    for name, (calls, us) in sorted(times.items(), key=lambda kv: -kv[1][1])[: args.top]:
         print(f"{name[:60]:<60} {calls:>5} {us:>8.1f} {us / total:>6.1%}")
-    print(f"batch {args.batch} x {args.q_len} tokens: kernels {total:.0f} us in {sum(c for c, _ in times.values())} "
-          f"launches; replayed step {step:.0f} us, of which host {statistics.median(host):.0f} us")
+    print(
+        f"batch {args.batch} x {args.q_len} tokens: kernels {total:.0f} us in {sum(c for c, _ in times.values())} "
+        f"launches; replayed step {step:.0f} us, of which host {statistics.median(host):.0f} us"
+    )
 
 
 if __name__ == "__main__":

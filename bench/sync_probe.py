@@ -6,6 +6,7 @@ Runs one warm decode step of the DeepSeek-V3-shaped model (`load_format=dummy`) 
 `torch.cuda.set_sync_debug_mode("warn")` and prints the Python line of every synchronizing CUDA
 operation it sees (torch's detector is a prototype: it may miss some).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,11 +21,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     model_args(parser, layers=2)
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--attention-backend", default="triton", choices=["torch", "triton", "flashinfer"])
+    parser.add_argument(
+        "--attention-backend", default="triton", choices=["torch", "triton", "flashinfer"]
+    )
     args = parser.parse_args()
 
-    runner, kv = dummy_runner(deepseek_v3_config_dir(args.layers, args.experts), args.batch, args.context,
-                              args.attention_backend)
+    runner, kv = dummy_runner(
+        deepseek_v3_config_dir(args.layers, args.experts),
+        args.batch,
+        args.context,
+        args.attention_backend,
+    )
     batch = step_batch(kv, args.batch, args.context, 1).to(torch.device("cuda"))
     runner.forward(batch)  # compile and warm up
     torch.cuda.synchronize()
@@ -36,7 +43,9 @@ def main() -> None:
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     for w in syncs:
         print(f"sync: {w.filename}:{w.lineno}")
-    print(f"{len(syncs)} synchronizing operation(s) in one decode step ({args.attention_backend} backend)")
+    print(
+        f"{len(syncs)} synchronizing operation(s) in one decode step ({args.attention_backend} backend)"
+    )
 
 
 if __name__ == "__main__":

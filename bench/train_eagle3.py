@@ -14,6 +14,7 @@ layout, then measured with the engine:
 prints the losses, then decode tokens/s and the mean acceptance length with speculation off and
 with EAGLE-3 at 1, 2 and 3 draft steps, and writes JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,7 +39,9 @@ class Eagle3Head(nn.Module):
 
         h, eps, heads = cfg["hidden_size"], cfg["rms_norm_eps"], cfg["num_attention_heads"]
         llama = transformers.LlamaConfig(**{k: v for k, v in cfg.items() if k != "eagle_config"})
-        wide = transformers.LlamaConfig(**{**llama.to_dict(), "hidden_size": 2 * h, "head_dim": h // heads})
+        wide = transformers.LlamaConfig(
+            **{**llama.to_dict(), "hidden_size": 2 * h, "head_dim": h // heads}
+        )
         wide._attn_implementation = "sdpa"  # causal without a mask
         self.fc = nn.Linear(3 * cfg["target_hidden_size"], h, bias=False)
         self.input_layernorm, self.hidden_norm = RMSNorm(h, eps), RMSNorm(h, eps)
@@ -54,7 +57,10 @@ class Eagle3Head(nn.Module):
         hidden = self.fc(aux)
         x = torch.cat([self.input_layernorm(emb_next), self.hidden_norm(hidden)], dim=-1)
         pos = torch.arange(x.shape[1])[None]
-        residual = hidden + self.self_attn(x, position_embeddings=self.rotary(x, pos), attention_mask=None)[0]
+        residual = (
+            hidden
+            + self.self_attn(x, position_embeddings=self.rotary(x, pos), attention_mask=None)[0]
+        )
         y = residual + self.mlp(self.post_attention_layernorm(residual))
         return self.lm_head(self.norm(y))
 
@@ -62,7 +68,15 @@ class Eagle3Head(nn.Module):
         """The weights under the public checkpoint's keys (the layer's under `midlayer.`)."""
         out = {}
         for name, t in self.state_dict().items():
-            if name.startswith(("self_attn.", "mlp.", "input_layernorm.", "hidden_norm.", "post_attention_layernorm.")):
+            if name.startswith(
+                (
+                    "self_attn.",
+                    "mlp.",
+                    "input_layernorm.",
+                    "hidden_norm.",
+                    "post_attention_layernorm.",
+                )
+            ):
                 out["midlayer." + name] = t
             elif not name.startswith("rotary."):
                 out[name] = t
@@ -76,25 +90,35 @@ class Eagle3Head(nn.Module):
         with open(os.path.join(path, "config.json")) as f:
             head = cls(json.load(f))
         tensors = load_file(os.path.join(path, "model.safetensors"))
-        head.load_state_dict({k.removeprefix("midlayer."): v for k, v in tensors.items() if k not in ("d2t", "t2d")})
+        head.load_state_dict(
+            {k.removeprefix("midlayer."): v for k, v in tensors.items() if k not in ("d2t", "t2d")}
+        )
         return head.eval()
 
 
-def train_eagle3(target_dir: str, out: str, steps: int, seed: int = 0, draft_vocab: int = 256, log=print) -> dict:
+def train_eagle3(
+    target_dir: str, out: str, steps: int, seed: int = 0, draft_vocab: int = 256, log=print
+) -> dict:
     import transformers
 
     torch.manual_seed(seed)
     transformers.logging.set_verbosity_error()
-    target = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    target = transformers.AutoModelForCausalLM.from_pretrained(
+        target_dir, dtype=torch.float32
+    ).eval()
     target.requires_grad_(False)
     cfg = eagle3_config(target.config.to_dict(), draft_vocab)
     aux_ids = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     sample = corpus(24, seed)  # the target's corpus: same seed, same phrases
     counts = Counter(t for _ in range(64) for t in sample(64))
     hot = torch.tensor(sorted(t for t, _ in counts.most_common(draft_vocab)))
-    hot = torch.cat([hot, torch.tensor([t for t in range(cfg["vocab_size"]) if t not in set(hot.tolist())])])
+    hot = torch.cat(
+        [hot, torch.tensor([t for t in range(cfg["vocab_size"]) if t not in set(hot.tolist())])]
+    )
     hot = hot[:draft_vocab].sort().values
-    to_draft = torch.full((cfg["vocab_size"],), -100, dtype=torch.long)  # -100: not in the draft vocabulary
+    to_draft = torch.full(
+        (cfg["vocab_size"],), -100, dtype=torch.long
+    )  # -100: not in the draft vocabulary
     to_draft[hot] = torch.arange(draft_vocab)
     head = Eagle3Head(cfg)
     opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
@@ -128,10 +152,13 @@ def main() -> None:
     sample = corpus(24, 0)  # the phrases the target learned
     prompts = [sample(12) for _ in range(8)]
     draft = {"speculative_algorithm": "eagle3", "speculative_draft_model_path": args.out}
-    rows = (measure(args.target, prompts, speculative=draft)
-            + measure(args.target, prompts, (1, 3), speculative=draft, topk=4)[1:]
-            + measure(args.target, prompts, (1,), speculative=draft, naive=True)[1:])
+    rows = (
+        measure(args.target, prompts, speculative=draft)
+        + measure(args.target, prompts, (1, 3), speculative=draft, topk=4)[1:]
+        + measure(args.target, prompts, (1,), speculative=draft, naive=True)[1:]
+    )
     report("eagle3", rows, info, args.json)
+
 
 if __name__ == "__main__":
     main()

@@ -14,6 +14,7 @@ with speculation off, with MTP at 1, 2 and 3 draft steps, a draft tree (3 steps,
 naive fused step, and writes JSON. bench/train_eagle3.py
 trains an EAGLE-3 draft for the same target and measures it the same way.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,17 +61,22 @@ class NextN(nn.Module):
 def corpus(num_phrases: int, seed: int):
     """A sampler of token sequences made of `num_phrases` fixed phrases strung together at random."""
     rng = random.Random(seed)
-    phrases = [[rng.randrange(10, VOCAB) for _ in range(rng.randrange(4, 9))] for _ in range(num_phrases)]
+    phrases = [
+        [rng.randrange(10, VOCAB) for _ in range(rng.randrange(4, 9))] for _ in range(num_phrases)
+    ]
 
     def sample(n: int) -> list[int]:
         out = []
         while len(out) < n:
             out += rng.choice(phrases)
         return out[:n]
+
     return sample
 
 
-def train(arch: str, out: str, steps: int, seed: int = 0, log=print, shapes: dict | None = None) -> dict:
+def train(
+    arch: str, out: str, steps: int, seed: int = 0, log=print, shapes: dict | None = None
+) -> dict:
     """Train and write the checkpoint; `shapes` overrides fields of the tiny config (e.g. attention
     dims a kernel library needs). Returns the losses and held-out prompts."""
     torch.manual_seed(seed)
@@ -90,7 +96,9 @@ def train(arch: str, out: str, steps: int, seed: int = 0, log=print, shapes: dic
     losses = []
     for step in range(steps):
         ids = torch.tensor([sample(64) for _ in range(16)])
-        hidden = target.model(ids).last_hidden_state  # after the final norm, as the engine hands over
+        hidden = target.model(
+            ids
+        ).last_hidden_state  # after the final norm, as the engine hands over
         lm = ce(target.lm_head(hidden[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
         draft = nextn(target.model.embed_tokens(ids[:, 1:]), hidden[:, :-1].detach())
         mtp = ce(draft[:, :-1].flatten(0, 1), ids[:, 2:].flatten())
@@ -104,16 +112,36 @@ def train(arch: str, out: str, steps: int, seed: int = 0, log=print, shapes: dic
     os.makedirs(out, exist_ok=True)
     target.save_pretrained(out, max_shard_size="300KB")
     tokenizer.save_pretrained(out)
-    append_mtp_layer(out, donor, {
-        "enorm.weight": nextn.enorm.weight, "hnorm.weight": nextn.hnorm.weight,
-        "eh_proj.weight": nextn.eh_proj.weight, "shared_head.norm.weight": nextn.norm.weight,
-        "shared_head.head.weight": nextn.head.weight, "embed_tokens.weight": target.model.embed_tokens.weight})
-    return {"arch": arch, "steps": steps, "final_target_loss": losses[-1][0], "final_draft_loss": losses[-1][1],
-            "prompts": [sample(12) for _ in range(8)]}
+    append_mtp_layer(
+        out,
+        donor,
+        {
+            "enorm.weight": nextn.enorm.weight,
+            "hnorm.weight": nextn.hnorm.weight,
+            "eh_proj.weight": nextn.eh_proj.weight,
+            "shared_head.norm.weight": nextn.norm.weight,
+            "shared_head.head.weight": nextn.head.weight,
+            "embed_tokens.weight": target.model.embed_tokens.weight,
+        },
+    )
+    return {
+        "arch": arch,
+        "steps": steps,
+        "final_target_loss": losses[-1][0],
+        "final_draft_loss": losses[-1][1],
+        "prompts": [sample(12) for _ in range(8)],
+    }
 
 
-def measure(path: str, prompts: list[list[int]], steps_list=(1, 2, 3), max_new_tokens: int = 48,
-            speculative: dict | None = None, topk: int = 1, naive: bool = False) -> list[dict]:
+def measure(
+    path: str,
+    prompts: list[list[int]],
+    steps_list=(1, 2, 3),
+    max_new_tokens: int = 48,
+    speculative: dict | None = None,
+    topk: int = 1,
+    naive: bool = False,
+) -> list[dict]:
     """Mean acceptance length (tokens per verify) and tokens/s per draft-step count (draft trees of
     `topk` branches per pass; `naive`: the fused one-call step); output checked equal to the plain
     engine's. `speculative`: the Engine's draft arguments (default: MTP)."""
@@ -126,12 +154,25 @@ def measure(path: str, prompts: list[list[int]], steps_list=(1, 2, 3), max_new_t
     seconds = time.perf_counter() - start
     plain.shutdown()
     tokens = sum(map(len, expected))
-    rows = [{"steps": 0, "topk": 0, "naive": False, "accept_length": 1.0,  # speculation off
-             "tokens_per_s": tokens / seconds}]
+    rows = [
+        {
+            "steps": 0,
+            "topk": 0,
+            "naive": False,
+            "accept_length": 1.0,  # speculation off
+            "tokens_per_s": tokens / seconds,
+        }
+    ]
     for steps in steps_list:
-        engine = Engine(path, device="cpu", load_progress=False, speculative_num_steps=steps,
-                        speculative_eagle_topk=topk, speculative_naive=naive,
-                        **(speculative or {"speculative_algorithm": "mtp"}))
+        engine = Engine(
+            path,
+            device="cpu",
+            load_progress=False,
+            speculative_num_steps=steps,
+            speculative_eagle_topk=topk,
+            speculative_naive=naive,
+            **(speculative or {"speculative_algorithm": "mtp"}),
+        )
         start = time.perf_counter()
         got = engine.generate(input_ids=prompts, sampling_params=params)
         seconds = time.perf_counter() - start
@@ -140,8 +181,15 @@ def measure(path: str, prompts: list[list[int]], steps_list=(1, 2, 3), max_new_t
             raise AssertionError(f"speculation with {steps} steps changed the output")
         tokens = sum(len(r.output_ids) for r in got)
         verifies = sum(r.meta["spec_verify_ct"] for r in got)
-        rows.append({"steps": steps, "topk": topk, "naive": naive, "accept_length": tokens / verifies,
-                     "tokens_per_s": tokens / seconds})
+        rows.append(
+            {
+                "steps": steps,
+                "topk": topk,
+                "naive": naive,
+                "accept_length": tokens / verifies,
+                "tokens_per_s": tokens / seconds,
+            }
+        )
     return rows
 
 
@@ -153,8 +201,11 @@ def main() -> None:
     parser.add_argument("--json", default="bench/results/train_mtp.json")
     args = parser.parse_args()
     info = train(args.arch, args.out, args.steps)
-    rows = (measure(args.out, info["prompts"]) + measure(args.out, info["prompts"], (3,), topk=4)[1:]
-            + measure(args.out, info["prompts"], (1,), naive=True)[1:])
+    rows = (
+        measure(args.out, info["prompts"])
+        + measure(args.out, info["prompts"], (3,), topk=4)[1:]
+        + measure(args.out, info["prompts"], (1,), naive=True)[1:]
+    )
     report("mtp", rows, info, args.json)
 
 

@@ -7,6 +7,7 @@ Timing: the receiver posts its receive and says so over a pipe; the sender notes
 the receiver notes when its receive completed. Both clocks are `time.perf_counter` (CLOCK_MONOTONIC),
 one clock across processes of a host.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -82,14 +83,20 @@ def _sender(conn, device: str, sizes: list[int], repeats: int, env: dict, result
     asyncio.run(main())
 
 
-def bare_ucx_seconds(device: str, sizes: list[int], repeats: int, env: dict | None = None) -> dict[int, list[float]]:
+def bare_ucx_seconds(
+    device: str, sizes: list[int], repeats: int, env: dict | None = None
+) -> dict[int, list[float]]:
     """Seconds of each bare send of each size in `sizes` (bytes), `repeats` per size."""
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
     results = ctx.Queue()
     devices = ("cuda:0", "cuda:1") if device == "cuda" else ("cpu", "cpu")
-    procs = [ctx.Process(target=_sender, args=(a, devices[0], sizes, repeats, env or {}, results), daemon=True),
-             ctx.Process(target=_receiver, args=(b, devices[1], sizes, repeats, env or {}), daemon=True)]
+    procs = [
+        ctx.Process(
+            target=_sender, args=(a, devices[0], sizes, repeats, env or {}, results), daemon=True
+        ),
+        ctx.Process(target=_receiver, args=(b, devices[1], sizes, repeats, env or {}), daemon=True),
+    ]
     for p in procs:
         p.start()
     try:
@@ -105,11 +112,20 @@ if __name__ == "__main__":
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", choices=["cpu", "cuda"],
-                        default="cuda" if torch.cuda.device_count() >= 2 else "cpu")
-    parser.add_argument("--sizes-mib", type=lambda s: [int(x) for x in s.split(",")], default=[1, 64, 1024])
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cuda" if torch.cuda.device_count() >= 2 else "cpu",
+    )
+    parser.add_argument(
+        "--sizes-mib", type=lambda s: [int(x) for x in s.split(",")], default=[1, 64, 1024]
+    )
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
-    for n, times in bare_ucx_seconds(args.device, [m << 20 for m in args.sizes_mib], args.repeats).items():
-        print(f"{n / 2**20:>8.0f} MiB  best {min(times) * 1e3:7.3f} ms  "
-              f"median {statistics.median(times) * 1e3:7.3f} ms  {n / min(times) / 1e9:7.1f} GB/s best")
+    for n, times in bare_ucx_seconds(
+        args.device, [m << 20 for m in args.sizes_mib], args.repeats
+    ).items():
+        print(
+            f"{n / 2**20:>8.0f} MiB  best {min(times) * 1e3:7.3f} ms  "
+            f"median {statistics.median(times) * 1e3:7.3f} ms  {n / min(times) / 1e9:7.1f} GB/s best"
+        )

@@ -3,6 +3,7 @@
 A family supplies only its attention module (`attention_cls`); the rest (norms, dense MLP or MoE
 per layer, embedding, final norm, LM head) is common to DeepSeek-V2/V3 and GLM-4.5.
 """
+
 from __future__ import annotations
 
 import re
@@ -31,10 +32,15 @@ class DecoderLayer(nn.Module):
         self.self_attn = attention_cls(cfg, layer_id, ctx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ctx = ctx
-        self.mlp = (MoE(cfg, ctx) if cfg.is_moe_layer(layer_id)
-                    else GatedMLP(cfg.hidden_size, cfg.intermediate_size, ctx.mlp))
+        self.mlp = (
+            MoE(cfg, ctx)
+            if cfg.is_moe_layer(layer_id)
+            else GatedMLP(cfg.hidden_size, cfg.intermediate_size, ctx.mlp)
+        )
 
-    def forward(self, hidden: torch.Tensor, cos_sin, backend: AttentionBackend, batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, cos_sin, backend: AttentionBackend, batch: ForwardBatch
+    ) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(hidden), cos_sin, backend)
         normed, residual = self.post_attention_layernorm.add_and_norm(attn, hidden)
         # MLP/MoE span every rank: with DP attention, gather all groups' tokens, keep ours after
@@ -48,7 +54,7 @@ class DecoderLayer(nn.Module):
             return suffix, None
         for name in ("self_attn", "mlp"):
             if suffix.startswith(name + "."):
-                return prefixed(name + ".", getattr(self, name).map_key(suffix[len(name) + 1:]))
+                return prefixed(name + ".", getattr(self, name).map_key(suffix[len(name) + 1 :]))
         return None
 
 
@@ -60,8 +66,12 @@ class CausalLM(nn.Module):
         self.cfg, self.ctx = cfg, ctx
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.attn)
         self.rotary = RotaryEmbedding(cfg.rope)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.attention_cls, ctx) for i in range(cfg.num_hidden_layers))
-        for layer in self.layers:  # one rotary table shared by every attention layer, not a submodule of each
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, self.attention_cls, ctx) for i in range(cfg.num_hidden_layers)
+        )
+        for layer in (
+            self.layers
+        ):  # one rotary table shared by every attention layer, not a submodule of each
             object.__setattr__(layer.self_attn, "_rotary", self.rotary)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.tie_word_embeddings:
@@ -73,8 +83,9 @@ class CausalLM(nn.Module):
         """Hidden states after the final norm for every new token of the batch, [T, hidden]."""
         return self.forward_with_aux(batch, backend, ())[0]
 
-    def forward_with_aux(self, batch: ForwardBatch, backend: AttentionBackend,
-                         aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward_with_aux(
+        self, batch: ForwardBatch, backend: AttentionBackend, aux_layers: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The final hidden states, and the outputs of layers `aux_layers` (-1: the embedding)
         side by side, [T, len(aux_layers) * hidden] (None when none are asked for)."""
         backend.plan(batch)

@@ -4,6 +4,7 @@ Published checkpoints spell the same thing several ways (`rope_scaling` + `rope_
 files, `rope_parameters` in transformers 5; `n_routed_experts` or `num_experts`); this module
 normalises them so the layers read one set of names.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,7 +20,9 @@ class RopeConfig:
     theta: float = 10000.0
     rope_type: str = "default"
     rotary_dim: int = 64
-    interleaved: bool = False  # DeepSeek: pairs (x0,x1),(x2,x3)...; GLM: rotate-half over the first rotary_dim
+    interleaved: bool = (
+        False  # DeepSeek: pairs (x0,x1),(x2,x3)...; GLM: rotate-half over the first rotary_dim
+    )
     factor: float = 1.0
     original_max_position_embeddings: int = 4096
     beta_fast: float = 32.0
@@ -69,7 +72,9 @@ class ModelConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     norm_topk_prob: bool = False
-    scoring_func: str = "sigmoid"  # "sigmoid" (V3, GLM) with e_score_correction_bias, "softmax" (V2)
+    scoring_func: str = (
+        "sigmoid"  # "sigmoid" (V3, GLM) with e_score_correction_bias, "softmax" (V2)
+    )
     topk_method: str = "noaux_tc"  # "noaux_tc" (V3, GLM), "greedy" / "group_limited_greedy" (V2)
     num_nextn_predict_layers: int = 0
     bos_token_id: int | None = None
@@ -91,8 +96,12 @@ class ModelConfig:
     def softmax_scale(self) -> float:
         """Attention softmax scale, including DeepSeek YaRN's mscale^2 correction."""
         dim = self.qk_head_dim if self.attention_kind == "mla" else self.head_dim
-        scale = dim ** -0.5
-        if self.attention_kind == "mla" and self.rope.rope_type == "yarn" and self.rope.mscale_all_dim:
+        scale = dim**-0.5
+        if (
+            self.attention_kind == "mla"
+            and self.rope.rope_type == "yarn"
+            and self.rope.mscale_all_dim
+        ):
             m = yarn_get_mscale(self.rope.factor, self.rope.mscale_all_dim)
             scale = scale * m * m
         return scale
@@ -117,11 +126,18 @@ def _rope_config(raw: dict[str, Any], rotary_dim: int, interleaved: bool) -> Rop
     if rope_type == "yarn" and factor is None:
         factor = raw["max_position_embeddings"] / orig
     return RopeConfig(
-        theta=float(theta), rope_type=rope_type, rotary_dim=rotary_dim, interleaved=interleaved,
-        factor=float(factor or 1.0), original_max_position_embeddings=int(orig),
-        beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
-        mscale=params.get("mscale"), mscale_all_dim=params.get("mscale_all_dim"),
-        attention_factor=params.get("attention_factor"), truncate=params.get("truncate", True),
+        theta=float(theta),
+        rope_type=rope_type,
+        rotary_dim=rotary_dim,
+        interleaved=interleaved,
+        factor=float(factor or 1.0),
+        original_max_position_embeddings=int(orig),
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        mscale=params.get("mscale"),
+        mscale_all_dim=params.get("mscale_all_dim"),
+        attention_factor=params.get("attention_factor"),
+        truncate=params.get("truncate", True),
     )
 
 
@@ -135,24 +151,33 @@ def _eos_ids(raw: dict[str, Any]) -> tuple[int, ...]:
 def _common(raw: dict[str, Any], arch: str) -> dict[str, Any]:
     n_experts = raw.get("n_routed_experts", raw.get("num_experts")) or 0
     return dict(
-        architecture=arch, model_type=raw.get("model_type", ""), vocab_size=raw["vocab_size"],
-        hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
-        num_hidden_layers=raw["num_hidden_layers"], num_attention_heads=raw["num_attention_heads"],
+        architecture=arch,
+        model_type=raw.get("model_type", ""),
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_hidden_layers=raw["num_hidden_layers"],
+        num_attention_heads=raw["num_attention_heads"],
         num_key_value_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
         rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
         max_position_embeddings=raw.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        hidden_act=raw.get("hidden_act", "silu"), attention_bias=bool(raw.get("attention_bias", False)),
-        n_routed_experts=n_experts, n_shared_experts=raw.get("n_shared_experts") or 0,
+        hidden_act=raw.get("hidden_act", "silu"),
+        attention_bias=bool(raw.get("attention_bias", False)),
+        n_routed_experts=n_experts,
+        n_shared_experts=raw.get("n_shared_experts") or 0,
         moe_intermediate_size=raw.get("moe_intermediate_size") or 0,
         num_experts_per_tok=raw.get("num_experts_per_tok") or 0,
         first_k_dense_replace=raw.get("first_k_dense_replace") or 0,
         moe_layer_freq=raw.get("moe_layer_freq") or 1,
-        n_group=raw.get("n_group") or 1, topk_group=raw.get("topk_group") or 1,
+        n_group=raw.get("n_group") or 1,
+        topk_group=raw.get("topk_group") or 1,
         routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0),
         norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
         num_nextn_predict_layers=raw.get("num_nextn_predict_layers") or 0,
-        bos_token_id=raw.get("bos_token_id"), eos_token_ids=_eos_ids(raw), raw=raw,
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=_eos_ids(raw),
+        raw=raw,
     )
 
 
@@ -162,10 +187,16 @@ def parse_deepseek(raw: dict[str, Any], arch: str) -> ModelConfig:
     topk_method = raw.get("topk_method", "greedy" if is_v2 else "noaux_tc")
     scoring = raw.get("scoring_func", "softmax" if is_v2 else "sigmoid")
     return ModelConfig(
-        **_common(raw, arch), rope=rope, attention_kind="mla", q_lora_rank=raw.get("q_lora_rank"),
-        kv_lora_rank=raw["kv_lora_rank"], qk_nope_head_dim=raw["qk_nope_head_dim"],
-        qk_rope_head_dim=raw["qk_rope_head_dim"], v_head_dim=raw["v_head_dim"],
-        scoring_func=scoring, topk_method=topk_method,
+        **_common(raw, arch),
+        rope=rope,
+        attention_kind="mla",
+        q_lora_rank=raw.get("q_lora_rank"),
+        kv_lora_rank=raw["kv_lora_rank"],
+        qk_nope_head_dim=raw["qk_nope_head_dim"],
+        qk_rope_head_dim=raw["qk_rope_head_dim"],
+        v_head_dim=raw["v_head_dim"],
+        scoring_func=scoring,
+        topk_method=topk_method,
     )
 
 
@@ -175,14 +206,21 @@ def parse_glm4_moe(raw: dict[str, Any], arch: str) -> ModelConfig:
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.5))
     rope = _rope_config(raw, int(head_dim * partial), interleaved=False)
     return ModelConfig(
-        **_common(raw, arch), rope=rope, attention_kind="mha", head_dim=head_dim,
-        use_qk_norm=bool(raw.get("use_qk_norm", False)), scoring_func="sigmoid", topk_method="noaux_tc",
+        **_common(raw, arch),
+        rope=rope,
+        attention_kind="mha",
+        head_dim=head_dim,
+        use_qk_norm=bool(raw.get("use_qk_norm", False)),
+        scoring_func="sigmoid",
+        topk_method="noaux_tc",
     )
 
 
 def load_raw_config(model_path: str) -> dict[str, Any]:
     path = os.path.join(model_path, "config.json")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"no config.json in {model_path!r}: is it a Hugging Face checkpoint directory?")
+        raise FileNotFoundError(
+            f"no config.json in {model_path!r}: is it a Hugging Face checkpoint directory?"
+        )
     with open(path) as f:
         return json.load(f)

@@ -4,6 +4,7 @@ The cache holds per token the normalised compressed KV `c_kv` (kv_lora_rank) and
 key `k_pe` (qk_rope_head_dim). Queries are absorbed into latent space through kv_b_proj's key half,
 and the attention output leaves it through the value half, so no per-head K/V is ever materialised.
 """
+
 from __future__ import annotations
 
 import torch
@@ -11,8 +12,13 @@ from torch import nn
 
 from dserve.models.base import CausalLM
 from dserve.models.config import ModelConfig
-from dserve.models.layers.linear import (ColumnParallelLinear, MergedColumnLinear, Part, ReplicatedLinear,
-                                         RowParallelLinear)
+from dserve.models.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnLinear,
+    Part,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from dserve.models.layers.norm import RMSNorm
 from dserve.models.parallel import ParallelContext
 
@@ -28,30 +34,52 @@ class MLAttention(nn.Module):
         qk = cfg.qk_head_dim
         if cfg.q_lora_rank:
             # q_a_proj and kv_a_proj_with_mqa both read the hidden state: one replicated matmul.
-            self.fused_qkv_a_proj = MergedColumnLinear(cfg.hidden_size, [
-                Part("q_a", 0, cfg.q_lora_rank, 0, cfg.q_lora_rank),
-                Part("kv_a", cfg.q_lora_rank, latent, 0, latent)], bias=cfg.attention_bias)
+            self.fused_qkv_a_proj = MergedColumnLinear(
+                cfg.hidden_size,
+                [
+                    Part("q_a", 0, cfg.q_lora_rank, 0, cfg.q_lora_rank),
+                    Part("kv_a", cfg.q_lora_rank, latent, 0, latent),
+                ],
+                bias=cfg.attention_bias,
+            )
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)
-            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, cfg.num_attention_heads * qk, tp=tp)
+            self.q_b_proj = ColumnParallelLinear(
+                cfg.q_lora_rank, cfg.num_attention_heads * qk, tp=tp
+            )
         else:
             self.q_proj = ColumnParallelLinear(cfg.hidden_size, cfg.num_attention_heads * qk, tp=tp)
-            self.kv_a_proj_with_mqa = ReplicatedLinear(cfg.hidden_size, latent, bias=cfg.attention_bias)
+            self.kv_a_proj_with_mqa = ReplicatedLinear(
+                cfg.hidden_size, latent, bias=cfg.attention_bias
+            )
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)
         self.kv_b_proj = ColumnParallelLinear(
-            cfg.kv_lora_rank, cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), tp=tp)
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.v_head_dim, cfg.hidden_size,
-                                        bias=cfg.attention_bias, tp=tp)
+            cfg.kv_lora_rank,
+            cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+            tp=tp,
+        )
+        self.o_proj = RowParallelLinear(
+            cfg.num_attention_heads * cfg.v_head_dim,
+            cfg.hidden_size,
+            bias=cfg.attention_bias,
+            tp=tp,
+        )
         self.scale = cfg.softmax_scale
 
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        w = self.kv_b_proj.weight.view(self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
-        return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim:]  # W_UK [H,N,R], W_UV [H,V,R]
+        w = self.kv_b_proj.weight.view(
+            self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank
+        )
+        return w[:, : cfg.qk_nope_head_dim], w[
+            :, cfg.qk_nope_head_dim :
+        ]  # W_UK [H,N,R], W_UV [H,V,R]
 
     def forward(self, x: torch.Tensor, cos_sin, backend) -> torch.Tensor:
         cfg, rotary = self.cfg, self._rotary
         if cfg.q_lora_rank:
-            q_a, kv_a = self.fused_qkv_a_proj(x).split([cfg.q_lora_rank, cfg.kv_lora_rank + cfg.qk_rope_head_dim], -1)
+            q_a, kv_a = self.fused_qkv_a_proj(x).split(
+                [cfg.q_lora_rank, cfg.kv_lora_rank + cfg.qk_rope_head_dim], -1
+            )
             q = self.q_b_proj(self.q_a_layernorm(q_a))
         else:
             q, kv_a = self.q_proj(x), self.kv_a_proj_with_mqa(x)
@@ -72,11 +100,16 @@ class MLAttention(nn.Module):
         if self.cfg.q_lora_rank:
             for name, shard in (("q_a_proj", "q_a"), ("kv_a_proj_with_mqa", "kv_a")):
                 if suffix.startswith(name + "."):
-                    return "fused_qkv_a_proj." + suffix[len(name) + 1:], shard
+                    return "fused_qkv_a_proj." + suffix[len(name) + 1 :], shard
             names = ("q_a_layernorm.weight", "q_b_proj.weight")
         else:
             names = ("q_proj.weight", "kv_a_proj_with_mqa.weight", "kv_a_proj_with_mqa.bias")
-        if suffix in names + ("kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight", "o_proj.bias"):
+        if suffix in names + (
+            "kv_a_layernorm.weight",
+            "kv_b_proj.weight",
+            "o_proj.weight",
+            "o_proj.bias",
+        ):
             return suffix, None
         return None
 

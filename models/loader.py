@@ -1,6 +1,7 @@
 """Build a served model from a checkpoint directory: resolve the architecture, create the modules on
 the target device and dtype, and load this rank's slice of every tensor (or, with
 `load_format="dummy"`, fill them at random from config.json alone)."""
+
 from __future__ import annotations
 
 import logging
@@ -17,22 +18,35 @@ from dserve.models.weights import fill_weights
 log = logging.getLogger("dserve.models")
 
 
-def load_model(model_path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               ctx: ParallelContext = SINGLE, progress: bool = True,
-               load_format: str = "auto") -> tuple[ModelConfig, torch.nn.Module]:
+def load_model(
+    model_path: str,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    ctx: ParallelContext = SINGLE,
+    progress: bool = True,
+    load_format: str = "auto",
+) -> tuple[ModelConfig, torch.nn.Module]:
     cfg, model_cls = resolve(model_path)
     start = time.perf_counter()
     model = build_on(device, dtype, lambda: model_cls(cfg, ctx))
     fill_weights(model, model_path, model.map_checkpoint_key, load_format, progress)
     model.eval()
     what = "random weights (load_format=dummy) for" if load_format == "dummy" else "loaded"
-    log.info("%s %s (%s) in %.1fs: %.1f MB of parameters on %s", what, model_path, cfg.architecture,
-             time.perf_counter() - start, parameter_bytes(model) / 1e6, device)
+    log.info(
+        "%s %s (%s) in %.1fs: %.1f MB of parameters on %s",
+        what,
+        model_path,
+        cfg.architecture,
+        time.perf_counter() - start,
+        parameter_bytes(model) / 1e6,
+        device,
+    )
     return cfg, model
 
 
-def build_on(device: str | torch.device, dtype: torch.dtype,
-             make: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+def build_on(
+    device: str | torch.device, dtype: torch.dtype, make: Callable[[], torch.nn.Module]
+) -> torch.nn.Module:
     """`make()`'s module with its parameters created on `device` in `dtype` (no copy afterwards)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

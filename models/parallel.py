@@ -10,6 +10,7 @@ MoE experts are split over `ep_size` slots of the `mlp` group (expert parallelis
 each expert's intermediate dimension is split over the remaining `mlp.size // ep_size` ranks.
 A single-process engine uses `ParallelContext()`, where every collective is a no-op.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -48,6 +49,9 @@ class TPGroup:
         return parts
 
 
+ALONE = TPGroup()  # no tensor parallelism: one rank holds everything
+
+
 @dataclass(frozen=True)
 class ParallelContext:
     attn: TPGroup = field(default_factory=TPGroup)
@@ -79,7 +83,7 @@ class ParallelContext:
         if self.dp.size == 1:
             return x
         start = sum(dp_num_tokens[: self.dp.rank])
-        return x[start: start + dp_num_tokens[self.dp.rank]]
+        return x[start : start + dp_num_tokens[self.dp.rank]]
 
 
 SINGLE = ParallelContext()

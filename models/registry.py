@@ -1,4 +1,5 @@
 """Architecture registry: `architectures[0]` of config.json -> config parser and model class (lazy imports)."""
+
 from __future__ import annotations
 
 import importlib
@@ -22,8 +23,10 @@ def resolve(model_path: str) -> tuple[ModelConfig, type]:
     archs = raw.get("architectures") or []
     arch = next((a for a in archs if a in _ARCHITECTURES), None)
     if arch is None:
-        raise ValueError(f"unknown architecture {archs or '(none given)'} in {model_path}/config.json; "
-                         f"supported: {', '.join(supported_architectures())}")
+        raise ValueError(
+            f"unknown architecture {archs or '(none given)'} in {model_path}/config.json; "
+            f"supported: {', '.join(supported_architectures())}"
+        )
     parse, target = _ARCHITECTURES[arch]
     module, cls = target.split(":")
     return parse(raw, arch), getattr(importlib.import_module(module), cls)

@@ -4,6 +4,7 @@ published key layout) plus a small byte-level BPE tokenizer, so tests and the de
 `--mtp` appends one NextN layer as DeepSeek/GLM publish it: `model.layers.{num_hidden_layers}.`
 `{enorm,hnorm,eh_proj,shared_head.norm,shared_head.head,embed_tokens,self_attn.*,mlp.*,...}`.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,7 +13,14 @@ import os
 import torch
 
 ARCHES = ("deepseek_v3", "deepseek_v2", "glm4_moe")
-SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|system|>", "<|user|>", "<|assistant|>", "<|pad|>"]
+SPECIAL_TOKENS = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|pad|>",
+]
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -36,57 +44,126 @@ def train_tokenizer(vocab_size: int):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator([CORPUS] * 4, trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>",
-        pad_token="<|pad|>", chat_template=CHAT_TEMPLATE, model_max_length=4096)
+        tokenizer_object=tok,
+        bos_token="<|begin_of_text|>",
+        eos_token="<|end_of_text|>",
+        pad_token="<|pad|>",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=4096,
+    )
 
 
 def _hf_config(arch: str, vocab_size: int, bos: int, eos: int, num_layers: int):
     import transformers as tf
 
-    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                  num_hidden_layers=num_layers, num_attention_heads=4, n_routed_experts=8, num_experts_per_tok=2,
-                  n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=1024,
-                  bos_token_id=bos, eos_token_id=eos, pad_token_id=None, initializer_range=0.1,
-                  tie_word_embeddings=False)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        max_position_embeddings=1024,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=None,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+    )
     if arch == "deepseek_v3":
         return tf.DeepseekV3Config(
-            **common, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16,
-            qk_nope_head_dim=16, v_head_dim=24, n_group=4, topk_group=2, norm_topk_prob=True,
-            routed_scaling_factor=2.5, num_nextn_predict_layers=0,
-            rope_scaling={"type": "yarn", "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
-                          "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
+            **common,
+            num_key_value_heads=4,
+            kv_lora_rank=32,
+            q_lora_rank=48,
+            qk_rope_head_dim=16,
+            qk_nope_head_dim=16,
+            v_head_dim=24,
+            n_group=4,
+            topk_group=2,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            num_nextn_predict_layers=0,
+            rope_scaling={
+                "type": "yarn",
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 256,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+        )
     if arch == "deepseek_v2":
         return tf.DeepseekV2Config(
-            **common, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16,
-            qk_nope_head_dim=16, v_head_dim=24, n_group=4, topk_group=2, topk_method="group_limited_greedy",
-            routed_scaling_factor=1.5)
+            **common,
+            num_key_value_heads=4,
+            kv_lora_rank=32,
+            q_lora_rank=None,
+            qk_rope_head_dim=16,
+            qk_nope_head_dim=16,
+            v_head_dim=24,
+            n_group=4,
+            topk_group=2,
+            topk_method="group_limited_greedy",
+            routed_scaling_factor=1.5,
+        )
     if arch == "glm4_moe":
         return tf.Glm4MoeConfig(
-            **common, num_key_value_heads=2, head_dim=32, attention_bias=True, use_qk_norm=True,
-            partial_rotary_factor=0.5, n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.0,
-            num_nextn_predict_layers=0)
+            **common,
+            num_key_value_heads=2,
+            head_dim=32,
+            attention_bias=True,
+            use_qk_norm=True,
+            partial_rotary_factor=0.5,
+            n_group=2,
+            topk_group=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.0,
+            num_nextn_predict_layers=0,
+        )
     raise ValueError(f"unknown tiny architecture {arch!r}; choose from {', '.join(ARCHES)}")
 
 
 def _model_class(arch: str):
     import transformers as tf
 
-    return {"deepseek_v3": tf.DeepseekV3ForCausalLM, "deepseek_v2": tf.DeepseekV2ForCausalLM,
-            "glm4_moe": tf.Glm4MoeForCausalLM}[arch]
+    return {
+        "deepseek_v3": tf.DeepseekV3ForCausalLM,
+        "deepseek_v2": tf.DeepseekV2ForCausalLM,
+        "glm4_moe": tf.Glm4MoeForCausalLM,
+    }[arch]
 
 
-def make_tiny(arch: str, out: str, mtp: bool = False, seed: int = 0, vocab_size: int = 512,
-              num_layers: int = 3) -> str:
+def make_tiny(
+    arch: str,
+    out: str,
+    mtp: bool = False,
+    seed: int = 0,
+    vocab_size: int = 512,
+    num_layers: int = 3,
+) -> str:
     """Write a tiny random checkpoint of `arch` into `out`; returns `out`."""
     torch.manual_seed(seed)
     tokenizer = train_tokenizer(vocab_size)
     cfg = _hf_config(arch, vocab_size, tokenizer.bos_token_id, tokenizer.eos_token_id, num_layers)
     model = _model_class(arch)(cfg).eval()
-    with torch.no_grad():  # make the routing bias matter: the published checkpoints' is far from zero
+    with (
+        torch.no_grad()
+    ):  # make the routing bias matter: the published checkpoints' is far from zero
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(torch.rand_like(buf) * 0.1)
@@ -104,17 +181,24 @@ def _append_mtp_layer(arch: str, cfg, out: str, seed: int) -> None:
     n, h, v = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size
     deeper = _model_class(arch)(type(cfg)(**{**cfg.to_dict(), "num_hidden_layers": n + 1}))
     std = cfg.initializer_range
-    append_mtp_layer(out, deeper, {
-        "enorm.weight": 1 + 0.1 * torch.randn(h),
-        "hnorm.weight": 1 + 0.1 * torch.randn(h),
-        "eh_proj.weight": std * torch.randn(h, 2 * h),
-        "shared_head.norm.weight": 1 + 0.1 * torch.randn(h),
-        "shared_head.head.weight": std * torch.randn(v, h),
-        "embed_tokens.weight": std * torch.randn(v, h),
-    }, random_bias=True)
+    append_mtp_layer(
+        out,
+        deeper,
+        {
+            "enorm.weight": 1 + 0.1 * torch.randn(h),
+            "hnorm.weight": 1 + 0.1 * torch.randn(h),
+            "eh_proj.weight": std * torch.randn(h, 2 * h),
+            "shared_head.norm.weight": 1 + 0.1 * torch.randn(h),
+            "shared_head.head.weight": std * torch.randn(v, h),
+            "embed_tokens.weight": std * torch.randn(v, h),
+        },
+        random_bias=True,
+    )
 
 
-def append_mtp_layer(out: str, deeper, nextn: dict[str, torch.Tensor], random_bias: bool = False) -> None:
+def append_mtp_layer(
+    out: str, deeper, nextn: dict[str, torch.Tensor], random_bias: bool = False
+) -> None:
     """Add layer `num_hidden_layers` of `deeper` (a model of the checkpoint's family with one more
     layer) and the NextN tensors `nextn` (keys without the layer prefix) to the checkpoint in `out`,
     in the published layout: one more shard, the index and `num_nextn_predict_layers` updated."""
@@ -125,11 +209,19 @@ def append_mtp_layer(out: str, deeper, nextn: dict[str, torch.Tensor], random_bi
     n = deeper.config.num_hidden_layers - 1
     prefix = f"model.layers.{n}."
     tensors = {}
-    with tempfile.TemporaryDirectory() as tmp:  # save_pretrained writes the published per-expert layout
+    with (
+        tempfile.TemporaryDirectory() as tmp
+    ):  # save_pretrained writes the published per-expert layout
         deeper.save_pretrained(tmp)
         for name in sorted(os.listdir(tmp)):
             if name.endswith(".safetensors"):
-                tensors.update({k: t for k, t in load_file(os.path.join(tmp, name)).items() if k.startswith(prefix)})
+                tensors.update(
+                    {
+                        k: t
+                        for k, t in load_file(os.path.join(tmp, name)).items()
+                        if k.startswith(prefix)
+                    }
+                )
     tensors.update({prefix + k: t.detach().contiguous() for k, t in nextn.items()})
     if random_bias:
         for name, t in tensors.items():
@@ -166,11 +258,25 @@ def eagle3_config(target: dict, draft_vocab: int) -> dict:
     import transformers as tf
 
     h = target["hidden_size"]
-    cfg = tf.LlamaConfig(vocab_size=target["vocab_size"], hidden_size=h, intermediate_size=2 * h,
-                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False).to_dict()
-    cfg.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=draft_vocab, target_hidden_size=h,
-               eagle_config={"eagle_aux_hidden_state_layer_ids": tiny_aux_layer_ids(target["num_hidden_layers"])})
+    cfg = tf.LlamaConfig(
+        vocab_size=target["vocab_size"],
+        hidden_size=h,
+        intermediate_size=2 * h,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ).to_dict()
+    cfg.update(
+        architectures=["LlamaForCausalLMEagle3"],
+        draft_vocab_size=draft_vocab,
+        target_hidden_size=h,
+        eagle_config={
+            "eagle_aux_hidden_state_layer_ids": tiny_aux_layer_ids(target["num_hidden_layers"])
+        },
+    )
     return cfg
 
 
@@ -183,14 +289,19 @@ def save_eagle3(out: str, config: dict, tensors: dict[str, torch.Tensor], hot: t
     t2d[hot] = True
     tensors = {**tensors, "d2t": hot - torch.arange(len(hot)), "t2d": t2d}
     os.makedirs(out, exist_ok=True)
-    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, os.path.join(out, "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.detach().contiguous() for k, v in tensors.items()},
+        os.path.join(out, "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     return out
 
 
-def make_tiny_eagle3(target_dir: str, out: str, seed: int = 0, draft_vocab_size: int | None = None) -> str:
+def make_tiny_eagle3(
+    target_dir: str, out: str, seed: int = 0, draft_vocab_size: int | None = None
+) -> str:
     """A random EAGLE-3 draft for the checkpoint in `target_dir`, in the public layout (see
     `dserve.spec.eagle3`), over a random half of the target's vocabulary."""
     with open(os.path.join(target_dir, "config.json")) as f:
@@ -198,19 +309,34 @@ def make_tiny_eagle3(target_dir: str, out: str, seed: int = 0, draft_vocab_size:
     torch.manual_seed(seed + 2)
     cfg = eagle3_config(target, draft_vocab_size or target["vocab_size"] // 2)
     h, draft_vocab = cfg["hidden_size"], cfg["draft_vocab_size"]
-    heads, kv_heads, inter = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"]
+    heads, kv_heads, inter = (
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["intermediate_size"],
+    )
     d = h // heads
-    hot = torch.randperm(cfg["vocab_size"])[:draft_vocab].sort().values  # the target ids of the draft vocabulary
+    hot = (
+        torch.randperm(cfg["vocab_size"])[:draft_vocab].sort().values
+    )  # the target ids of the draft vocabulary
     rand = lambda *shape: 0.1 * torch.randn(*shape)  # noqa: E731
     norm = lambda: 1 + 0.1 * torch.randn(h)  # noqa: E731
-    return save_eagle3(out, cfg, {
-        "fc.weight": rand(h, 3 * h), "norm.weight": norm(), "lm_head.weight": rand(draft_vocab, h),
-        "midlayer.input_layernorm.weight": norm(), "midlayer.hidden_norm.weight": norm(),
-        "midlayer.post_attention_layernorm.weight": norm(),
-        "midlayer.self_attn.q_proj.weight": rand(heads * d, 2 * h),
-        "midlayer.self_attn.k_proj.weight": rand(kv_heads * d, 2 * h),
-        "midlayer.self_attn.v_proj.weight": rand(kv_heads * d, 2 * h),
-        "midlayer.self_attn.o_proj.weight": rand(h, heads * d),
-        "midlayer.mlp.gate_proj.weight": rand(inter, h), "midlayer.mlp.up_proj.weight": rand(inter, h),
-        "midlayer.mlp.down_proj.weight": rand(h, inter),
-    }, hot)
+    return save_eagle3(
+        out,
+        cfg,
+        {
+            "fc.weight": rand(h, 3 * h),
+            "norm.weight": norm(),
+            "lm_head.weight": rand(draft_vocab, h),
+            "midlayer.input_layernorm.weight": norm(),
+            "midlayer.hidden_norm.weight": norm(),
+            "midlayer.post_attention_layernorm.weight": norm(),
+            "midlayer.self_attn.q_proj.weight": rand(heads * d, 2 * h),
+            "midlayer.self_attn.k_proj.weight": rand(kv_heads * d, 2 * h),
+            "midlayer.self_attn.v_proj.weight": rand(kv_heads * d, 2 * h),
+            "midlayer.self_attn.o_proj.weight": rand(h, heads * d),
+            "midlayer.mlp.gate_proj.weight": rand(inter, h),
+            "midlayer.mlp.up_proj.weight": rand(inter, h),
+            "midlayer.mlp.down_proj.weight": rand(h, inter),
+        },
+        hot,
+    )

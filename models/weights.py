@@ -5,6 +5,7 @@ checkpoint tensor belongs to this rank; `load_weights` walks every tensor of eve
 its key to a parameter through the model's `map_checkpoint_key`, and fails with the tensor's name
 and file on a missing, unexpected or wrongly shaped tensor.
 """
+
 from __future__ import annotations
 
 import json
@@ -59,13 +60,15 @@ def checkpoint_files(model_path: str) -> list[str]:
 def iter_checkpoint(model_path: str) -> Iterator[TensorSource]:
     for path in checkpoint_files(model_path):
         with safe_open(path, framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
                 yield TensorSource(name, path, f.get_slice(name))
 
 
 def copy_checked(param: torch.Tensor, value: torch.Tensor, source: TensorSource) -> None:
     if tuple(param.shape) != tuple(value.shape):
-        raise source.fail(f"shape {tuple(value.shape)} does not fit parameter shape {tuple(param.shape)}")
+        raise source.fail(
+            f"shape {tuple(value.shape)} does not fit parameter shape {tuple(param.shape)}"
+        )
     param.data.copy_(value.to(param.dtype))
 
 
@@ -91,12 +94,17 @@ def prefixed(prefix: str, mapped: "tuple[str, object] | None") -> "tuple[str, ob
     return prefix + mapped[0], mapped[1]
 
 
-def load_weights(model: torch.nn.Module, model_path: str, map_key: KeyMapper, progress: bool = True) -> None:
+def load_weights(
+    model: torch.nn.Module, model_path: str, map_key: KeyMapper, progress: bool = True
+) -> None:
     """Load every checkpoint tensor into `model` through the parameters' own loaders."""
     params = dict(model.named_parameters())
     params.update(dict(model.named_buffers()))
-    expected = {name: set(getattr(p, "expected_shards", [None])) for name, p in params.items()
-                if getattr(p, "weight_loader", None) is not None}
+    expected = {
+        name: set(getattr(p, "expected_shards", [None]))
+        for name, p in params.items()
+        if getattr(p, "weight_loader", None) is not None
+    }
     seen: dict[str, set] = {name: set() for name in expected}
     sources = list(_with_progress(iter_checkpoint(model_path), progress, model_path))
     for source in sources:
@@ -110,11 +118,16 @@ def load_weights(model: torch.nn.Module, model_path: str, map_key: KeyMapper, pr
         with torch.no_grad():
             param.weight_loader(param, source, shard)
         seen[name].add(shard)
-    missing = [f"{name} (part {sorted(map(str, want - seen[name]))})" if want != {None} else name
-               for name, want in expected.items() if not want <= seen[name]]
+    missing = [
+        f"{name} (part {sorted(map(str, want - seen[name]))})" if want != {None} else name
+        for name, want in expected.items()
+        if not want <= seen[name]
+    ]
     if missing:
-        raise WeightLoadError(f"checkpoint {model_path!r} is missing tensors for: {', '.join(missing[:10])}"
-                              + (f" and {len(missing) - 10} more" if len(missing) > 10 else ""))
+        raise WeightLoadError(
+            f"checkpoint {model_path!r} is missing tensors for: {', '.join(missing[:10])}"
+            + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
+        )
 
 
 def _with_progress(items: Iterator[TensorSource], progress: bool, model_path: str):
@@ -156,12 +169,19 @@ def init_dummy(model: torch.nn.Module, std: float = 0.02) -> None:
                 p.normal_(0.0, std)
 
 
-def fill_weights(model: torch.nn.Module, model_path: str, map_key: KeyMapper, load_format: str = "auto",
-                 progress: bool = True) -> None:
+def fill_weights(
+    model: torch.nn.Module,
+    model_path: str,
+    map_key: KeyMapper,
+    load_format: str = "auto",
+    progress: bool = True,
+) -> None:
     """The checkpoint's tensors (`auto`) or random ones (`dummy`) into `model`."""
     if load_format == "dummy":
         init_dummy(model)
     elif load_format == "auto":
         load_weights(model, model_path, map_key, progress)
     else:
-        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
+        raise ValueError(
+            f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}"
+        )

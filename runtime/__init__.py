@@ -1,9 +1,12 @@
 """Runtime: the `Engine` API, its configuration, the sampler, the CLI and (later) the HTTP servers."""
-from dserve.scheduler.request import SamplingParams
+
 from dserve.runtime.output import GenerateResult, StreamChunk
+from dserve.scheduler.request import SamplingParams
 
 
-def __getattr__(name):  # keep `import dserve.runtime` light: the engine pulls in torch and the models
+def __getattr__(
+    name,
+):  # keep `import dserve.runtime` light: the engine pulls in torch and the models
     if name == "Engine":
         from dserve.runtime.engine import Engine
 

@@ -1,4 +1,5 @@
 """Front side of a step: scheduled spans plus their page tables -> the `ForwardBatch` the ranks run."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -49,7 +50,9 @@ def span_seq(span: Span) -> Seq:
     completes the request), or a token and its draft to verify (logits after every token; a tree's
     nodes at their depth past the root, each seeing its ancestors)."""
     if not span.draft:
-        return Seq(span.req.rid, span.start, span.tokens, [span.length - 1] if span.completes else [])
+        return Seq(
+            span.req.rid, span.start, span.tokens, [span.length - 1] if span.completes else []
+        )
     seq = Seq(span.req.rid, span.start, span.tokens, list(range(span.length)))
     if not is_chain(span.parents):
         assert span.length == len(span.draft) + 1, "a draft tree follows exactly one token"
@@ -74,7 +77,9 @@ def assemble(seqs: list[Seq], kv: KVCacheManager) -> ForwardBatch:
     """Sequences -> a batch."""
     ids, positions, slots, logits_rows = [], [], [], []
     max_pages = max([len(kv.tables[s.key]) for s in seqs], default=0)
-    table = np.zeros((len(seqs), max_pages), dtype=np.int64)  # rows filled by numpy: cheaper than torch per row
+    table = np.zeros(
+        (len(seqs), max_pages), dtype=np.int64
+    )  # rows filled by numpy: cheaper than torch per row
     for i, s in enumerate(seqs):
         end = s.start + len(s.tokens)
         logits_rows.extend(len(ids) + r for r in s.logits_rows)
@@ -86,6 +91,12 @@ def assemble(seqs: list[Seq], kv: KVCacheManager) -> ForwardBatch:
     as_long = lambda values: torch.tensor(values, dtype=torch.int64)
     masks = [s.mask for s in seqs]
     return ForwardBatch(
-        input_ids=as_long(ids), positions=as_long(positions), q_lens=[len(s.tokens) for s in seqs],
-        seq_lens=[s.start + len(s.tokens) for s in seqs], page_table=torch.from_numpy(table), out_slots=as_long(slots),
-        logits_indices=as_long(logits_rows), tree_masks=masks if any(m is not None for m in masks) else None)
+        input_ids=as_long(ids),
+        positions=as_long(positions),
+        q_lens=[len(s.tokens) for s in seqs],
+        seq_lens=[s.start + len(s.tokens) for s in seqs],
+        page_table=torch.from_numpy(table),
+        out_slots=as_long(slots),
+        logits_indices=as_long(logits_rows),
+        tree_masks=masks if any(m is not None for m in masks) else None,
+    )

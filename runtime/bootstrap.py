@@ -8,6 +8,7 @@ The prefill runs a bootstrap server on its `bootstrap_port`:
 The decode side keeps a `PeerDirectory`: one descriptor exchange per prefill address, checked on both
 sides, then per request an `HTTPPrefillLink` that posts the room (or its cancellation) asynchronously.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -48,9 +49,20 @@ def bootstrap_app(engine_loop, side) -> web.Application:
     async def room(request: web.Request) -> web.Response:
         body = await _json(request)
         try:
-            room_id, peer_id, dp_rank, pages = body["room"], body["peer_id"], body["dp_rank"], body["pages"]
-            ok = (_is_int(room_id) and isinstance(peer_id, str) and _is_int(dp_rank) and isinstance(pages, list)
-                  and 0 < len(pages) <= MAX_PAGES and all(_is_int(p) and p >= 0 for p in pages))
+            room_id, peer_id, dp_rank, pages = (
+                body["room"],
+                body["peer_id"],
+                body["dp_rank"],
+                body["pages"],
+            )
+            ok = (
+                _is_int(room_id)
+                and isinstance(peer_id, str)
+                and _is_int(dp_rank)
+                and isinstance(pages, list)
+                and 0 < len(pages) <= MAX_PAGES
+                and all(_is_int(p) and p >= 0 for p in pages)
+            )
             if not ok:
                 raise ValueError("room, dp_rank must be integers and pages a list of page ids")
             await engine_loop.call(side.register, room_id, peer_id, dp_rank, pages)
@@ -118,8 +130,10 @@ class PeerDirectory:
                             raise IncompatiblePeer(await r.text())
                         r.raise_for_status()
                 except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                    raise ConnectionError(f"prefill bootstrap server {host}:{port} unreachable: "
-                                          f"{type(e).__name__}: {e}") from e
+                    raise ConnectionError(
+                        f"prefill bootstrap server {host}:{port} unreachable: "
+                        f"{type(e).__name__}: {e}"
+                    ) from e
                 self.peers[key] = remote
         return self.peers[key]
 
@@ -140,10 +154,14 @@ class HTTPPrefillLink:
 
     def register(self, room: int, dp_rank: int, pages: list[int]) -> None:
         body = {"room": room, "peer_id": self.directory.peer_id, "dp_rank": dp_rank, "pages": pages}
-        self.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._post("room", body, fatal=True)))
+        self.loop.call_soon_threadsafe(
+            lambda: asyncio.ensure_future(self._post("room", body, fatal=True))
+        )
 
     def cancel(self, room: int) -> None:
-        self.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._post("cancel", {"room": room})))
+        self.loop.call_soon_threadsafe(
+            lambda: asyncio.ensure_future(self._post("cancel", {"room": room}))
+        )
 
     async def _post(self, what: str, body: dict, fatal: bool = False) -> None:
         try:
@@ -153,4 +171,7 @@ class HTTPPrefillLink:
         except Exception as e:  # noqa: BLE001 - the request fails with the reason
             log.warning("bootstrap %s for %s failed: %s", what, self.rid, e)
             if fatal:
-                self.on_error(self.rid, f"registering the room with the prefill failed: {type(e).__name__}: {e}")
+                self.on_error(
+                    self.rid,
+                    f"registering the room with the prefill failed: {type(e).__name__}: {e}",
+                )

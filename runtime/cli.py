@@ -1,18 +1,19 @@
 """The `dserve` command line. Engine flags are generated from `EngineConfig`, so every Engine keyword
-argument is a flag of the same name in kebab case."""
+argument is a flag of the same name in kebab case, its help the field's docstring."""
+
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import inspect
 import json
 import logging
-import re
 import sys
+import textwrap
 import typing
 
 from dserve.runtime.config import EngineConfig
-
 
 SHORT_FLAGS = {"tp_size": ["--tp"], "dp_size": ["--dp"], "ep_size": ["--ep"]}
 
@@ -20,30 +21,36 @@ SHORT_FLAGS = {"tp_size": ["--tp"], "dp_size": ["--dp"], "ep_size": ["--ep"]}
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per EngineConfig field (`model_path` is `--model`)."""
     group = parser.add_argument_group("engine")
-    group.add_argument("--model", "--model-path", dest="model_path", required=True,
-                       help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer)")
+    group.add_argument(
+        "--model",
+        "--model-path",
+        dest="model_path",
+        required=True,
+        help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer)",
+    )
     _add_dataclass_flags(group, EngineConfig, {"model_path"}, SHORT_FLAGS)
 
 
-def field_comments(cls) -> dict[str, str]:
-    """A config dataclass's fields documented where they are declared: the comment after each field
-    (and comment lines right below it) becomes the flag's help, so the two never drift apart."""
-    comments, current = {}, None
-    for line in inspect.getsource(cls).splitlines():
-        declared = re.match(r"    (\w+)\s*:[^#]*#\s?(.*)$", line)
-        if declared:
-            current = declared.group(1)
-            comments[current] = declared.group(2).strip()
-        elif current and re.match(r"\s+#", line):
-            comments[current] += " " + line.strip().lstrip("#").strip()
-        else:
-            current = None
-    return comments
+def field_docs(cls) -> dict[str, str]:
+    """A config dataclass's fields documented where they are declared: the docstring below each
+    field becomes the flag's help, so the two never drift apart."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr):
+            text = after.value.value if isinstance(after.value, ast.Constant) else None
+            if isinstance(text, str):
+                words = " ".join(text.split()).rstrip(".")
+                docs[node.target.id] = (
+                    words[0].lower() + words[1:] if words[1:2].islower() else words
+                )
+    return docs
 
 
 def _add_dataclass_flags(group, cls, skip=(), short=None) -> None:
     hints = typing.get_type_hints(cls)
-    comments = field_comments(cls)
+    comments = field_docs(cls)
     for field in dataclasses.fields(cls):
         if field.name in skip:
             continue
@@ -51,12 +58,23 @@ def _add_dataclass_flags(group, cls, skip=(), short=None) -> None:
         hint = hints[field.name]
         text = comments.get(field.name, "").replace("%", "%%")
         if hint is bool:
-            group.add_argument(*flags, dest=field.name, action=argparse.BooleanOptionalAction, default=field.default,
-                               help=f"{text} (default: {'on' if field.default else 'off'})".strip())
+            group.add_argument(
+                *flags,
+                dest=field.name,
+                action=argparse.BooleanOptionalAction,
+                default=field.default,
+                help=f"{text} (default: {'on' if field.default else 'off'})".strip(),
+            )
         else:
             base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
             default = "" if field.default is None else f" (default: {field.default})"
-            group.add_argument(*flags, dest=field.name, type=base, default=field.default, help=(text + default).strip())
+            group.add_argument(
+                *flags,
+                dest=field.name,
+                type=base,
+                default=field.default,
+                help=(text + default).strip(),
+            )
 
 
 def add_server_flags(parser: argparse.ArgumentParser, role: str) -> None:
@@ -75,12 +93,20 @@ def add_server_flags(parser: argparse.ArgumentParser, role: str) -> None:
 def server_config(args: argparse.Namespace, role: str):
     from dserve.runtime.server_config import ServerConfig
 
-    names = [f.name for f in dataclasses.fields(ServerConfig) if f.name != "role" and hasattr(args, f.name)]
+    names = [
+        f.name
+        for f in dataclasses.fields(ServerConfig)
+        if f.name != "role" and hasattr(args, f.name)
+    ]
     return ServerConfig(role=role, **{n: getattr(args, n) for n in names})
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name != "model_path"}
+    return {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(EngineConfig)
+        if f.name != "model_path"
+    }
 
 
 def _cmd_make_tiny(args: argparse.Namespace) -> None:
@@ -93,7 +119,9 @@ def _cmd_make_tiny(args: argparse.Namespace) -> None:
         print(f"wrote a tiny EAGLE-3 draft for {args.eagle3_for} to {out}")
         return
     if not args.arch:
-        raise SystemExit("dserve make-tiny: give --arch (a target) or --eagle3-for TARGET_DIR (a draft)")
+        raise SystemExit(
+            "dserve make-tiny: give --arch (a target) or --eagle3-for TARGET_DIR (a draft)"
+        )
     out = make_tiny(args.arch, args.out, mtp=args.mtp, seed=args.seed)
     print(f"wrote a tiny {args.arch} checkpoint{' with an MTP layer' if args.mtp else ''} to {out}")
 
@@ -102,12 +130,26 @@ def _cmd_generate(args: argparse.Namespace) -> None:
     from dserve.runtime.engine import Engine
     from dserve.scheduler.request import SamplingParams
 
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
     with Engine(args.model_path, **engine_kwargs(args)) as engine:
         for result in engine.generate(list(args.prompt), sampling_params=params):
-            print(json.dumps({"text": result.text, "output_ids": result.output_ids,
-                              "finish_reason": result.finish_reason, "meta": result.meta}))
+            print(
+                json.dumps(
+                    {
+                        "text": result.text,
+                        "output_ids": result.output_ids,
+                        "finish_reason": result.finish_reason,
+                        "meta": result.meta,
+                    }
+                )
+            )
 
 
 def _cmd_serve(args: argparse.Namespace) -> None:
@@ -120,12 +162,25 @@ def _cmd_router(args: argparse.Namespace) -> None:
     from dserve.runtime.router import run_router
 
     split = lambda values: [u for v in values for u in v.split(",") if u]
-    run_router(split(args.prefill), split(args.decode), args.host, args.port, args.policy, args.health_interval_s)
+    run_router(
+        split(args.prefill),
+        split(args.decode),
+        args.host,
+        args.port,
+        args.policy,
+        args.health_interval_s,
+    )
 
 
 INSTANCE_HELP = {
-    "serve": ("serve the HTTP API from one colocated instance (prefill and decode together)", "colocated"),
-    "prefill": ("run a prefill instance: computes prompts and pushes their KV to decode instances", "prefill"),
+    "serve": (
+        "serve the HTTP API from one colocated instance (prefill and decode together)",
+        "colocated",
+    ),
+    "prefill": (
+        "run a prefill instance: computes prompts and pushes their KV to decode instances",
+        "prefill",
+    ),
     "decode": ("run a decode instance: receives prompts' KV and generates", "decode"),
 }
 
@@ -133,55 +188,118 @@ INSTANCE_HELP = {
 def _add_router(sub) -> None:
     from dserve.runtime.router import POLICIES
 
-    router = sub.add_parser("router", help="route requests over prefill and decode instances",
-                            description="One OpenAI-compatible endpoint in front of prefill and decode instances. "
-                                        "Each request goes to one prefill and one decode instance at once.")
-    router.add_argument("--prefill", action="append", required=True, metavar="URL[,URL...]",
-                        help="prefill instance URL(s), e.g. http://127.0.0.1:30001 (repeatable)")
-    router.add_argument("--decode", action="append", required=True, metavar="URL[,URL...]",
-                        help="decode instance URL(s) (repeatable)")
+    router = sub.add_parser(
+        "router",
+        help="route requests over prefill and decode instances",
+        description="One OpenAI-compatible endpoint in front of prefill and decode instances. "
+        "Each request goes to one prefill and one decode instance at once.",
+    )
+    router.add_argument(
+        "--prefill",
+        action="append",
+        required=True,
+        metavar="URL[,URL...]",
+        help="prefill instance URL(s), e.g. http://127.0.0.1:30001 (repeatable)",
+    )
+    router.add_argument(
+        "--decode",
+        action="append",
+        required=True,
+        metavar="URL[,URL...]",
+        help="decode instance URL(s) (repeatable)",
+    )
     router.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
-    router.add_argument("--port", type=int, default=30000, help="HTTP port of the router (default: 30000)")
-    router.add_argument("--policy", choices=POLICIES, default="round_robin",
-                        help="how to pick instances (default: round_robin)")
-    router.add_argument("--health-interval-s", type=float, default=2.0,
-                        help="seconds between health probes of each instance (default: 2)")
+    router.add_argument(
+        "--port", type=int, default=30000, help="HTTP port of the router (default: 30000)"
+    )
+    router.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default="round_robin",
+        help="how to pick instances (default: round_robin)",
+    )
+    router.add_argument(
+        "--health-interval-s",
+        type=float,
+        default=2.0,
+        help="seconds between health probes of each instance (default: 2)",
+    )
     router.set_defaults(func=_cmd_router)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="dserve", description="Disaggregated LLM inference for DeepSeek-V3/R1 and GLM-4.5 class MoE models.")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                        help="logging threshold (default: info)")
+        prog="dserve",
+        description="Disaggregated LLM inference for DeepSeek-V3/R1 and GLM-4.5 class MoE models.",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="logging threshold (default: info)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    tiny = sub.add_parser("make-tiny", help="write a tiny random checkpoint (for tests and demos)",
-                          description="Write a tiny random checkpoint through transformers' save_pretrained.")
-    tiny.add_argument("--arch", choices=["deepseek_v3", "deepseek_v2", "glm4_moe"],
-                      help="architecture of the checkpoint to write")
+    tiny = sub.add_parser(
+        "make-tiny",
+        help="write a tiny random checkpoint (for tests and demos)",
+        description="Write a tiny random checkpoint through transformers' save_pretrained.",
+    )
+    tiny.add_argument(
+        "--arch",
+        choices=["deepseek_v3", "deepseek_v2", "glm4_moe"],
+        help="architecture of the checkpoint to write",
+    )
     tiny.add_argument("--out", required=True, help="output directory")
-    tiny.add_argument("--mtp", action="store_true", help="append one MTP (NextN) layer in the public key layout")
-    tiny.add_argument("--eagle3-for", metavar="TARGET_DIR",
-                      help="instead, write a random EAGLE-3 draft (public layout) for the checkpoint in TARGET_DIR")
+    tiny.add_argument(
+        "--mtp", action="store_true", help="append one MTP (NextN) layer in the public key layout"
+    )
+    tiny.add_argument(
+        "--eagle3-for",
+        metavar="TARGET_DIR",
+        help="instead, write a random EAGLE-3 draft (public layout) for the checkpoint in TARGET_DIR",
+    )
     tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
     tiny.set_defaults(func=_cmd_make_tiny)
 
-    gen = sub.add_parser("generate", help="generate offline for prompts given on the command line",
-                         description="Run the engine in this process on the given prompts; one JSON line each.")
+    gen = sub.add_parser(
+        "generate",
+        help="generate offline for prompts given on the command line",
+        description="Run the engine in this process on the given prompts; one JSON line each.",
+    )
     gen.add_argument("prompt", nargs="+", help="prompt text (several allowed)")
-    gen.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate at most (default: 32)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: 0)")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0)")
-    gen.add_argument("--top-k", type=int, default=-1, help="sample among the k likeliest tokens; -1: all (default: -1)")
+    gen.add_argument(
+        "--max-new-tokens", type=int, default=32, help="tokens to generate at most (default: 32)"
+    )
+    gen.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature; 0 is greedy (default: 0)",
+    )
+    gen.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0)"
+    )
+    gen.add_argument(
+        "--top-k",
+        type=int,
+        default=-1,
+        help="sample among the k likeliest tokens; -1: all (default: -1)",
+    )
     gen.add_argument("--seed", type=int, default=None, help="seed of the request's sampling")
-    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token")
+    gen.add_argument(
+        "--ignore-eos", action="store_true", help="keep generating past the end-of-text token"
+    )
     add_engine_flags(gen)
     gen.set_defaults(func=_cmd_generate)
 
     for name, (text, role) in INSTANCE_HELP.items():
-        cmd = sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ". Every Engine keyword "
-                             "argument is a flag of the same name.")
+        cmd = sub.add_parser(
+            name,
+            help=text,
+            description=text[0].upper() + text[1:] + ". Every Engine keyword "
+            "argument is a flag of the same name.",
+        )
         add_engine_flags(cmd)
         add_server_flags(cmd, role)
         cmd.set_defaults(func=_cmd_serve, role=role)
@@ -191,7 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
     try:
         args.func(args)
     except ValueError as e:

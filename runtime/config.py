@@ -1,5 +1,6 @@
 """Engine configuration: one typed dataclass whose fields are the `Engine` keyword arguments and, in
 kebab case, the CLI flags of `dserve serve|prefill|decode`."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -14,33 +15,59 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 @dataclass
 class EngineConfig:
     model_path: str
-    device: str = "auto"  # "cpu", "cuda", "cuda:1", or "auto" (cuda when available)
-    dtype: str = "auto"  # float32 | bfloat16 | float16 | auto (float32 on CPU, bfloat16 on GPU)
-    page_size: int | None = None  # tokens per KV page; default 16 on CPU, 64 on GPU
-    max_total_tokens: int | None = None  # KV pool size in tokens; default from memory
-    mem_fraction_static: float = 0.85  # GPU: fraction of device memory for weights + KV pool
-    chunked_prefill_size: int = 2048  # most prompt tokens one request computes in one step
-    max_num_batched_tokens: int = 8192  # token budget of one step
-    max_running_requests: int = 256  # requests decoding at once per DP group; more wait in the queue
-    enable_prefix_caching: bool = True  # reuse the KV pages of a prompt prefix seen before
-    load_format: str = "auto"  # auto: the checkpoint's weights; dummy: random ones from config.json alone
-    attention_backend: str = "auto"  # torch (reference, any device); triton (kernels, CUDA graphs); flashinfer
-    #                                  (FlashInfer's kernels, bf16/fp16, eager); auto: triton on a GPU, torch on CPU
-    cuda_graph_max_bs: int = 64  # triton backend: decode steps of up to this many sequences replay CUDA graphs
-    disable_cuda_graph: bool = False  # run every step eagerly
-    random_seed: int = 0  # seeds unseeded sampling
-    load_progress: bool = True  # a progress bar while the checkpoint loads
-    tp_size: int = 1  # ranks of the instance; attention groups of tp_size // dp_size ranks
-    dp_size: int = 1  # DP attention: groups with their own requests and KV pages
-    ep_size: int = 1  # MoE experts split over ep_size slots of all ranks
-    collective_timeout_s: float = 120.0  # a collective waiting longer fails its rank
-    step_timeout_s: float = 600.0  # the front gives up on ranks that return no step result in this time
-    speculative_algorithm: str | None = None  # "mtp" (the checkpoint's NextN layer) or "eagle3" (a separate draft)
-    speculative_draft_model_path: str | None = None  # EAGLE-3 draft checkpoint
-    speculative_num_steps: int = 1  # draft passes per step (the depth of the draft tree)
-    speculative_eagle_topk: int = 1  # branches kept per draft pass (1: a chain; more: a tree)
-    speculative_num_draft_tokens: int | None = None  # tokens per verify, root included (default steps*topk+1)
-    speculative_naive: bool = False  # verify and draft extend in one forward call (steps 1, topk 1)
+    device: str = "auto"
+    """`cpu`, `cuda`, `cuda:1`, or `auto` (cuda when available)."""
+    dtype: str = "auto"
+    """`float32`, `bfloat16`, `float16` or `auto` (float32 on CPU, bfloat16 on GPU)."""
+    page_size: int | None = None
+    """Tokens per KV page; default 16 on CPU, 64 on GPU."""
+    max_total_tokens: int | None = None
+    """KV pool size in tokens; default from memory."""
+    mem_fraction_static: float = 0.85
+    """GPU: fraction of device memory for weights + KV pool."""
+    chunked_prefill_size: int = 2048
+    """Most prompt tokens one request computes in one step."""
+    max_num_batched_tokens: int = 8192
+    """Token budget of one step."""
+    max_running_requests: int = 256
+    """Requests decoding at once per DP group; more wait in the queue."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV pages of a prompt prefix seen before."""
+    load_format: str = "auto"
+    """`auto`: the checkpoint's weights; `dummy`: random ones from config.json alone."""
+    attention_backend: str = "auto"
+    """`torch` (reference, any device); `triton` (kernels, CUDA graphs); `flashinfer`
+    (FlashInfer's kernels, bf16/fp16, eager); `auto`: triton on a GPU, torch on the CPU."""
+    cuda_graph_max_bs: int = 64
+    """Triton backend: decode steps of up to this many sequences replay CUDA graphs."""
+    disable_cuda_graph: bool = False
+    """Run every step eagerly."""
+    random_seed: int = 0
+    """Seeds unseeded sampling."""
+    load_progress: bool = True
+    """A progress bar while the checkpoint loads."""
+    tp_size: int = 1
+    """Ranks of the instance; attention groups of tp_size // dp_size ranks."""
+    dp_size: int = 1
+    """DP attention: groups with their own requests and KV pages."""
+    ep_size: int = 1
+    """MoE experts split over ep_size slots of all ranks."""
+    collective_timeout_s: float = 120.0
+    """A collective waiting longer fails its rank."""
+    step_timeout_s: float = 600.0
+    """The front gives up on ranks that return no step result in this time."""
+    speculative_algorithm: str | None = None
+    """`mtp` (the checkpoint's NextN layer) or `eagle3` (a separate draft)."""
+    speculative_draft_model_path: str | None = None
+    """EAGLE-3 draft checkpoint."""
+    speculative_num_steps: int = 1
+    """Draft passes per step (the depth of the draft tree)."""
+    speculative_eagle_topk: int = 1
+    """Branches kept per draft pass (1: a chain; more: a tree)."""
+    speculative_num_draft_tokens: int | None = None
+    """Tokens per verify, root included (default steps*topk+1)."""
+    speculative_naive: bool = False
+    """Verify and draft extend in one forward call (steps 1, topk 1)."""
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -53,24 +80,37 @@ class EngineConfig:
             self.attention_backend = "torch" if self.device == "cpu" else "triton"
         if self.page_size is None:
             self.page_size = 16 if self.device == "cpu" else 64
-        for name in ("page_size", "chunked_prefill_size", "max_num_batched_tokens", "max_running_requests",
-                     "cuda_graph_max_bs"):
+        for name in (
+            "page_size",
+            "chunked_prefill_size",
+            "max_num_batched_tokens",
+            "max_running_requests",
+            "cuda_graph_max_bs",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
-            raise ValueError(f"max_total_tokens ({self.max_total_tokens}) must hold at least one page "
-                             f"({self.page_size} tokens)")
+            raise ValueError(
+                f"max_total_tokens ({self.max_total_tokens}) must hold at least one page "
+                f"({self.page_size} tokens)"
+            )
         for name in ("tp_size", "dp_size", "ep_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.tp_size % self.dp_size:
-            raise ValueError(f"tp_size = {self.tp_size} does not divide by dp_size = {self.dp_size}")
+            raise ValueError(
+                f"tp_size = {self.tp_size} does not divide by dp_size = {self.dp_size}"
+            )
         if self.tp_size % self.ep_size:
-            raise ValueError(f"tp_size = {self.tp_size} does not divide by ep_size = {self.ep_size}")
+            raise ValueError(
+                f"tp_size = {self.tp_size} does not divide by ep_size = {self.ep_size}"
+            )
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if not 0 < self.mem_fraction_static < 1:
-            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+            raise ValueError(
+                f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}"
+            )
         self._check_speculative()
 
     def _check_speculative(self) -> None:
@@ -80,27 +120,39 @@ class EngineConfig:
         if algo not in ("mtp", "eagle3"):
             raise ValueError(f"speculative_algorithm must be mtp or eagle3, got {algo!r}")
         if algo == "eagle3" and not self.speculative_draft_model_path:
-            raise ValueError("speculative_algorithm='eagle3' needs speculative_draft_model_path (the EAGLE-3 "
-                             "checkpoint directory)")
+            raise ValueError(
+                "speculative_algorithm='eagle3' needs speculative_draft_model_path (the EAGLE-3 "
+                "checkpoint directory)"
+            )
         if self.speculative_num_steps < 1:
-            raise ValueError(f"speculative_num_steps must be >= 1, got {self.speculative_num_steps}")
+            raise ValueError(
+                f"speculative_num_steps must be >= 1, got {self.speculative_num_steps}"
+            )
         steps, topk = self.speculative_num_steps, self.speculative_eagle_topk
         if topk < 1:
             raise ValueError(f"speculative_eagle_topk must be >= 1, got {topk}")
         if self.speculative_num_draft_tokens is None:
             self.speculative_num_draft_tokens = steps * topk + 1
-        most = topk + (steps - 1) * topk * topk + 1  # the root and every node the draft passes propose
+        most = (
+            topk + (steps - 1) * topk * topk + 1
+        )  # the root and every node the draft passes propose
         if topk == 1 and self.speculative_num_draft_tokens != steps + 1:
-            raise ValueError(f"with speculative_eagle_topk=1 a verify checks speculative_num_steps + 1 = "
-                             f"{steps + 1} tokens, got speculative_num_draft_tokens="
-                             f"{self.speculative_num_draft_tokens}")
+            raise ValueError(
+                f"with speculative_eagle_topk=1 a verify checks speculative_num_steps + 1 = "
+                f"{steps + 1} tokens, got speculative_num_draft_tokens="
+                f"{self.speculative_num_draft_tokens}"
+            )
         if not 2 <= self.speculative_num_draft_tokens <= most:
-            raise ValueError(f"speculative_num_draft_tokens must be in [2, {most}] with speculative_num_steps={steps} "
-                             f"and speculative_eagle_topk={topk}, got {self.speculative_num_draft_tokens}")
+            raise ValueError(
+                f"speculative_num_draft_tokens must be in [2, {most}] with speculative_num_steps={steps} "
+                f"and speculative_eagle_topk={topk}, got {self.speculative_num_draft_tokens}"
+            )
         if self.speculative_naive and (steps, topk, self.speculative_num_draft_tokens) != (1, 1, 2):
-            raise ValueError("speculative_naive runs steps 1, topk 1, 2 draft tokens; got speculative_num_steps="
-                             f"{steps}, speculative_eagle_topk={topk}, speculative_num_draft_tokens="
-                             f"{self.speculative_num_draft_tokens}")
+            raise ValueError(
+                "speculative_naive runs steps 1, topk 1, 2 draft tokens; got speculative_num_steps="
+                f"{steps}, speculative_eagle_topk={topk}, speculative_num_draft_tokens="
+                f"{self.speculative_num_draft_tokens}"
+            )
 
     @property
     def world_size(self) -> int:

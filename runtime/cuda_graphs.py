@@ -26,6 +26,7 @@ Graphs are captured at start, largest first, into one memory pool. On a CPU (tes
 Triton interpreter) nothing is captured: the same static buffers, padding and row selection run
 eagerly, so the CPU suite checks all but the capture.
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,11 +35,20 @@ import time
 import numpy as np
 import torch
 
-from dserve.attention.backend import FusedDraft, ForwardBatch
+from dserve.attention.backend import ForwardBatch, FusedDraft
 
 log = logging.getLogger("dserve.runtime")
-FIELDS = ("input_ids", "positions", "out_slots", "token_seqs", "token_ctx_lens", "next_ids", "from_target",
-          "real_tokens", "hidden_rows")
+FIELDS = (
+    "input_ids",
+    "positions",
+    "out_slots",
+    "token_seqs",
+    "token_ctx_lens",
+    "next_ids",
+    "from_target",
+    "real_tokens",
+    "hidden_rows",
+)
 ROW = {name: i for i, name in enumerate(FIELDS)}
 
 
@@ -64,13 +74,18 @@ class StaticSteps:
         self.runner, self.device = runner, runner.device
         self.hidden_width = hidden_width
         page_size = runner.pool.layout.page_size
-        self.scratch_slot = runner.num_pages * page_size  # the first slot of the page past the manager's
+        self.scratch_slot = (
+            runner.num_pages * page_size
+        )  # the first slot of the page past the manager's
         self.max_pages = min(-(-max_context // page_size), runner.num_pages)
         self.max_context = self.max_pages * page_size
         self.buckets = token_buckets(max_tokens)
         self.fused = runner.config.speculative_naive and hidden_width is None
-        self.backends = ([runner.draft_backend] if hidden_width is not None
-                         else [runner.backend] + ([runner.draft_backend] if self.fused else []))
+        self.backends = (
+            [runner.draft_backend]
+            if hidden_width is not None
+            else [runner.backend] + ([runner.draft_backend] if self.fused else [])
+        )
         most, fields = self.buckets[-1], len(FIELDS)
         self.table_start = (2 + fields) * most
         size = self.table_start + most * self.max_pages
@@ -78,10 +93,14 @@ class StaticSteps:
         self.host = torch.zeros(size, dtype=torch.int64, pin_memory=pinned)
         self.flat = torch.zeros(size, dtype=torch.int64, device=self.device)
         self.select, self.ints, self.table = self._views(self.flat)
-        self.host_select, self.host_ints, self.host_table = (t.numpy() for t in self._views(self.host))
+        self.host_select, self.host_ints, self.host_table = (
+            t.numpy() for t in self._views(self.host)
+        )
         self.rows = torch.arange(most, device=self.device)
         if hidden_width is not None:  # the draft's input states, gathered here before each replay
-            self.hidden = torch.zeros(most, hidden_width, dtype=runner.config.torch_dtype, device=self.device)
+            self.hidden = torch.zeros(
+                most, hidden_width, dtype=runner.config.torch_dtype, device=self.device
+            )
         pad = dict(out_slots=self.scratch_slot, token_ctx_lens=1, from_target=-1)  # the rest 0
         self.pad = np.array([pad.get(name, 0) for name in FIELDS], dtype=np.int64)[:, None]
         self.copied = torch.cuda.Event() if pinned else None  # the host buffer is free again
@@ -89,8 +108,11 @@ class StaticSteps:
 
     def _views(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         most = self.buckets[-1]
-        return (flat[:2 * most], flat[2 * most:self.table_start].view(len(FIELDS), most),
-                flat[self.table_start:].view(most, self.max_pages))
+        return (
+            flat[: 2 * most],
+            flat[2 * most : self.table_start].view(len(FIELDS), most),
+            flat[self.table_start :].view(most, self.max_pages),
+        )
 
     @property
     def usable(self) -> bool:
@@ -102,10 +124,19 @@ class StaticSteps:
         """The batch a graph of `n` tokens is captured for: its tensors are the static buffers."""
         f = dict(zip(FIELDS, self.ints[:, :n]))
         fused = FusedDraft(f["next_ids"], f["from_target"], self.rows[:n]) if self.fused else None
-        return ForwardBatch(input_ids=f["input_ids"], positions=f["positions"], q_lens=[1] * n,
-                            seq_lens=[self.max_context] * n, page_table=self.table[:n], out_slots=f["out_slots"],
-                            logits_indices=self.rows[:n], fused_draft=fused, token_seqs=f["token_seqs"],
-                            token_ctx_lens=f["token_ctx_lens"], real_tokens=f["real_tokens"])
+        return ForwardBatch(
+            input_ids=f["input_ids"],
+            positions=f["positions"],
+            q_lens=[1] * n,
+            seq_lens=[self.max_context] * n,
+            page_table=self.table[:n],
+            out_slots=f["out_slots"],
+            logits_indices=self.rows[:n],
+            fused_draft=fused,
+            token_seqs=f["token_seqs"],
+            token_ctx_lens=f["token_ctx_lens"],
+            real_tokens=f["real_tokens"],
+        )
 
     def fits(self, batch: ForwardBatch) -> bool:
         draft_pass = batch.hidden_rows is not None
@@ -114,10 +145,15 @@ class StaticSteps:
         states = self.runner.last_hidden  # what a draft pass reads: as wide as this set's input?
         if draft_pass and (states is None or states.shape[-1] != self.hidden_width):
             return False
-        return (batch.dp_num_tokens is None and 0 < batch.num_tokens <= self.buckets[-1]
-                and batch.input_ids.device.type == "cpu"
-                and (batch.fused_draft is not None) == self.fused and batch.page_table.shape[1] <= self.max_pages
-                and max(batch.seq_lens) <= self.max_context and self.backends[0].runs_static(batch))
+        return (
+            batch.dp_num_tokens is None
+            and 0 < batch.num_tokens <= self.buckets[-1]
+            and batch.input_ids.device.type == "cpu"
+            and (batch.fused_draft is not None) == self.fused
+            and batch.page_table.shape[1] <= self.max_pages
+            and max(batch.seq_lens) <= self.max_context
+            and self.backends[0].runs_static(batch)
+        )
 
     def _forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         n = batch.num_tokens
@@ -141,9 +177,19 @@ class StaticSteps:
                 outputs = self._forward(batch)
             self.graphs[n] = (graph, outputs)
         torch.cuda.synchronize(self.device)
-        what = "steps" if self.hidden_width is None else f"draft passes over states of width {self.hidden_width}"
-        log.info("captured %d CUDA graphs of %s (up to %d tokens, contexts up to %d) in %.1f s", len(self.graphs),
-                 what, self.buckets[-1], self.max_context, time.monotonic() - started)
+        what = (
+            "steps"
+            if self.hidden_width is None
+            else f"draft passes over states of width {self.hidden_width}"
+        )
+        log.info(
+            "captured %d CUDA graphs of %s (up to %d tokens, contexts up to %d) in %.1f s",
+            len(self.graphs),
+            what,
+            self.buckets[-1],
+            self.max_context,
+            time.monotonic() - started,
+        )
 
     def run(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits at the batch's rows, hidden states at every padded row) of one step."""
@@ -156,7 +202,9 @@ class StaticSteps:
         if self.copied is not None:
             self.copied.record()
         if self.hidden_width is not None:
-            torch.index_select(self.runner.last_hidden, 0, self.ints[ROW["hidden_rows"], :n], out=self.hidden[:n])
+            torch.index_select(
+                self.runner.last_hidden, 0, self.ints[ROW["hidden_rows"], :n], out=self.hidden[:n]
+            )
         if n in self.graphs:
             graph, (logits, hidden) = self.graphs[n]
             graph.replay()
@@ -175,14 +223,16 @@ class StaticSteps:
             h[ROW["hidden_rows"], :t] = batch.hidden_rows.numpy()
         h[ROW["real_tokens"], :t] = 1
         select = batch.logits_indices.numpy()
-        if batch.fused_draft is not None:  # the graph's draft reads the target's argmax at token rows
+        if (
+            batch.fused_draft is not None
+        ):  # the graph's draft reads the target's argmax at token rows
             fused = batch.fused_draft
             h[ROW["next_ids"], :t] = fused.next_ids.numpy()
             from_target = fused.from_target.numpy()
             rows = select[np.maximum(from_target, 0)] if len(select) else 0
             h[ROW["from_target"], :t] = np.where(from_target >= 0, rows, -1)
             select = np.concatenate([select, n + fused.logits_indices.numpy()])
-        self.host_select[:len(select)] = select
+        self.host_select[: len(select)] = select
         seqs, width = batch.page_table.shape
         self.host_table[:seqs, :width] = batch.page_table.numpy()
         return len(select)

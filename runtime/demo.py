@@ -1,5 +1,6 @@
 """`make demo`: generate for a few prompts with the embedded default model (a tiny DeepSeek-V3
 written on first run into .dserve/), printing each generation and the throughput."""
+
 from __future__ import annotations
 
 import logging
@@ -36,11 +37,15 @@ def main() -> None:
         results = engine.generate(PROMPTS, sampling_params=params)
         elapsed = time.perf_counter() - start
         for prompt, result in zip(PROMPTS, results):
-            print(f"\n> {prompt}\n  {result.text!r}\n  ({result.meta['completion_tokens']} tokens, "
-                  f"finish: {result.finish_reason})")
+            print(
+                f"\n> {prompt}\n  {result.text!r}\n  ({result.meta['completion_tokens']} tokens, "
+                f"finish: {result.finish_reason})"
+            )
         tokens = sum(r.meta["completion_tokens"] for r in results)
-        print(f"\n{len(PROMPTS)} prompts, {tokens} new tokens in {elapsed:.2f}s: {tokens / elapsed:.1f} tokens/s "
-              f"on {engine.config.device} ({engine.config.dtype}); the model is random, so the text is noise.")
+        print(
+            f"\n{len(PROMPTS)} prompts, {tokens} new tokens in {elapsed:.2f}s: {tokens / elapsed:.1f} tokens/s "
+            f"on {engine.config.device} ({engine.config.dtype}); the model is random, so the text is noise."
+        )
 
 
 if __name__ == "__main__":

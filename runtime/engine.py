@@ -4,6 +4,7 @@ The front: per DP group a scheduler picks spans, the executor runs them on the r
 next tokens, and finished requests give their pages back at once. `add_request` / `step` / `abort`
 are the lower-level loop that the HTTP server and the parallel ranks drive.
 """
+
 from __future__ import annotations
 
 import logging
@@ -19,12 +20,12 @@ from dserve.runtime.config import EngineConfig
 from dserve.runtime.executor import RankFailure, make_executor
 from dserve.runtime.output import GenerateResult, StreamChunk, TextTracker, make_result
 from dserve.runtime.sampler import sample
-from dserve.transfer.agent import AgentConfig
-from dserve.scheduler.request import Request, SamplingParams
 from dserve.scheduler.kv_manager import KVCacheManager
+from dserve.scheduler.request import Request, SamplingParams
 from dserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from dserve.spec.decoding import Speculator
 from dserve.spec.tree import well_formed
+from dserve.transfer.agent import AgentConfig
 
 log = logging.getLogger("dserve.runtime")
 
@@ -41,7 +42,9 @@ class DPGroup:
 
     @property
     def load(self) -> int:
-        return sum(r.num_tokens for r in self.scheduler.running) + sum(r.num_tokens for r in self.scheduler.waiting)
+        return sum(r.num_tokens for r in self.scheduler.running) + sum(
+            r.num_tokens for r in self.scheduler.waiting
+        )
 
 
 class NoTokenizer:
@@ -51,7 +54,9 @@ class NoTokenizer:
     eos_token_id = None
 
     def encode(self, text: str) -> list[int]:
-        raise ValueError("this model directory has no tokenizer (load_format=dummy): send input_ids")
+        raise ValueError(
+            "this model directory has no tokenizer (load_format=dummy): send input_ids"
+        )
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return ""
@@ -80,21 +85,40 @@ class Engine:
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.max_context = self.model_config.max_position_embeddings
-        sched = SchedulerConfig(self.config.max_num_batched_tokens, self.config.chunked_prefill_size,
-                                self.config.max_running_requests)
-        self.groups = [DPGroup(Scheduler(sched, KVCacheManager(pages, self.config.page_size,
-                                                               self.config.enable_prefix_caching)))
-                       for pages in self.executor.num_pages]
+        sched = SchedulerConfig(
+            self.config.max_num_batched_tokens,
+            self.config.chunked_prefill_size,
+            self.config.max_running_requests,
+        )
+        self.groups = [
+            DPGroup(
+                Scheduler(
+                    sched,
+                    KVCacheManager(pages, self.config.page_size, self.config.enable_prefix_caching),
+                )
+            )
+            for pages in self.executor.num_pages
+        ]
         self.pool_tokens = min(g.kv.num_pages for g in self.groups) * self.config.page_size
         self.requests: dict[str, Request] = {}
         self.trackers: dict[str, TextTracker] = {}
         self.group_of: dict[str, int] = {}
         self.keep_pages: set[str] = set()  # prefill: requests whose pages outlive them, to be sent
-        self.held: dict[str, tuple[int, str]] = {}  # holder key -> (DP group, rid) of pages in flight
+        self.held: dict[
+            str, tuple[int, str]
+        ] = {}  # holder key -> (DP group, rid) of pages in flight
         c = self.config
-        self.speculator = (Speculator(c.speculative_num_steps, self._execute, c.speculative_eagle_topk,
-                                      c.speculative_num_draft_tokens, c.speculative_naive)
-                           if c.speculative_algorithm else None)
+        self.speculator = (
+            Speculator(
+                c.speculative_num_steps,
+                self._execute,
+                c.speculative_eagle_topk,
+                c.speculative_num_draft_tokens,
+                c.speculative_naive,
+            )
+            if c.speculative_algorithm
+            else None
+        )
 
     # ---- request lifecycle -------------------------------------------------------------------
     def tokenize(self, prompt: str | None, input_ids: list[int] | None) -> list[int]:
@@ -108,17 +132,25 @@ class Engine:
         vocab = self.model_config.vocab_size
         if not ids:
             raise ValueError("the prompt is empty")
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        bad = [
+            t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab
+        ]
         if bad:
             raise ValueError(f"unknown token ids {bad[:5]}: ids must be integers in [0, {vocab})")
         if len(ids) >= self.max_context:
-            raise ValueError(f"the prompt has {len(ids)} tokens; the model's context is {self.max_context} "
-                             f"tokens and at least one must be left to generate")
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens; the model's context is {self.max_context} "
+                f"tokens and at least one must be left to generate"
+            )
         if len(ids) >= self.pool_tokens:
-            raise ValueError(f"the prompt has {len(ids)} tokens but the KV cache holds only {self.pool_tokens}")
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens but the KV cache holds only {self.pool_tokens}"
+            )
         return ids
 
-    def make_request(self, prompt=None, input_ids=None, sampling_params=None, rid: str | None = None) -> Request:
+    def make_request(
+        self, prompt=None, input_ids=None, sampling_params=None, rid: str | None = None
+    ) -> Request:
         params = _as_params(sampling_params)
         params.validate(self.model_config.vocab_size)
         req = Request(rid or uuid.uuid4().hex, self.tokenize(prompt, input_ids), params)
@@ -126,16 +158,22 @@ class Engine:
             raise ValueError(f"request id {req.rid!r} is already in use")
         seed = params.seed
         if seed is not None:
-            req.generator = torch.Generator().manual_seed(seed)  # sampling runs on the front, on the CPU
+            req.generator = torch.Generator().manual_seed(
+                seed
+            )  # sampling runs on the front, on the CPU
         return req
 
-    def add_request(self, prompt=None, input_ids=None, sampling_params=None, rid: str | None = None) -> str:
+    def add_request(
+        self, prompt=None, input_ids=None, sampling_params=None, rid: str | None = None
+    ) -> str:
         return self.submit(self.make_request(prompt, input_ids, sampling_params, rid))
 
     def submit(self, req: Request) -> str:
         self.requests[req.rid] = req
         self.trackers[req.rid] = TextTracker(self.tokenizer, req)
-        group = min(range(len(self.groups)), key=lambda g: self.groups[g].load)  # DP attention: least loaded
+        group = min(
+            range(len(self.groups)), key=lambda g: self.groups[g].load
+        )  # DP attention: least loaded
         self.group_of[req.rid] = group
         self.groups[group].scheduler.add(req)
         return req.rid
@@ -174,16 +212,23 @@ class Engine:
             group_logits = self.speculator.split(batches, group_logits)
         done, rows, verified = [], [], []
         for g, (spans, group, logits) in enumerate(zip(plans, self.groups, group_logits)):
-            row, argmax = 0, logits.argmax(dim=-1).tolist() if any(span.draft for span in spans) else None
+            row, argmax = (
+                0,
+                logits.argmax(dim=-1).tolist() if any(span.draft for span in spans) else None,
+            )
             for span in spans:
-                if span.draft:  # speculative: the drafts the target agrees with, then its own next token
+                if (
+                    span.draft
+                ):  # speculative: the drafts the target agrees with, then its own next token
                     rows_of_span = slice(row, row + span.length)
-                    tokens = self.speculator.verify(span, logits[rows_of_span], argmax[rows_of_span], group.kv, g)
+                    tokens = self.speculator.verify(
+                        span, logits[rows_of_span], argmax[rows_of_span], group.kv, g
+                    )
                     verified.append((span.req, tokens))
                     row += span.length
                 elif span.completes:
                     done.append(span.req)
-                    rows.append(logits[row:row + 1])
+                    rows.append(logits[row : row + 1])
                     row += 1
             group.scheduler.advance(spans)
         if done:
@@ -239,13 +284,18 @@ class Engine:
     def _check_finish(self, req: Request, token: int) -> None:
         p = req.params
         matched = self.trackers[req.rid].update()
-        if req.rid in self.keep_pages:  # prefill: the first token ends it; its pages wait to be sent
+        if (
+            req.rid in self.keep_pages
+        ):  # prefill: the first token ends it; its pages wait to be sent
             self.keep_pages.discard(req.rid)
             self.hold(req.rid, "send")
             self._scheduler(req).finish(req, "length")
-        elif p.stop_token_ids and token in p.stop_token_ids:
-            self._scheduler(req).finish(req, "stop", token)
-        elif not p.ignore_eos and token in self.eos_token_ids:
+        elif (
+            p.stop_token_ids
+            and token in p.stop_token_ids
+            or not p.ignore_eos
+            and token in self.eos_token_ids
+        ):
             self._scheduler(req).finish(req, "stop", token)
         elif matched is not None:
             self._scheduler(req).finish(req, "stop", matched)
@@ -286,19 +336,31 @@ class Engine:
         self.requests[req.rid] = req
         self.trackers.setdefault(req.rid, TextTracker(self.tokenizer, req))
 
-    def join_prefilled(self, rid: str, first_token: int, logprob: float | None = None,
-                       top_logprobs: list | None = None, draft_tokens: list[int] | None = None,
-                       rng_state: bytes | None = None, draft_parents: list[int] | None = None) -> None:
+    def join_prefilled(
+        self,
+        rid: str,
+        first_token: int,
+        logprob: float | None = None,
+        top_logprobs: list | None = None,
+        draft_tokens: list[int] | None = None,
+        rng_state: bytes | None = None,
+        draft_parents: list[int] | None = None,
+    ) -> None:
         """Decode: the prompt's KV (and the draft's, with speculation) is in the pages; the prefill's
         first token joins and decoding starts, verifying the prefill's draft tokens first. A seeded
         request's generator continues from the prefill's state, so its draws are the colocated ones."""
         req = self.requests[rid]
         if rng_state is not None and req.generator is not None:
             req.generator.set_state(torch.frombuffer(bytearray(rng_state), dtype=torch.uint8))
-        parents = list(range(-1, len(draft_tokens or []) - 1)) if draft_parents is None else draft_parents
+        parents = (
+            list(range(-1, len(draft_tokens or []) - 1)) if draft_parents is None else draft_parents
+        )
         spec, vocab = self.speculator, self.model_config.vocab_size
-        if spec is not None and draft_tokens and well_formed(draft_tokens, parents, vocab, spec.num_nodes,
-                                                             spec.num_steps):
+        if (
+            spec is not None
+            and draft_tokens
+            and well_formed(draft_tokens, parents, vocab, spec.num_nodes, spec.num_steps)
+        ):
             req.draft_tokens, req.draft_parents = list(draft_tokens), list(parents)
         req.num_computed_tokens = len(req.prompt_ids)
         req.output_ids.append(first_token)
@@ -313,7 +375,9 @@ class Engine:
     # ---- convenience -----------------------------------------------------------------------------
     def generate(self, prompts=None, input_ids=None, sampling_params=None):
         """One result per prompt (a list for a list, a single result for a single prompt)."""
-        single = isinstance(prompts, str) or (input_ids is not None and input_ids and isinstance(input_ids[0], int))
+        single = isinstance(prompts, str) or (
+            input_ids is not None and input_ids and isinstance(input_ids[0], int)
+        )
         texts = [prompts] if isinstance(prompts, str) else prompts
         ids = [input_ids] if single and input_ids is not None else input_ids
         n = len(texts) if texts is not None else len(ids or [])
@@ -324,7 +388,10 @@ class Engine:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
         if len(params) != n:
             raise ValueError(f"{len(params)} sampling_params for {n} prompts")
-        reqs = [self.make_request(texts[i] if texts else None, ids[i] if ids else None, params[i]) for i in range(n)]
+        reqs = [
+            self.make_request(texts[i] if texts else None, ids[i] if ids else None, params[i])
+            for i in range(n)
+        ]
         for req in reqs:
             self.submit(req)
         while not all(r.finished for r in reqs):
@@ -332,7 +399,9 @@ class Engine:
         results = [self.pop_result(r.rid) for r in reqs]
         return results[0] if single else results
 
-    def generate_stream(self, prompt=None, input_ids=None, sampling_params=None) -> Iterator[StreamChunk]:
+    def generate_stream(
+        self, prompt=None, input_ids=None, sampling_params=None
+    ) -> Iterator[StreamChunk]:
         rid = self.add_request(prompt, input_ids, sampling_params)
         req, tracker = self.requests[rid], self.trackers[rid]
         try:
@@ -357,7 +426,11 @@ class Engine:
     def check_invariants(self) -> None:
         """Page accounting of every DP group: ended requests hold nothing, ref counts match tables."""
         for g, group in enumerate(self.groups):
-            live = {rid for rid, r in self.requests.items() if not r.finished and self.group_of.get(rid) == g}
+            live = {
+                rid
+                for rid, r in self.requests.items()
+                if not r.finished and self.group_of.get(rid) == g
+            }
             live |= {key for key, (group_index, _) in self.held.items() if group_index == g}
             group.kv.check_invariants(live)
             assert group.scheduler.live_rids() <= live
@@ -386,4 +459,6 @@ def _as_params(value) -> SamplingParams:
         return value
     if isinstance(value, dict):
         return SamplingParams.from_dict(value)
-    raise ValueError(f"sampling_params must be a SamplingParams or a dict, got {type(value).__name__}")
+    raise ValueError(
+        f"sampling_params must be a SamplingParams or a dict, got {type(value).__name__}"
+    )

@@ -5,6 +5,7 @@ Everything that touches engine state runs on that thread: the asyncio side hands
 side (prefill or decode of a disaggregated pair) is polled between steps for transfer events and
 deadlines, and decides when a finished request's answer may go out (after its KV was sent).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -69,7 +70,9 @@ class EngineLoop:
         self.inbox.put(job)
         return await future
 
-    async def stream(self, req: Request, start: Callable[[Request], None]) -> AsyncIterator[StreamChunk]:
+    async def stream(
+        self, req: Request, start: Callable[[Request], None]
+    ) -> AsyncIterator[StreamChunk]:
         """Start `req` with `start` (on the engine thread) and yield its chunks; the last one is
         `finished`. Leaving early (client gone) aborts the request and frees what it holds."""
         if self.failure:
@@ -137,7 +140,9 @@ class EngineLoop:
             if req is None:
                 continue
             done = req.finished and not self.side.busy(rid)
-            text, tokens = self.engine.trackers[rid].delta() if (not req.finished or done) else ("", [])
+            text, tokens = (
+                self.engine.trackers[rid].delta() if (not req.finished or done) else ("", [])
+            )
             if not (text or tokens or done):
                 continue
             result = self.engine.pop_result(rid) if done else None
@@ -157,5 +162,3 @@ def _settle(future: asyncio.Future, result, error) -> None:
         future.set_exception(error)
     else:
         future.set_result(result)
-
-

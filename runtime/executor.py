@@ -6,8 +6,10 @@ device in this process (the front moves only the ids and values it needs), on th
 processes. A rank that dies or fails takes the whole instance down with a message naming it; no
 rank is left waiting.
 """
+
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import multiprocessing as mp
@@ -54,22 +56,36 @@ def validate_parallel(config: EngineConfig) -> ModelConfig:
     """Every size must divide before any weight is read; the message names the numbers."""
     cfg, _ = resolve(config.model_path)
     a, world = config.attn_tp_size, config.world_size
-    checks = [(cfg.num_attention_heads, a, "num_attention_heads", "attention ranks (tp_size / dp_size)"),
-              (cfg.vocab_size, a, "vocab_size", "attention ranks (tp_size / dp_size)"),
-              (cfg.intermediate_size, world, "intermediate_size", "ranks (tp_size)")]
+    checks = [
+        (cfg.num_attention_heads, a, "num_attention_heads", "attention ranks (tp_size / dp_size)"),
+        (cfg.vocab_size, a, "vocab_size", "attention ranks (tp_size / dp_size)"),
+        (cfg.intermediate_size, world, "intermediate_size", "ranks (tp_size)"),
+    ]
     if cfg.n_routed_experts:
-        checks += [(cfg.n_routed_experts, config.ep_size, "n_routed_experts", "ep_size"),
-                   (cfg.moe_intermediate_size, world // config.ep_size, "moe_intermediate_size",
-                    "ranks per expert (tp_size / ep_size)"),
-                   (cfg.moe_intermediate_size * cfg.n_shared_experts, world, "shared expert intermediate size",
-                    "ranks (tp_size)")]
+        checks += [
+            (cfg.n_routed_experts, config.ep_size, "n_routed_experts", "ep_size"),
+            (
+                cfg.moe_intermediate_size,
+                world // config.ep_size,
+                "moe_intermediate_size",
+                "ranks per expert (tp_size / ep_size)",
+            ),
+            (
+                cfg.moe_intermediate_size * cfg.n_shared_experts,
+                world,
+                "shared expert intermediate size",
+                "ranks (tp_size)",
+            ),
+        ]
     for total, parts, what, by in checks:
         if total % parts:
             raise ValueError(f"{what} = {total} does not divide by {by} = {parts}")
     if cfg.attention_kind == "mha":
         kv = cfg.num_key_value_heads
         if (kv >= a and kv % a) or (kv < a and a % kv):
-            raise ValueError(f"num_key_value_heads = {kv} and {a} attention ranks: one must divide the other")
+            raise ValueError(
+                f"num_key_value_heads = {kv} and {a} attention ranks: one must divide the other"
+            )
     if config.device.startswith("cuda"):
         count = torch.cuda.device_count()
         if count < world:
@@ -91,15 +107,24 @@ class MultiprocessExecutor:
         ctx = mp.get_context("spawn")
         # The rendezvous store binds port 0 here and lives as long as the executor: no port is picked, released
         # and bound again later, which another process could take in between.
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=config.step_timeout_s))
+        self.store = dist.TCPStore(
+            "127.0.0.1",
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=config.step_timeout_s),
+        )
         self.conns, self.procs, self.closed = [], [], False
         from dserve.runtime.worker import worker_main
 
         for rank in range(config.world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=worker_main, args=(rank, config, self.store.port, child, transfer), daemon=True,
-                               name=f"dserve-rank-{rank}")
+            proc = ctx.Process(
+                target=worker_main,
+                args=(rank, config, self.store.port, child, transfer),
+                daemon=True,
+                name=f"dserve-rank-{rank}",
+            )
             proc.start()
             child.close()
             self.conns.append(parent)
@@ -111,9 +136,18 @@ class MultiprocessExecutor:
             raise
         self.rank_info = [info for _, info in replies]
         a = config.attn_tp_size
-        self.num_pages = [min(i.num_pages for i in self.rank_info[g * a:(g + 1) * a]) for g in range(config.dp_size)]
-        log.info("%d ranks up (tp=%d, dp=%d, ep=%d); parameter bytes per rank: %s", config.world_size,
-                 config.tp_size, config.dp_size, config.ep_size, [i.parameter_bytes for i in self.rank_info])
+        self.num_pages = [
+            min(i.num_pages for i in self.rank_info[g * a : (g + 1) * a])
+            for g in range(config.dp_size)
+        ]
+        log.info(
+            "%d ranks up (tp=%d, dp=%d, ep=%d); parameter bytes per rank: %s",
+            config.world_size,
+            config.tp_size,
+            config.dp_size,
+            config.ep_size,
+            [i.parameter_bytes for i in self.rank_info],
+        )
 
     def _gather(self, timeout: float, what: str) -> list[tuple]:
         """One reply from every rank, or RankFailure as soon as any rank dies or reports an error."""
@@ -173,10 +207,8 @@ class MultiprocessExecutor:
         self.closed = True
         if graceful:
             for conn in self.conns:
-                try:
+                with contextlib.suppress(BrokenPipeError, OSError):
                     conn.send(None)
-                except (BrokenPipeError, OSError):
-                    pass
             for proc in self.procs:
                 proc.join(timeout=10)
         for proc in self.procs:

@@ -5,6 +5,7 @@ Routes: POST /generate, /v1/completions, /v1/chat/completions (JSON or SSE with 
 (transfer failure, timeout, dead rank) is HTTP 500 or an SSE error event. A client that goes away
 aborts its request, which frees its pages. The engine runs on its own thread (`EngineLoop`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -19,7 +20,15 @@ from aiohttp import web
 from dserve.runtime.engine import Engine
 from dserve.runtime.engine_loop import EngineLoop
 from dserve.runtime.metrics import Metrics
-from dserve.runtime.protocol import PARSERS, BadRequest, GenerateInput, error_body, full_answer, openai_id, stream_piece
+from dserve.runtime.protocol import (
+    PARSERS,
+    BadRequest,
+    GenerateInput,
+    error_body,
+    full_answer,
+    openai_id,
+    stream_piece,
+)
 from dserve.runtime.server_config import ServerConfig
 from dserve.transfer.descriptor import IncompatiblePeer
 
@@ -50,18 +59,30 @@ class Instance:
         self.loop = EngineLoop(self.engine, self.side)
         self.model_name = config.served_model_name or os.path.basename(os.path.normpath(model_path))
         g = self.engine.groups
-        self.metrics.gauges.update({
-            "num_running_requests": lambda: sum(len(x.scheduler.running) for x in g),
-            "num_queued_requests": lambda: sum(len(x.scheduler.waiting) for x in g),
-            "kv_pages_used": lambda: sum(x.kv.num_used_pages for x in g),
-            "kv_pages_total": lambda: sum(x.kv.num_pages for x in g)})
+        self.metrics.gauges.update(
+            {
+                "num_running_requests": lambda: sum(len(x.scheduler.running) for x in g),
+                "num_queued_requests": lambda: sum(len(x.scheduler.waiting) for x in g),
+                "kv_pages_used": lambda: sum(x.kv.num_used_pages for x in g),
+                "kv_pages_total": lambda: sum(x.kv.num_pages for x in g),
+            }
+        )
         spec = self.engine.speculator
         if spec is not None:
             algorithm = self.engine.config.speculative_algorithm
-            self.metrics.labeled.update({
-                "spec_verify_steps_total": ("algorithm", lambda: {algorithm: spec.verify_steps}),
-                "spec_draft_tokens_total": ("position", lambda: dict(enumerate(spec.proposed))),
-                "spec_accepted_tokens_total": ("position", lambda: dict(enumerate(spec.accepted)))})
+            self.metrics.labeled.update(
+                {
+                    "spec_verify_steps_total": (
+                        "algorithm",
+                        lambda: {algorithm: spec.verify_steps},
+                    ),
+                    "spec_draft_tokens_total": ("position", lambda: dict(enumerate(spec.proposed))),
+                    "spec_accepted_tokens_total": (
+                        "position",
+                        lambda: dict(enumerate(spec.accepted)),
+                    ),
+                }
+            )
 
     def shutdown(self) -> None:
         self.loop.stop()
@@ -73,18 +94,25 @@ class Instance:
     def _make_request(self, inp: GenerateInput):
         ids, text = inp.input_ids, inp.text
         if inp.kind == "chat":
-            ids = list(self.engine.tokenizer.apply_chat_template(inp.messages, add_generation_prompt=True,
-                                                                  tokenize=True, return_dict=False))
+            ids = list(
+                self.engine.tokenizer.apply_chat_template(
+                    inp.messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+            )
         return self.engine.make_request(text, ids, inp.sampling, inp.rid)
 
     async def prepare(self, inp: GenerateInput):
         """The request and how to start it on the engine thread; BadRequest / ConnectionError on failure."""
         role = self.config.role
         if role == "colocated" and inp.bootstrap is not None:
-            raise BadRequest("bootstrap_* fields are for disaggregated instances; this one serves alone")
+            raise BadRequest(
+                "bootstrap_* fields are for disaggregated instances; this one serves alone"
+            )
         if role != "colocated" and inp.bootstrap is None:
-            raise BadRequest(f"a {role} instance serves requests sent through `dserve router` "
-                             "(bootstrap_host, bootstrap_port and bootstrap_room are required)")
+            raise BadRequest(
+                f"a {role} instance serves requests sent through `dserve router` "
+                "(bootstrap_host, bootstrap_port and bootstrap_room are required)"
+            )
         req = await self.loop.call(self._make_request, inp)
         if role == "colocated":
             return req, self.engine.submit
@@ -96,7 +124,9 @@ class Instance:
             self.peers = PeerDirectory(self.side.descriptor, self.config.bootstrap_timeout_s)
         b = inp.bootstrap
         peer = await self.peers.get(b.host, b.port)
-        link = self.peers.link(b.host, b.port, req.rid, lambda rid, msg: self.loop.post(self.side.fail, rid, msg))
+        link = self.peers.link(
+            b.host, b.port, req.rid, lambda rid, msg: self.loop.post(self.side.fail, rid, msg)
+        )
         return req, lambda r: self.side.start(r, b.room, peer, link)
 
 
@@ -119,7 +149,12 @@ class Server:
         return web.json_response({"status": "ok"})
 
     async def models(self, _: web.Request) -> web.Response:
-        card = {"id": self.instance.model_name, "object": "model", "owned_by": "dserve", "created": 0}
+        card = {
+            "id": self.instance.model_name,
+            "object": "model",
+            "owned_by": "dserve",
+            "created": 0,
+        }
         return web.json_response({"object": "list", "data": [card]})
 
     async def metrics_text(self, _: web.Request) -> web.Response:
@@ -128,6 +163,7 @@ class Server:
     async def kv_state(self, _: web.Request) -> web.Response:
         """Page accounting, checked on the engine thread: used pages, pages held past their request
         (in flight or quarantined), requests known, and whether the invariant checker passes."""
+
         def check() -> dict:
             engine = self.instance.engine
             try:
@@ -135,15 +171,24 @@ class Server:
                 ok = "ok"
             except AssertionError as e:
                 ok = f"violated: {e}"
-            return {"used_pages": sum(g.kv.num_used_pages for g in engine.groups), "held": len(engine.held),
-                    "requests": len(engine.requests), "invariants": ok}
+            return {
+                "used_pages": sum(g.kv.num_used_pages for g in engine.groups),
+                "held": len(engine.held),
+                "requests": len(engine.requests),
+                "invariants": ok,
+            }
+
         return web.json_response(await self.instance.loop.call(check))
 
     async def server_info(self, _: web.Request) -> web.Response:
         c = self.instance.config
-        info = {"role": c.role, "model": self.instance.model_name, "bootstrap_port": c.bootstrap_port
-                if c.role == "prefill" else None, "tp_size": self.instance.engine.config.tp_size,
-                "dp_size": self.instance.engine.config.dp_size}
+        info = {
+            "role": c.role,
+            "model": self.instance.model_name,
+            "bootstrap_port": c.bootstrap_port if c.role == "prefill" else None,
+            "tp_size": self.instance.engine.config.tp_size,
+            "dp_size": self.instance.engine.config.dp_size,
+        }
         return web.json_response(info)
 
     def _generation(self, kind: str):
@@ -163,6 +208,7 @@ class Server:
             if inp.stream:
                 return await self._sse(request, inp, req.rid, chunks)
             return await self._whole(inp, req.rid, chunks)
+
         return handler
 
     async def _whole(self, inp: GenerateInput, rid: str, chunks) -> web.Response:
@@ -183,11 +229,17 @@ class Server:
             self.metrics.request_done(inp.kind, "error")
             return _error(result.meta.get("error") or "aborted", 500)
         self.metrics.request_done(inp.kind, "ok")
-        body = full_answer(inp.kind, self.instance.model_name, result.text, result.output_ids, result.meta, rid)
+        body = full_answer(
+            inp.kind, self.instance.model_name, result.text, result.output_ids, result.meta, rid
+        )
         return web.json_response(body)
 
-    async def _sse(self, request: web.Request, inp: GenerateInput, rid: str, chunks) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    async def _sse(
+        self, request: web.Request, inp: GenerateInput, rid: str, chunks
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
         ident = rid if inp.kind == "generate" else openai_id(inp.kind)
         timer, first, outcome = _Timer(self.metrics), True, "ok"
         try:
@@ -201,8 +253,18 @@ class Server:
                     await _event(resp, error_body(meta.get("error") or "aborted", 500))
                     break
                 if chunk.text or chunk.token_ids or meta is not None:
-                    await _event(resp, stream_piece(inp.kind, self.instance.model_name, ident, chunk.text,
-                                                    chunk.token_ids, meta, first))
+                    await _event(
+                        resp,
+                        stream_piece(
+                            inp.kind,
+                            self.instance.model_name,
+                            ident,
+                            chunk.text,
+                            chunk.token_ids,
+                            meta,
+                            first,
+                        ),
+                    )
                     first = False
             await resp.write(b"data: [DONE]\n\n")
         except ValueError as e:
@@ -286,7 +348,9 @@ def serve(model_path: str, config: ServerConfig, **engine_kwargs) -> None:
     if config.role == "prefill":
         from dserve.runtime.bootstrap import bootstrap_app
 
-        apps.append((bootstrap_app(instance.loop, instance.side), config.host, config.bootstrap_port))
+        apps.append(
+            (bootstrap_app(instance.loop, instance.side), config.host, config.bootstrap_port)
+        )
     try:
         asyncio.run(run_apps(apps))
     finally:

@@ -3,6 +3,7 @@
 Updated from the asyncio thread (requests) and the engine thread (transfers); single integer and
 float updates under the GIL need no lock for a scrape that tolerates one step of skew.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -26,7 +27,11 @@ class Histogram:
 
     def render(self, name: str) -> list[str]:
         lines = [f'{name}_bucket{{le="{edge}"}} {n}' for edge, n in zip(self.buckets, self.counts)]
-        lines += [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {self.total}", f"{name}_count {self.count}"]
+        lines += [
+            f'{name}_bucket{{le="+Inf"}} {self.count}',
+            f"{name}_sum {self.total}",
+            f"{name}_count {self.count}",
+        ]
         return lines
 
 
@@ -34,8 +39,12 @@ class Metrics:
     def __init__(self, prefix: str = "dserve"):
         self.prefix = prefix
         self.requests: dict[tuple[str, str], int] = defaultdict(int)  # (endpoint, outcome) -> count
-        self.histograms = {"time_to_first_token_seconds": Histogram(), "inter_token_latency_seconds": Histogram(),
-                           "e2e_request_latency_seconds": Histogram(), "kv_transfer_seconds": Histogram()}
+        self.histograms = {
+            "time_to_first_token_seconds": Histogram(),
+            "inter_token_latency_seconds": Histogram(),
+            "e2e_request_latency_seconds": Histogram(),
+            "kv_transfer_seconds": Histogram(),
+        }
         self.counters: dict[str, float] = defaultdict(float)
         self.gauges: dict[str, Callable[[], float]] = {}
         # counters kept elsewhere (the engine's), read when scraped: name -> (label, read -> {value: count})

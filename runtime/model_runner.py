@@ -5,6 +5,7 @@ device memory leaves after the weights; on the CPU 16384 tokens. Decode-like ste
 graphs where the backend allows it (`cuda_graphs.py`), the draft's passes too; everything else runs
 eagerly.
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,16 +28,34 @@ log = logging.getLogger("dserve.runtime")
 CPU_DEFAULT_TOKENS = 16384
 
 
-def kv_layout(cfg: ModelConfig, page_size: int, dtype: torch.dtype, attn_tp_size: int = 1,
-              num_layers: int | None = None) -> KVLayout:
+def kv_layout(
+    cfg: ModelConfig,
+    page_size: int,
+    dtype: torch.dtype,
+    attn_tp_size: int = 1,
+    num_layers: int | None = None,
+) -> KVLayout:
     """The KV layout of `cfg`'s layers (the target's); with `num_layers`, of a draft with that many."""
     layers = cfg.num_hidden_layers if num_layers is None else num_layers
     if cfg.attention_kind == "mla":  # the latent is replicated over attention-TP ranks
-        return KVLayout("mla", layers, page_size, dtype,
-                        latent_dim=cfg.kv_lora_rank + cfg.qk_rope_head_dim, kv_lora_rank=cfg.kv_lora_rank)
+        return KVLayout(
+            "mla",
+            layers,
+            page_size,
+            dtype,
+            latent_dim=cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+            kv_lora_rank=cfg.kv_lora_rank,
+        )
     heads = max(cfg.num_key_value_heads // attn_tp_size, 1)
-    return KVLayout("mha", layers, page_size, dtype, num_kv_heads=heads,
-                    head_dim=cfg.head_dim, v_head_dim=cfg.head_dim)
+    return KVLayout(
+        "mha",
+        layers,
+        page_size,
+        dtype,
+        num_kv_heads=heads,
+        head_dim=cfg.head_dim,
+        v_head_dim=cfg.head_dim,
+    )
 
 
 def pool_pages(config: EngineConfig, layouts: list[KVLayout], device: torch.device) -> int:
@@ -50,8 +69,10 @@ def pool_pages(config: EngineConfig, layouts: list[KVLayout], device: torch.devi
         free, total = torch.cuda.mem_get_info(device)
         budget = total * config.mem_fraction_static - (total - free)
         if budget < page_bytes:
-            raise ValueError(f"no memory left for the KV cache: {free / 2**30:.1f} GiB free of "
-                             f"{total / 2**30:.1f} GiB with mem_fraction_static={config.mem_fraction_static}")
+            raise ValueError(
+                f"no memory left for the KV cache: {free / 2**30:.1f} GiB free of "
+                f"{total / 2**30:.1f} GiB with mem_fraction_static={config.mem_fraction_static}"
+            )
         tokens = int(budget // page_bytes) * layout.page_size
     else:
         tokens = CPU_DEFAULT_TOKENS
@@ -63,19 +84,36 @@ def load_draft(config: EngineConfig, target, device: torch.device, ctx: Parallel
     if config.speculative_algorithm == "mtp":
         from dserve.spec.mtp import load_mtp_draft
 
-        return load_mtp_draft(config.model_path, target.cfg, target, device, config.torch_dtype, ctx,
-                              config.load_format)
+        return load_mtp_draft(
+            config.model_path,
+            target.cfg,
+            target,
+            device,
+            config.torch_dtype,
+            ctx,
+            config.load_format,
+        )
     if config.speculative_algorithm == "eagle3":
         from dserve.spec.eagle3 import load_eagle3_draft
 
-        return load_eagle3_draft(config.speculative_draft_model_path, target, device, config.torch_dtype, ctx,
-                                 config.load_format)
+        return load_eagle3_draft(
+            config.speculative_draft_model_path,
+            target,
+            device,
+            config.torch_dtype,
+            ctx,
+            config.load_format,
+        )
     return None
 
 
 def uses_static_steps(config: EngineConfig) -> bool:
     """Decode-like steps from static buffers (CUDA graphs on a GPU): with the triton backend, one rank."""
-    return config.attention_backend == "triton" and not config.disable_cuda_graph and config.world_size == 1
+    return (
+        config.attention_backend == "triton"
+        and not config.disable_cuda_graph
+        and config.world_size == 1
+    )
 
 
 def tokens_per_seq(config: EngineConfig) -> int:
@@ -84,32 +122,61 @@ def tokens_per_seq(config: EngineConfig) -> int:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, ctx: ParallelContext = SINGLE, device: str | None = None):
+    def __init__(
+        self, config: EngineConfig, ctx: ParallelContext = SINGLE, device: str | None = None
+    ):
         self.config, self.ctx = config, ctx
         self.device = torch.device(device or config.device)
-        self.model_config, self.model = load_model(config.model_path, self.device, config.torch_dtype, ctx,
-                                                   progress=config.load_progress, load_format=config.load_format)
+        self.model_config, self.model = load_model(
+            config.model_path,
+            self.device,
+            config.torch_dtype,
+            ctx,
+            progress=config.load_progress,
+            load_format=config.load_format,
+        )
         layout = kv_layout(self.model_config, config.page_size, config.torch_dtype, ctx.attn.size)
-        self.draft, self.draft_pool, self.last_hidden = load_draft(config, self.model, self.device, ctx), None, None
-        self.aux_layers = getattr(self.draft, "aux_layers", ())  # EAGLE-3 reads these target layers' outputs
+        self.draft, self.draft_pool, self.last_hidden = (
+            load_draft(config, self.model, self.device, ctx),
+            None,
+            None,
+        )
+        self.aux_layers = getattr(
+            self.draft, "aux_layers", ()
+        )  # EAGLE-3 reads these target layers' outputs
         layouts = [layout]
         if self.draft is not None:
-            layouts.append(kv_layout(self.draft.cfg, config.page_size, config.torch_dtype, ctx.attn.size, 1))
+            layouts.append(
+                kv_layout(self.draft.cfg, config.page_size, config.torch_dtype, ctx.attn.size, 1)
+            )
         self.num_pages = pool_pages(config, layouts, self.device)  # what the KV manager hands out
         static = uses_static_steps(config)
         num_pages = self.num_pages + static  # and a scratch page for the padding of static steps
         self.pool = KVPool(layout, num_pages, self.device)
         self.backend = create_backend(config.attention_backend, self.pool)
-        if config.attention_backend in ("triton", "flashinfer"):  # Triton kernels for norms, rotary, MoE too
-            for module in [*self.model.modules(), *(self.draft.modules() if self.draft is not None else [])]:
+        if config.attention_backend in (
+            "triton",
+            "flashinfer",
+        ):  # Triton kernels for norms, rotary, MoE too
+            for module in [
+                *self.model.modules(),
+                *(self.draft.modules() if self.draft is not None else []),
+            ]:
                 if isinstance(module, (RMSNorm, RotaryEmbedding, Experts)):
                     module.use_kernel = True
         if self.draft is not None:
             self.draft_pool = KVPool(layouts[1], num_pages, self.device)
             self.draft_backend = create_backend(config.attention_backend, self.draft_pool)
-        log.info("KV pool: %d pages x %d tokens = %d tokens, %.2f MB (%s, %d layers, %s)", self.num_pages,
-                 layout.page_size, self.num_pages * layout.page_size, self.pool.total_bytes / 1e6, layout.kind,
-                 layout.num_layers, config.dtype)
+        log.info(
+            "KV pool: %d pages x %d tokens = %d tokens, %.2f MB (%s, %d layers, %s)",
+            self.num_pages,
+            layout.page_size,
+            self.num_pages * layout.page_size,
+            self.pool.total_bytes / 1e6,
+            layout.kind,
+            layout.num_layers,
+            config.dtype,
+        )
         self.statics = self._static_steps() if static else []
 
     def _static_steps(self) -> list[StaticSteps]:
@@ -121,8 +188,12 @@ class ModelRunner:
             widths += sorted({aux or self.model_config.hidden_size, self.draft.cfg.hidden_size})
         out = []
         for width in widths:
-            steps = StaticSteps(self, self.config.cuda_graph_max_bs * tokens_per_seq(self.config),
-                                self.model_config.max_position_embeddings, width)
+            steps = StaticSteps(
+                self,
+                self.config.cuda_graph_max_bs * tokens_per_seq(self.config),
+                self.model_config.max_position_embeddings,
+                width,
+            )
             if steps.usable:
                 if self.device.type == "cuda":
                     steps.capture()
@@ -167,18 +238,28 @@ class ModelRunner:
             logits = torch.cat([logits, self._fused_draft(batch, logits, feed)])
         return logits, feed
 
-    def run_draft(self, batch: ForwardBatch, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_draft(
+        self, batch: ForwardBatch, states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One pass of the two-pass draft over `states` (the rows of the previous pass's hidden
         states its tokens read): its logits at the batch's rows, and its hidden states."""
         hidden = self.draft(batch, states, self.draft_backend)
         return self.draft.compute_logits(hidden[batch.logits_indices]), hidden
 
-    def _fused_draft(self, batch: ForwardBatch, logits: torch.Tensor, feed: torch.Tensor) -> torch.Tensor:
+    def _fused_draft(
+        self, batch: ForwardBatch, logits: torch.Tensor, feed: torch.Tensor
+    ) -> torch.Tensor:
         """Naive speculation: the draft over the target's tokens, each reading the token after it
         (the target's argmax where that is not known yet); its logits at the wanted rows."""
         fused = batch.fused_draft
-        argmax = logits.argmax(dim=-1)[fused.from_target.clamp(min=0)] if logits.shape[0] else fused.next_ids
+        argmax = (
+            logits.argmax(dim=-1)[fused.from_target.clamp(min=0)]
+            if logits.shape[0]
+            else fused.next_ids
+        )
         ids = torch.where(fused.from_target >= 0, argmax, fused.next_ids)
-        draft_batch = replace(batch, input_ids=ids, logits_indices=fused.logits_indices, fused_draft=None)
+        draft_batch = replace(
+            batch, input_ids=ids, logits_indices=fused.logits_indices, fused_draft=None
+        )
         hidden = self.draft(draft_batch, feed, self.draft_backend)
         return self.draft.compute_logits(hidden[fused.logits_indices])

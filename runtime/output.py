@@ -3,6 +3,7 @@
 Streamed text never shows a character that a stop string could still take back, nor half of a
 multi-byte character: such a tail is held until the next token decides it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -40,7 +41,9 @@ class TextTracker:
         self.stops = req.params.stop_strings
         self.longest_stop = max(map(len, self.stops), default=0)
         self.decoded = ""
-        self.context = 0  # output_ids[context:read] give the decoder the context of the tokens after
+        self.context = (
+            0  # output_ids[context:read] give the decoder the context of the tokens after
+        )
         self.read = 0  # output_ids[:read] are in self.decoded
         self.stopped = False  # cut at a stop string: later tokens add no text
         self.sent_chars = 0
@@ -55,10 +58,10 @@ class TextTracker:
 
     def _decode_new(self, complete_only: bool) -> None:
         ids, skip = self.req.output_ids, self.req.params.skip_special_tokens
-        before = self.tokenizer.decode(ids[self.context:self.read], skip_special_tokens=skip)
-        window = self.tokenizer.decode(ids[self.context:], skip_special_tokens=skip)
+        before = self.tokenizer.decode(ids[self.context : self.read], skip_special_tokens=skip)
+        window = self.tokenizer.decode(ids[self.context :], skip_special_tokens=skip)
         if len(window) > len(before) and not (complete_only and window.endswith("\ufffd")):
-            self.decoded += window[len(before):]
+            self.decoded += window[len(before) :]
             self.context, self.read = self.read, len(ids)
 
     def update(self) -> str | None:
@@ -70,7 +73,9 @@ class TextTracker:
         if not self.stops or len(self.decoded) == start:
             return None
         since = max(start - self.longest_stop + 1, 0)  # a stop ending in the new text
-        hits = [(index, stop) for stop in self.stops if (index := self.decoded.find(stop, since)) >= 0]
+        hits = [
+            (index, stop) for stop in self.stops if (index := self.decoded.find(stop, since)) >= 0
+        ]
         if not hits:
             return None
         index, matched = min(hits)
@@ -92,8 +97,8 @@ class TextTracker:
 
     def delta(self) -> tuple[str, list[int]]:
         end = self._safe_end(self.req.finished)
-        text, self.sent_chars = self.text[self.sent_chars:end], end
-        tokens = self.req.output_ids[self.sent_tokens:]
+        text, self.sent_chars = self.text[self.sent_chars : end], end
+        tokens = self.req.output_ids[self.sent_tokens :]
         self.sent_tokens = len(self.req.output_ids)
         return text, tokens
 

@@ -11,6 +11,7 @@ every rank confirms its receives settled, so no late byte can land in a page ano
 
 Every state has a deadline that ends the request with an error naming what did not happen.
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,8 +32,18 @@ log = logging.getLogger("dserve.pd")
 
 def model_identity(cfg: ModelConfig) -> dict:
     """What must be equal for two instances' KV pages to mean the same thing."""
-    keys = ("architecture", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "head_dim")
+    keys = (
+        "architecture",
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "kv_lora_rank",
+        "qk_rope_head_dim",
+        "qk_nope_head_dim",
+        "head_dim",
+    )
     return {k: getattr(cfg, k) for k in keys}
 
 
@@ -59,7 +70,9 @@ class PrefillRoom:
 
 
 class PrefillSide:
-    def __init__(self, engine: Engine, manager: TransferManager, config: ServerConfig, metrics: Metrics):
+    def __init__(
+        self, engine: Engine, manager: TransferManager, config: ServerConfig, metrics: Metrics
+    ):
         self.engine, self.manager, self.config, self.metrics = engine, manager, config, metrics
         self.rooms: dict[str, PrefillRoom] = {}  # by rid
         self.by_room: dict[int, str] = {}
@@ -86,7 +99,9 @@ class PrefillSide:
         if peer is None:
             raise ValueError(f"unknown decode peer {peer_id!r}: register it first")
         if not 0 <= dp_rank < peer.dp_size:
-            raise ValueError(f"dp_rank {dp_rank} out of range for a peer with dp_size {peer.dp_size}")
+            raise ValueError(
+                f"dp_rank {dp_rank} out of range for a peer with dp_size {peer.dp_size}"
+            )
         log.debug("room %d: decode registered %d pages", room, len(pages))
         self.registrations[room] = Registration(peer, dp_rank, pages, time.monotonic())
 
@@ -103,7 +118,11 @@ class PrefillSide:
 
     def abort(self, rid: str) -> bool:
         room = self.rooms.get(rid)
-        if room is not None and room.state == "computing" and hold_key(rid, "send") in self.engine.held:
+        if (
+            room is not None
+            and room.state == "computing"
+            and hold_key(rid, "send") in self.engine.held
+        ):
             # computed, not yet polled: end it like a waiting one
             room.key, room.state = hold_key(rid, "send"), "waiting"
         if room is None or room.state == "computing":
@@ -122,7 +141,11 @@ class PrefillSide:
             if room.state == "waiting":
                 self._try_push(room, now)
         for table in (self.registrations, self.cancelled):
-            for key in [k for k, v in table.items() if now - _arrived(v) > 2 * self.config.bootstrap_timeout_s]:
+            for key in [
+                k
+                for k, v in table.items()
+                if now - _arrived(v) > 2 * self.config.bootstrap_timeout_s
+            ]:
                 del table[key]  # for a room this instance never saw
 
     def _after_compute(self, room: PrefillRoom, now: float) -> None:
@@ -142,19 +165,37 @@ class PrefillSide:
         reg = self.registrations.pop(room.room, None)
         if reg is None:
             if now > room.deadline:
-                self._end(room, f"no decode instance registered pages for bootstrap_room {room.room} within "
-                                f"{self.config.bootstrap_timeout_s:.0f}s (bootstrap timeout)")
+                self._end(
+                    room,
+                    f"no decode instance registered pages for bootstrap_room {room.room} within "
+                    f"{self.config.bootstrap_timeout_s:.0f}s (bootstrap timeout)",
+                )
             return
         req = self.engine.requests[room.rid]
         prompt_pages = -(-len(req.prompt_ids) // self.engine.config.page_size)
-        src = self.engine.held_pages(room.key)[:prompt_pages]  # past the prompt: the drafts' own scratch
+        src = self.engine.held_pages(room.key)[
+            :prompt_pages
+        ]  # past the prompt: the drafts' own scratch
         if len(src) != len(reg.pages):
-            self._end(room, f"the decode registered {len(reg.pages)} pages for a prompt of {len(src)} pages")
+            self._end(
+                room,
+                f"the decode registered {len(reg.pages)} pages for a prompt of {len(src)} pages",
+            )
             return
         group, _ = self.engine.held[room.key]
-        log.debug("room %d: pushing %d pages to decode dp group %d", room.room, len(src), reg.dp_rank)
-        self.manager.push(room.room, group, reg.peer, reg.dp_rank, src, reg.pages, _aux(req),
-                          self.config.transfer_timeout_s)
+        log.debug(
+            "room %d: pushing %d pages to decode dp group %d", room.room, len(src), reg.dp_rank
+        )
+        self.manager.push(
+            room.room,
+            group,
+            reg.peer,
+            reg.dp_rank,
+            src,
+            reg.pages,
+            _aux(req),
+            self.config.transfer_timeout_s,
+        )
         room.state = "transferring"
 
     def _on_pushed(self, outcome: RoomOutcome) -> None:
@@ -165,7 +206,10 @@ class PrefillSide:
         self.metrics.transfer(outcome.ok, outcome.bytes, outcome.seconds)
         req = self.engine.requests.get(rid)
         if req is not None:
-            req.extra_meta["kv_transfer"] = {"bytes": outcome.bytes, "seconds": round(outcome.seconds, 6)}
+            req.extra_meta["kv_transfer"] = {
+                "bytes": outcome.bytes,
+                "seconds": round(outcome.seconds, 6),
+            }
         self._end(room, None if outcome.ok else f"KV transfer failed: {outcome.error}")
 
     def _end(self, room: PrefillRoom, error: str | None) -> None:
@@ -190,10 +234,14 @@ def _arrived(value) -> float:
 
 def _aux(req: Request) -> dict:
     aux = {"token": req.output_ids[0]}
-    if req.draft_tokens:  # speculative: the draft's proposals after the prompt, verified first by the decode
+    if (
+        req.draft_tokens
+    ):  # speculative: the draft's proposals after the prompt, verified first by the decode
         aux["draft"] = list(req.draft_tokens)
         aux["draft_parents"] = list(req.draft_parents)
-    if req.generator is not None:  # seeded: the decode draws on from where the first token's draw left off
+    if (
+        req.generator is not None
+    ):  # seeded: the decode draws on from where the first token's draw left off
         aux["rng"] = req.generator.get_state().numpy().tobytes()
     if req.params.return_logprob and req.token_logprobs:
         aux["logprob"] = req.token_logprobs[0]
@@ -222,7 +270,9 @@ class DecodeRoom:
 
 
 class DecodeSide:
-    def __init__(self, engine: Engine, manager: TransferManager, config: ServerConfig, metrics: Metrics):
+    def __init__(
+        self, engine: Engine, manager: TransferManager, config: ServerConfig, metrics: Metrics
+    ):
         self.engine, self.manager, self.config, self.metrics = engine, manager, config, metrics
         self.rooms: dict[str, DecodeRoom] = {}
         self.by_room: dict[int, str] = {}
@@ -231,8 +281,9 @@ class DecodeSide:
     def start(self, req: Request, room: int, peer: InstanceDescriptor, link: "PrefillLink") -> None:
         if room in self.by_room:
             raise ValueError(f"bootstrap_room {room} is already in use on this decode instance")
-        self.rooms[req.rid] = DecodeRoom(req.rid, room, peer, link,
-                                         deadline=time.monotonic() + self.config.prealloc_timeout_s)
+        self.rooms[req.rid] = DecodeRoom(
+            req.rid, room, peer, link, deadline=time.monotonic() + self.config.prealloc_timeout_s
+        )
         self.by_room[room] = req.rid
         self.engine.track(req)  # visible to the stream; pages come in poll()
 
@@ -274,8 +325,11 @@ class DecodeSide:
             if room.state == "bootstrapping":
                 self._try_prealloc(room, now)
             elif room.state == "transferring" and now > room.deadline:
-                self.fail(room.rid, f"the KV of bootstrap_room {room.room} did not arrive within "
-                                    f"{self.config.transfer_timeout_s:.0f}s")
+                self.fail(
+                    room.rid,
+                    f"the KV of bootstrap_room {room.room} did not arrive within "
+                    f"{self.config.transfer_timeout_s:.0f}s",
+                )
             elif room.state == "quarantined" and now > room.deadline:
                 log.error("room %d: receives never settled; its pages stay out of use", room.room)
                 self._drop(room)
@@ -285,8 +339,11 @@ class DecodeSide:
         pages = self.engine.prealloc(req)
         if pages is None:
             if now > room.deadline:
-                self.fail(room.rid, f"no free KV pages for a {len(req.prompt_ids)}-token prompt within "
-                                    f"{self.config.prealloc_timeout_s:.0f}s")
+                self.fail(
+                    room.rid,
+                    f"no free KV pages for a {len(req.prompt_ids)}-token prompt within "
+                    f"{self.config.prealloc_timeout_s:.0f}s",
+                )
             return
         room.group = self.engine.group_of[room.rid]
         self.manager.expect(room.room, room.group, room.peer, pages, self.config.transfer_timeout_s)
@@ -301,16 +358,31 @@ class DecodeSide:
         if room.state != "quarantined":
             self.metrics.transfer(outcome.ok, outcome.bytes, outcome.seconds)
             req = self.engine.requests[rid]
-            req.extra_meta["kv_transfer"] = {"bytes": outcome.bytes, "seconds": round(outcome.seconds, 6)}
+            req.extra_meta["kv_transfer"] = {
+                "bytes": outcome.bytes,
+                "seconds": round(outcome.seconds, 6),
+            }
             if outcome.ok and outcome.aux:
                 self._drop(room)
                 aux = outcome.aux
-                self.engine.join_prefilled(rid, int(aux["token"]), aux.get("logprob"), aux.get("top"),
-                                           aux.get("draft"), aux.get("rng"), aux.get("draft_parents"))
+                self.engine.join_prefilled(
+                    rid,
+                    int(aux["token"]),
+                    aux.get("logprob"),
+                    aux.get("top"),
+                    aux.get("draft"),
+                    aux.get("rng"),
+                    aux.get("draft_parents"),
+                )
                 return
-            req.finish("abort", error=f"KV transfer failed: {outcome.error or 'no first token from the prefill'}")
+            req.finish(
+                "abort",
+                error=f"KV transfer failed: {outcome.error or 'no first token from the prefill'}",
+            )
             room.key = self.engine.hold(rid, "recv")
-        if outcome.settled:  # quarantined or failed: the pages go back only once no receive can land
+        if (
+            outcome.settled
+        ):  # quarantined or failed: the pages go back only once no receive can land
             self.engine.release(room.key)
         else:
             log.error("room %d: receives never settled; its pages stay out of use", room.room)

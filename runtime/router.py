@@ -9,9 +9,11 @@ refused or dropped) or says it is unhealthy is out of rotation at once; one that
 stays in until `SLOW_PROBES_TO_REMOVE` probes in a row time out (a busy instance on a loaded host is
 not a dead one). Either comes back at its next good answer.
 """
+
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -44,8 +46,15 @@ class Backend:
 
 
 class Router:
-    def __init__(self, prefill_urls: list[str], decode_urls: list[str], policy: str = "round_robin",
-                 health_interval_s: float = 2.0, request_timeout_s: float = 3600.0, max_request_bytes: int = 4 << 20):
+    def __init__(
+        self,
+        prefill_urls: list[str],
+        decode_urls: list[str],
+        policy: str = "round_robin",
+        health_interval_s: float = 2.0,
+        request_timeout_s: float = 3600.0,
+        max_request_bytes: int = 4 << 20,
+    ):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         if not prefill_urls or not decode_urls:
@@ -99,7 +108,11 @@ class Router:
         backend.slow_probes = backend.slow_probes + 1 if slow else 0
         healthy = ok or (backend.healthy and slow and backend.slow_probes < SLOW_PROBES_TO_REMOVE)
         if healthy != backend.healthy:
-            log.warning("%s is %s", backend.url, "back in rotation" if healthy else "out of rotation (not answering)")
+            log.warning(
+                "%s is %s",
+                backend.url,
+                "back in rotation" if healthy else "out of rotation (not answering)",
+            )
         backend.healthy = healthy
 
     def pick(self, kind: str) -> Backend | None:
@@ -114,8 +127,11 @@ class Router:
 
     async def health(self, _: web.Request) -> web.Response:
         ok = any(b.healthy for b in self.prefills) and any(b.healthy for b in self.decodes)
-        body = {"status": "ok" if ok else "degraded", "prefill": {b.url: b.healthy for b in self.prefills},
-                "decode": {b.url: b.healthy for b in self.decodes}}
+        body = {
+            "status": "ok" if ok else "degraded",
+            "prefill": {b.url: b.healthy for b in self.prefills},
+            "decode": {b.url: b.healthy for b in self.decodes},
+        }
         return web.json_response(body, status=200 if ok else 503)
 
     async def models(self, _: web.Request) -> web.Response:
@@ -141,9 +157,14 @@ class Router:
             return self._error(endpoint, f"the body is not a JSON object: {e}", 400)
         prefill, decode = self.pick("prefill"), self.pick("decode")
         if prefill is None or decode is None:
-            return self._error(endpoint, "no healthy prefill and decode instance to serve the request", 503)
-        body.update(bootstrap_host=prefill.host, bootstrap_port=prefill.bootstrap_port,
-                    bootstrap_room=random.getrandbits(63))
+            return self._error(
+                endpoint, "no healthy prefill and decode instance to serve the request", 503
+            )
+        body.update(
+            bootstrap_host=prefill.host,
+            bootstrap_port=prefill.bootstrap_port,
+            bootstrap_room=random.getrandbits(63),
+        )
         prefill.in_flight += 1
         decode.in_flight += 1
         try:
@@ -152,7 +173,9 @@ class Router:
             prefill.in_flight -= 1
             decode.in_flight -= 1
 
-    async def _both(self, request, endpoint, body, prefill: Backend, decode: Backend) -> web.StreamResponse:
+    async def _both(
+        self, request, endpoint, body, prefill: Backend, decode: Backend
+    ) -> web.StreamResponse:
         prefill_task = asyncio.ensure_future(self._prefill(prefill.url + endpoint, body))
         decode_cm = self.session.post(decode.url + endpoint, json=body)
         decode_task = asyncio.ensure_future(decode_cm.__aenter__())
@@ -165,7 +188,9 @@ class Router:
             try:
                 upstream = await decode_task
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                return self._error(endpoint, f"decode {decode.url} failed: {type(e).__name__}: {e}", 502)
+                return self._error(
+                    endpoint, f"decode {decode.url} failed: {type(e).__name__}: {e}", 502
+                )
             try:
                 response = await self._relay(request, endpoint, upstream)
             except BaseException:
@@ -185,22 +210,26 @@ class Router:
                 if r.status == 200:
                     return None
                 text = await r.text()
-                try:
+                with contextlib.suppress(ValueError, KeyError, TypeError):
                     text = json.loads(text)["error"]["message"]
-                except (ValueError, KeyError, TypeError):
-                    pass
                 return (r.status if r.status < 500 else 502), text
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             return 502, f"{type(e).__name__}: {e}"
 
-    async def _relay(self, request, endpoint, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+    async def _relay(
+        self, request, endpoint, upstream: aiohttp.ClientResponse
+    ) -> web.StreamResponse:
         outcome = "ok" if upstream.status == 200 else "error"
         if not upstream.content_type.startswith("text/event-stream"):
             data = await upstream.read()
             self.metrics.request_done(endpoint, outcome)
-            return web.Response(body=data, status=upstream.status, content_type=upstream.content_type)
-        resp = web.StreamResponse(status=upstream.status, headers={"Content-Type": "text/event-stream",
-                                                                    "Cache-Control": "no-cache"})
+            return web.Response(
+                body=data, status=upstream.status, content_type=upstream.content_type
+            )
+        resp = web.StreamResponse(
+            status=upstream.status,
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
+        )
         await resp.prepare(request)
         async for data in upstream.content.iter_any():
             await resp.write(data)
@@ -212,8 +241,14 @@ class Router:
         return web.json_response(error_body(message, status), status=status)
 
 
-def run_router(prefill_urls: list[str], decode_urls: list[str], host: str, port: int, policy: str,
-               health_interval_s: float = 2.0) -> None:
+def run_router(
+    prefill_urls: list[str],
+    decode_urls: list[str],
+    host: str,
+    port: int,
+    policy: str,
+    health_interval_s: float = 2.0,
+) -> None:
     from dserve.runtime.http_server import run_apps
 
     router = Router(prefill_urls, decode_urls, policy, health_interval_s)

@@ -5,6 +5,7 @@ top-k, top-p, min-p, then a draw. Greedy rows take the argmax of the raw logits.
 draw from their own generator, so a seed gives the same tokens whatever else is in the batch.
 Logprobs are those of the model's own distribution (log-softmax of the raw logits).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,9 +28,13 @@ def _penalise(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(req.all_ids)), device=logits.device)
             vals = logits[row, seen]
-            logits[row, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            logits[row, seen] = torch.where(
+                vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+            )
         if (p.frequency_penalty or p.presence_penalty) and req.output_ids:
-            ids, counts = torch.tensor(req.output_ids, device=logits.device).unique(return_counts=True)
+            ids, counts = torch.tensor(req.output_ids, device=logits.device).unique(
+                return_counts=True
+            )
             logits[row, ids] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
     return logits
 
@@ -38,8 +43,10 @@ def processed_probs(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p applied row-wise; returns probabilities."""
     temps = torch.tensor([max(r.params.temperature, 1e-6) for r in reqs], device=logits.device)
     logits = logits / temps[:, None]
-    top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else logits.shape[1] for r in reqs],
-                         device=logits.device)
+    top_k = torch.tensor(
+        [r.params.top_k if r.params.top_k > 0 else logits.shape[1] for r in reqs],
+        device=logits.device,
+    )
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(logits.shape[1], device=logits.device)[None, :]
     sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
@@ -58,8 +65,12 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> SampleOutput:
     On a GPU only what is needed crosses to the host: the argmax ids, the sampled rows'
     probabilities (drawn on the host, from each request's own generator), the logprobs asked for."""
     raw = logits
-    if any(r.params.repetition_penalty != 1.0 or r.params.frequency_penalty or r.params.presence_penalty
-           for r in reqs):
+    if any(
+        r.params.repetition_penalty != 1.0
+        or r.params.frequency_penalty
+        or r.params.presence_penalty
+        for r in reqs
+    ):
         logits = _penalise(logits.clone(), reqs)
     token_ids = logits.argmax(dim=-1).tolist()
     rows = [i for i, r in enumerate(reqs) if not r.params.greedy]

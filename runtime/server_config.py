@@ -1,5 +1,6 @@
 """Configuration of a serving instance (`dserve serve|prefill|decode`) beside its `EngineConfig`:
 where it listens, its role in a disaggregated pair, and how long each wait may last."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,16 +8,26 @@ from dataclasses import dataclass
 
 @dataclass
 class ServerConfig:
-    role: str = "colocated"  # colocated | prefill | decode
-    host: str = "127.0.0.1"  # bind address of the HTTP API and bootstrap server; 127.0.0.1 also keeps UCX on loopback
-    port: int = 30000  # HTTP port of the instance
-    bootstrap_port: int = 8998  # prefill: where decode instances register rooms
-    served_model_name: str | None = None  # the model name in /v1/models (default: the checkpoint's directory)
-    bootstrap_timeout_s: float = 30.0  # prefill: wait for the decode's pages of a computed prompt
-    transfer_timeout_s: float = 60.0  # decode: wait for a room's KV once its pages are registered
-    prealloc_timeout_s: float = 60.0  # decode: wait for free pages to receive a prompt into
-    max_request_bytes: int = 4 * 2**20  # larger bodies get HTTP 400 (413)
-    transfer_fail_rate: float = 0.0  # TEST ONLY: fraction of rooms whose KV sending fails on purpose
+    role: str = "colocated"
+    """Colocated | prefill | decode."""
+    host: str = "127.0.0.1"
+    """Bind address of the HTTP API and bootstrap server; 127.0.0.1 also keeps UCX on loopback."""
+    port: int = 30000
+    """HTTP port of the instance."""
+    bootstrap_port: int = 8998
+    """Prefill: where decode instances register rooms."""
+    served_model_name: str | None = None
+    """The model name in /v1/models (default: the checkpoint's directory)."""
+    bootstrap_timeout_s: float = 30.0
+    """Prefill: wait for the decode's pages of a computed prompt."""
+    transfer_timeout_s: float = 60.0
+    """Decode: wait for a room's KV once its pages are registered."""
+    prealloc_timeout_s: float = 60.0
+    """Decode: wait for free pages to receive a prompt into."""
+    max_request_bytes: int = 4 * 2**20
+    """Larger bodies get HTTP 400 (413)."""
+    transfer_fail_rate: float = 0.0
+    """TEST ONLY: fraction of rooms whose KV sending fails on purpose."""
 
     def __post_init__(self) -> None:
         if self.role not in ("colocated", "prefill", "decode"):

@@ -3,8 +3,10 @@ batch the front sends until told to stop. It blocks on its pipe between steps (n
 
 Rank r of `tp_size` ranks is attention-TP rank `r % A` of DP group `r // A` (A = tp_size // dp_size).
 """
+
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import traceback
@@ -38,7 +40,8 @@ def build_context(rank: int, config: EngineConfig) -> ParallelContext:
         attn=TPGroup(attn_rank, a, attn_groups[dp_rank]),
         mlp=TPGroup(rank, world, dist.group.WORLD),
         dp=TPGroup(dp_rank, dp, dp_groups[attn_rank]),
-        ep_size=config.ep_size)
+        ep_size=config.ep_size,
+    )
 
 
 def rank_device(config: EngineConfig, rank: int) -> str:
@@ -57,19 +60,37 @@ def worker_main(rank: int, config: EngineConfig, store_port: int, conn, transfer
             torch.cuda.set_device(device)
         timeout = datetime.timedelta(seconds=config.collective_timeout_s)
         store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timeout)
-        dist.init_process_group("nccl" if device != "cpu" else "gloo", store=store, rank=rank,
-                                world_size=config.world_size, timeout=timeout)
+        dist.init_process_group(
+            "nccl" if device != "cpu" else "gloo",
+            store=store,
+            rank=rank,
+            world_size=config.world_size,
+            timeout=timeout,
+        )
         ctx = build_context(rank, config)
         from dserve.runtime.model_runner import ModelRunner
 
         runner = ModelRunner(config, ctx, device)
-        if transfer is not None:  # started before "ready", so the front finds every agent registered
+        if (
+            transfer is not None
+        ):  # started before "ready", so the front finds every agent registered
             from dserve.transfer.agent import start_agent
 
             start_agent(transfer, runner.transfer_pools, ctx.dp.rank, ctx.attn.rank, ctx.attn.size)
         shapes = {name: tuple(p.shape) for name, p in runner.model.named_parameters()}
-        conn.send(("ready", RankInfo(rank, ctx.dp.rank, ctx.attn.rank, runner.num_pages,
-                                     runner.parameter_bytes, shapes)))
+        conn.send(
+            (
+                "ready",
+                RankInfo(
+                    rank,
+                    ctx.dp.rank,
+                    ctx.attn.rank,
+                    runner.num_pages,
+                    runner.parameter_bytes,
+                    shapes,
+                ),
+            )
+        )
         leader = ctx.attn.rank == 0
         while True:
             batch = conn.recv()
@@ -80,11 +101,9 @@ def worker_main(rank: int, config: EngineConfig, store_port: int, conn, transfer
     except (EOFError, KeyboardInterrupt):
         pass  # the front went away
     except BaseException:
-        try:
+        with contextlib.suppress(OSError, EOFError):
             conn.send(("error", f"rank {rank}: {traceback.format_exc()}"))
-        except (OSError, EOFError):
-            pass
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

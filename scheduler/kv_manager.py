@@ -5,6 +5,7 @@ The allocator owns every page with ref count 0 in one ordered free queue that do
 of cached pages (as in vLLM's block pool): a freed page keeps its hash and can be taken back by a
 later request with the same prefix until allocation evicts it from the queue's front.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -57,7 +58,9 @@ class PageAllocator:
 
 
 def chain_hash(previous: bytes, tokens: list[int]) -> bytes:
-    return hashlib.blake2b(previous + np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
+    return hashlib.blake2b(
+        previous + np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16
+    ).digest()
 
 
 class KVCacheManager:
@@ -90,7 +93,7 @@ class KVCacheManager:
         pages, hashes, key = [], [], b""
         if self.enable_prefix_cache:
             for i in range((len(tokens) - 1) // self.page_size):
-                key = chain_hash(key, tokens[i * self.page_size:(i + 1) * self.page_size])
+                key = chain_hash(key, tokens[i * self.page_size : (i + 1) * self.page_size])
                 page = self.allocator.cached.get(key)
                 if page is None:
                     break
@@ -123,7 +126,7 @@ class KVCacheManager:
         table, hashes = self.tables[rid], self.hashes[rid]
         for i in range(len(hashes), min(num_computed, len(tokens)) // self.page_size):
             previous = hashes[-1] if hashes else b""
-            key = chain_hash(previous, tokens[i * self.page_size:(i + 1) * self.page_size])
+            key = chain_hash(previous, tokens[i * self.page_size : (i + 1) * self.page_size])
             hashes.append(key)
             self.allocator.register(table[i], key)
 

@@ -8,6 +8,7 @@ consecutive pages is one contiguous block and moves as one copy (one UCX message
 Each layer's buffers are views of that block, [num_pages, page_size, *token_shape] with a page stride
 of the whole page.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -58,10 +59,10 @@ class KVPool:
         self.pages = torch.zeros((num_pages, sum(sizes)), dtype=layout.dtype, device=self.device)
         views, offset = [], 0
         for shape, size in zip(shapes, sizes):
-            views.append(self.pages[:, offset:offset + size].view(num_pages, *shape))
+            views.append(self.pages[:, offset : offset + size].view(num_pages, *shape))
             offset += size
         n = layout.buffers_per_layer
-        self.buffers = [views[i:i + n] for i in range(0, len(views), n)]
+        self.buffers = [views[i : i + n] for i in range(0, len(views), n)]
 
     @property
     def num_tokens(self) -> int:

@@ -4,6 +4,7 @@ Fields of `SamplingParams` are named as SGLang names them. A request catches its
 `num_computed_tokens` up to `num_tokens` (prompt, then each sampled token); the scheduler only ever
 hands out spans of tokens to compute.
 """
+
 from __future__ import annotations
 
 import enum
@@ -53,34 +54,63 @@ class SamplingParams:
     def takes_drafts(self) -> bool:
         """Speculation: whether a token's processing is independent of the tokens before it in the
         step (no penalties) and nothing per token is reported (no logprobs)."""
-        return (not self.return_logprob and self.repetition_penalty == 1.0 and not self.frequency_penalty
-                and not self.presence_penalty)
+        return (
+            not self.return_logprob
+            and self.repetition_penalty == 1.0
+            and not self.frequency_penalty
+            and not self.presence_penalty
+        )
 
     def validate(self, vocab_size: int) -> None:
         def check(ok: bool, message: str) -> None:
             if not ok:
                 raise ValueError(message)
 
-        check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
-              f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        check(_number(self.temperature) and self.temperature >= 0, f"temperature must be >= 0, got {self.temperature!r}")
-        check(_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
-        check(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
-              f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
-        check(_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
-        check(_number(self.repetition_penalty) and self.repetition_penalty > 0,
-              f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        check(
+            isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
+            f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}",
+        )
+        check(
+            _number(self.temperature) and self.temperature >= 0,
+            f"temperature must be >= 0, got {self.temperature!r}",
+        )
+        check(
+            _number(self.top_p) and 0 < self.top_p <= 1,
+            f"top_p must be in (0, 1], got {self.top_p!r}",
+        )
+        check(
+            isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
+            f"top_k must be -1 (off) or >= 1, got {self.top_k!r}",
+        )
+        check(
+            _number(self.min_p) and 0 <= self.min_p <= 1,
+            f"min_p must be in [0, 1], got {self.min_p!r}",
+        )
+        check(
+            _number(self.repetition_penalty) and self.repetition_penalty > 0,
+            f"repetition_penalty must be > 0, got {self.repetition_penalty!r}",
+        )
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             check(_number(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}")
-        check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
-        check(isinstance(self.top_logprobs_num, int) and 0 <= self.top_logprobs_num <= 20,
-              f"top_logprobs_num must be in [0, 20], got {self.top_logprobs_num!r}")
+        check(
+            self.seed is None or isinstance(self.seed, int),
+            f"seed must be an integer, got {self.seed!r}",
+        )
+        check(
+            isinstance(self.top_logprobs_num, int) and 0 <= self.top_logprobs_num <= 20,
+            f"top_logprobs_num must be in [0, 20], got {self.top_logprobs_num!r}",
+        )
         stops = self.stop_strings
-        check(all(isinstance(s, str) and s for s in stops), "stop must be a non-empty string or a list of them")
+        check(
+            all(isinstance(s, str) and s for s in stops),
+            "stop must be a non-empty string or a list of them",
+        )
         ids = self.stop_token_ids or []
-        check(all(isinstance(t, int) and 0 <= t < vocab_size for t in ids),
-              f"stop_token_ids must be token ids in [0, {vocab_size})")
+        check(
+            all(isinstance(t, int) and 0 <= t < vocab_size for t in ids),
+            f"stop_token_ids must be token ids in [0, {vocab_size})",
+        )
 
 
 def _number(value: object) -> bool:
@@ -112,10 +142,18 @@ class Request:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
-    extra_meta: dict = field(default_factory=dict)  # e.g. KV transfer figures, merged into the result's meta
-    draft_tokens: list[int] = field(default_factory=list)  # speculative: proposals the next step verifies
-    draft_parents: list[int] = field(default_factory=list)  # their tree: each one's parent (-1: the newest token)
-    accepted_per_step: list[int] = field(default_factory=list)  # speculative: drafts accepted by each verify
+    extra_meta: dict = field(
+        default_factory=dict
+    )  # e.g. KV transfer figures, merged into the result's meta
+    draft_tokens: list[int] = field(
+        default_factory=list
+    )  # speculative: proposals the next step verifies
+    draft_parents: list[int] = field(
+        default_factory=list
+    )  # their tree: each one's parent (-1: the newest token)
+    accepted_per_step: list[int] = field(
+        default_factory=list
+    )  # speculative: drafts accepted by each verify
 
     @property
     def all_ids(self) -> list[int]:
@@ -129,6 +167,13 @@ class Request:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
-    def finish(self, reason: str, matched: int | str | None = None, error: str | None = None) -> None:
-        self.status, self.finish_reason, self.matched_stop, self.error = Status.FINISHED, reason, matched, error
+    def finish(
+        self, reason: str, matched: int | str | None = None, error: str | None = None
+    ) -> None:
+        self.status, self.finish_reason, self.matched_stop, self.error = (
+            Status.FINISHED,
+            reason,
+            matched,
+            error,
+        )
         self.finish_time = time.perf_counter()

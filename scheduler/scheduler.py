@@ -6,6 +6,7 @@ order while budget and pages last. When a running request cannot get a page, the
 admitted running request is preempted: its pages go back and it returns to the front of the queue,
 to be recomputed later (with the prefix cache it mostly finds its own pages again).
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -39,7 +40,9 @@ class Span:
 
     @property
     def tokens(self) -> list[int]:
-        return self.req.all_ids[self.start:self.start + self.length - len(self.draft)] + list(self.draft)
+        return self.req.all_ids[self.start : self.start + self.length - len(self.draft)] + list(
+            self.draft
+        )
 
     @property
     def completes(self) -> bool:
@@ -86,7 +89,9 @@ class Scheduler:
                 req.num_computed_tokens = cached
                 if req.num_preemptions == 0:
                     req.num_cached_tokens = cached
-            span = self._next_span(req, budget)  # a decode joining from its prefill may bring drafts
+            span = self._next_span(
+                req, budget
+            )  # a decode joining from its prefill may bring drafts
             if not self.kv.allocate_slots(req.rid, req.num_computed_tokens + span.length):
                 self.kv.free(req.rid)  # hold nothing while waiting
                 req.num_computed_tokens = 0
@@ -102,8 +107,13 @@ class Scheduler:
         """The request's next chunk of prompt, or its newest token followed by its draft tokens."""
         n = min(req.num_tokens - req.num_computed_tokens, self.config.chunked_prefill_size, budget)
         if n == 1 and req.draft_tokens and budget > len(req.draft_tokens):
-            return Span(req, req.num_computed_tokens, 1 + len(req.draft_tokens), tuple(req.draft_tokens),
-                        tuple(req.draft_parents))
+            return Span(
+                req,
+                req.num_computed_tokens,
+                1 + len(req.draft_tokens),
+                tuple(req.draft_tokens),
+                tuple(req.draft_parents),
+            )
         return Span(req, req.num_computed_tokens, n)
 
     def _grow(self, req: Request, n: int) -> bool:

@@ -20,6 +20,7 @@ The `num_draft_tokens - 1` best-scoring nodes make the tree the next step verifi
 Requests with penalties or logprobs do not draft (their per-token processing depends on the tokens
 before); they decode one token per step in the same batches.
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,19 +35,39 @@ from dserve.spec.tree import Candidate, accept_greedy, accept_sampled, depths, s
 
 
 class Speculator:
-    def __init__(self, num_steps: int, execute, topk: int = 1, num_draft_tokens: int | None = None,
-                 naive: bool = False):
+    def __init__(
+        self,
+        num_steps: int,
+        execute,
+        topk: int = 1,
+        num_draft_tokens: int | None = None,
+        naive: bool = False,
+    ):
         self.num_steps, self.topk, self.execute, self.naive = num_steps, topk, execute, naive
-        self.fused_firsts: list[list] = []  # naive: per group, each span's first row in the draft's logits
-        self.fused_logits: list[torch.Tensor] = []  # naive: per group, the draft's logits of the step
+        self.fused_firsts: list[
+            list
+        ] = []  # naive: per group, each span's first row in the draft's logits
+        self.fused_logits: list[
+            torch.Tensor
+        ] = []  # naive: per group, the draft's logits of the step
         self.num_nodes = (num_draft_tokens or num_steps + 1) - 1  # draft tokens one verify checks
         self.verify_steps = 0
-        self.proposed = [0] * num_steps  # per draft depth: verifies that had a node there, and took one
+        self.proposed = [
+            0
+        ] * num_steps  # per draft depth: verifies that had a node there, and took one
         self.accepted = [0] * num_steps
-        self.moves: dict[int, list[tuple[int, int]]] = {}  # DP group -> target-pool (src, dst) slots due
+        self.moves: dict[
+            int, list[tuple[int, int]]
+        ] = {}  # DP group -> target-pool (src, dst) slots due
 
-    def verify(self, span: Span, logits: torch.Tensor, argmax: list[int], kv: KVCacheManager,
-               group: int = 0) -> list[int]:
+    def verify(
+        self,
+        span: Span,
+        logits: torch.Tensor,
+        argmax: list[int],
+        kv: KVCacheManager,
+        group: int = 0,
+    ) -> list[int]:
         """Tokens a verified span yields. `logits` [len(span.draft) + 1, vocab] are the target's
         after each token of the span (on the rank's device), `argmax` their argmax ids. Sets the
         span's `rejected` and `kept`, and queues the moves of the accepted path's KV for the next
@@ -61,7 +82,10 @@ class Speculator:
         span.kept = [0] + [n + 1 for n in path]
         slot = lambda pos: kv.slots(req.rid, pos, pos + 1)[0]
         self.moves.setdefault(group, []).extend(
-            (slot(span.start + 1 + n), slot(span.start + 1 + i)) for i, n in enumerate(path) if n != i)
+            (slot(span.start + 1 + n), slot(span.start + 1 + i))
+            for i, n in enumerate(path)
+            if n != i
+        )
         self._count(span, len(path))
         return tokens
 
@@ -73,8 +97,11 @@ class Speculator:
         req = span.req
         req.accepted_per_step.append(accepted)
         steps = req.accepted_per_step
-        req.extra_meta.update(spec_verify_ct=len(steps), spec_accept_length=round(sum(steps) / len(steps) + 1, 4),
-                              spec_accepted_per_step=list(steps))
+        req.extra_meta.update(
+            spec_verify_ct=len(steps),
+            spec_accept_length=round(sum(steps) / len(steps) + 1, 4),
+            spec_accepted_per_step=list(steps),
+        )
 
     def attach_moves(self, batches: list) -> list:
         """Give each group's pending KV moves to its next batch: they run before anything reads the pool."""
@@ -100,7 +127,9 @@ class Speculator:
         self.fused_logits = [logits[k:] for logits, k in zip(group_logits, n)]
         return [logits[:k] for logits, k in zip(group_logits, n)]
 
-    def propose(self, plans: list[list[Span]], kvs: list[KVCacheManager], pages_of=lambda req: req.rid) -> None:
+    def propose(
+        self, plans: list[list[Span]], kvs: list[KVCacheManager], pages_of=lambda req: req.rid
+    ) -> None:
         """Draft passes after this step's target pass; leaves each drafting request's proposals in
         `req.draft_tokens` / `req.draft_parents`. `pages_of(req)` names the page table of a request,
         or None for one that ended (a prefill instance's request ends at its first token, its pages
@@ -118,10 +147,12 @@ class Speculator:
         for trees, group_logits in zip(growing, logits):
             top = top_children(group_logits, self.topk)
             for i, tree in enumerate(trees):
-                tree.add(top[i:i + 1], [tree.root_row], [-1], self.topk)
+                tree.add(top[i : i + 1], [tree.root_row], [-1], self.topk)
         for step in range(1, self.num_steps):
-            seqs = [[t.expansion(step, self.topk) for t in trees if t.allocate(kv, step, self.topk)]
-                    for trees, kv in zip(growing, kvs)]
+            seqs = [
+                [t.expansion(step, self.topk) for t in trees if t.allocate(kv, step, self.topk)]
+                for trees, kv in zip(growing, kvs)
+            ]
             growing = [[t for t in trees if t.alive] for trees in growing]
             if not any(seqs):
                 break
@@ -130,10 +161,14 @@ class Speculator:
                 top, row = top_children(group_logits, self.topk), 0
                 for tree in trees:
                     k = len(tree.frontier)
-                    tree.add(top[row:row + k], list(range(row, row + k)), tree.frontier, self.topk)
+                    tree.add(
+                        top[row : row + k], list(range(row, row + k)), tree.frontier, self.topk
+                    )
                     row += k
         for tree in everyone:
-            tree.req.draft_tokens, tree.req.draft_parents = map(list, select(tree.candidates, self.num_nodes))
+            tree.req.draft_tokens, tree.req.draft_parents = map(
+                list, select(tree.candidates, self.num_nodes)
+            )
 
     def _run(self, seqs: list[list[Seq]], kvs: list[KVCacheManager]) -> list[torch.Tensor]:
         return self.execute(with_dp_counts([build_draft_batch(s, kv) for s, kv in zip(seqs, kvs)]))
@@ -147,11 +182,24 @@ class Speculator:
             for span in spans:
                 req, table = span.req, pages_of(span.req)
                 if req.params.takes_drafts and table is not None:
-                    kept = span.kept if span.kept is not None else list(range(span.computed_end - span.start))
-                    tokens = req.all_ids[span.start + 1:span.computed_end + 1]
-                    wants = req.num_computed_tokens == req.num_tokens - 1  # decoding: the newest token is not in KV
-                    group.append(Seq(table, span.start, tokens, [len(tokens) - 1] if wants else [],
-                                     hidden_rows=[row + k for k in kept]))
+                    kept = (
+                        span.kept
+                        if span.kept is not None
+                        else list(range(span.computed_end - span.start))
+                    )
+                    tokens = req.all_ids[span.start + 1 : span.computed_end + 1]
+                    wants = (
+                        req.num_computed_tokens == req.num_tokens - 1
+                    )  # decoding: the newest token is not in KV
+                    group.append(
+                        Seq(
+                            table,
+                            span.start,
+                            tokens,
+                            [len(tokens) - 1] if wants else [],
+                            hidden_rows=[row + k for k in kept],
+                        )
+                    )
                     req.draft_tokens, req.draft_parents = [], []
                     pass_row += len(tokens)
                     if wants:
@@ -182,7 +230,9 @@ class GrowingTree:
         self.offsets: dict[int, int] = {}  # expanded candidate -> its cache index - base
         self.alive = True
 
-    def add(self, top: list[list[tuple[float, int]]], rows: list[int], parents: list[int], topk: int) -> None:
+    def add(
+        self, top: list[list[tuple[float, int]]], rows: list[int], parents: list[int], topk: int
+    ) -> None:
         """The topk children of each of `parents` (candidate ids, -1: the root), `top` per parent
         the draft's (log-probability, token) pairs after it (`top_children`, computed at `rows` of
         the pass); the best topk become the frontier."""
@@ -190,8 +240,14 @@ class GrowingTree:
         for b, parent in enumerate(parents):
             above = self.candidates[parent] if parent >= 0 else None
             for value, token in top[b]:
-                self.candidates.append(Candidate(token, parent, (above.score if above else 0.0) + value,
-                                                 above.depth + 1 if above else 1))
+                self.candidates.append(
+                    Candidate(
+                        token,
+                        parent,
+                        (above.score if above else 0.0) + value,
+                        above.depth + 1 if above else 1,
+                    )
+                )
                 new.append((len(self.candidates) - 1, rows[b]))
         best = sorted(new, key=lambda x: -self.candidates[x[0]].score)[:topk]
         self.frontier, self.rows = [c for c, _ in best], [r for _, r in best]
@@ -209,7 +265,13 @@ class GrowingTree:
         for b, c in enumerate(self.frontier):
             self.offsets[c] = start * topk + b
         tokens = [self.candidates[c].token for c in self.frontier]
-        seq = Seq(self.table, self.base + start * topk, tokens, list(range(len(tokens))), hidden_rows=self.rows)
+        seq = Seq(
+            self.table,
+            self.base + start * topk,
+            tokens,
+            list(range(len(tokens))),
+            hidden_rows=self.rows,
+        )
         if topk > 1:
             mask = torch.zeros(len(tokens), step * topk, dtype=torch.bool)
             for b, c in enumerate(self.frontier):

@@ -20,6 +20,7 @@ token i+1, and predicts token i+2. Its output before the final norm is the hidde
 itself for the next draft token (no `fc` then: it is already `hidden` wide). Its attention is
 MHA/GQA whatever the target's is, so its KV pool has its own layout (MHA on an MLA target).
 """
+
 from __future__ import annotations
 
 import os
@@ -37,7 +38,14 @@ from dserve.models.layers.norm import RMSNorm
 from dserve.models.layers.rotary import RotaryEmbedding
 from dserve.models.loader import build_on
 from dserve.models.parallel import SINGLE, ParallelContext
-from dserve.models.weights import SKIP, attach_loader, fill_weights, iter_checkpoint, prefixed, replicated_loader
+from dserve.models.weights import (
+    SKIP,
+    attach_loader,
+    fill_weights,
+    iter_checkpoint,
+    prefixed,
+    replicated_loader,
+)
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 _LAYER_PREFIXES = ("midlayer.", "model.midlayer.", "layers.0.", "model.layers.0.")
@@ -50,17 +58,31 @@ class Eagle3Config:
     model: ModelConfig
     draft_vocab_size: int
     target_hidden_size: int
-    aux_layer_ids: tuple[int, ...] | None  # target layers whose outputs feed `fc` (-1: the embedding)
+    aux_layer_ids: (
+        tuple[int, ...] | None
+    )  # target layers whose outputs feed `fc` (-1: the embedding)
 
 
 def parse_eagle3_config(raw: dict) -> Eagle3Config:
     arch = (raw.get("architectures") or [""])[0]
     if arch != ARCHITECTURE:
-        raise ValueError(f"an EAGLE-3 draft checkpoint has architectures [{ARCHITECTURE!r}], got {arch!r}")
-    llama = {**raw, "partial_rotary_factor": 1.0, "use_qk_norm": False, "n_routed_experts": 0, "num_experts": 0}
+        raise ValueError(
+            f"an EAGLE-3 draft checkpoint has architectures [{ARCHITECTURE!r}], got {arch!r}"
+        )
+    llama = {
+        **raw,
+        "partial_rotary_factor": 1.0,
+        "use_qk_norm": False,
+        "n_routed_experts": 0,
+        "num_experts": 0,
+    }
     ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    return Eagle3Config(parse_glm4_moe(llama, arch), int(raw.get("draft_vocab_size") or raw["vocab_size"]),
-                        int(raw.get("target_hidden_size") or raw["hidden_size"]), tuple(ids) if ids else None)
+    return Eagle3Config(
+        parse_glm4_moe(llama, arch),
+        int(raw.get("draft_vocab_size") or raw["vocab_size"]),
+        int(raw.get("target_hidden_size") or raw["hidden_size"]),
+        tuple(ids) if ids else None,
+    )
 
 
 def aux_layer_ids(cfg: Eagle3Config, target_layers: int) -> tuple[int, ...]:
@@ -68,37 +90,50 @@ def aux_layer_ids(cfg: Eagle3Config, target_layers: int) -> tuple[int, ...]:
     [-1, n - 2], as SGLang captures them at the input of the next layer."""
     ids = cfg.aux_layer_ids or (1, target_layers // 2 - 1, target_layers - 4)
     if len(ids) != 3 or not all(-1 <= i <= target_layers - 2 for i in ids):
-        raise ValueError(f"EAGLE-3 reads three target layers in [-1, {target_layers - 2}] for a "
-                         f"{target_layers}-layer target, got {list(ids)}; set eagle_config."
-                         f"eagle_aux_hidden_state_layer_ids in the draft's config.json")
+        raise ValueError(
+            f"EAGLE-3 reads three target layers in [-1, {target_layers - 2}] for a "
+            f"{target_layers}-layer target, got {list(ids)}; set eagle_config."
+            f"eagle_aux_hidden_state_layer_ids in the draft's config.json"
+        )
     return tuple(sorted(ids))
 
 
 class Eagle3Draft(nn.Module):
-    def __init__(self, cfg: Eagle3Config, target, ctx: ParallelContext = SINGLE, own_embedding: bool = False):
+    def __init__(
+        self, cfg: Eagle3Config, target, ctx: ParallelContext = SINGLE, own_embedding: bool = False
+    ):
         super().__init__()
         m = cfg.model
         self.cfg, self.eagle, self.ctx = m, cfg, ctx
         h = m.hidden_size
         self.aux_layers = aux_layer_ids(cfg, target.cfg.num_hidden_layers)
         self.fc = ReplicatedLinear(3 * cfg.target_hidden_size, h)
-        self.input_layernorm, self.hidden_norm = RMSNorm(h, m.rms_norm_eps), RMSNorm(h, m.rms_norm_eps)
+        self.input_layernorm, self.hidden_norm = (
+            RMSNorm(h, m.rms_norm_eps),
+            RMSNorm(h, m.rms_norm_eps),
+        )
         self.self_attn = GQAttention(m, 0, ctx, input_size=2 * h)
         self.rotary = RotaryEmbedding(m.rope)
         object.__setattr__(self.self_attn, "_rotary", self.rotary)
         self.post_attention_layernorm = RMSNorm(h, m.rms_norm_eps)
-        self.mlp = GatedMLP(h, m.intermediate_size, ctx.attn)  # small and dense: split like attention
+        self.mlp = GatedMLP(
+            h, m.intermediate_size, ctx.attn
+        )  # small and dense: split like attention
         self.norm = RMSNorm(h, m.rms_norm_eps)
         self.lm_head = ParallelLMHead(cfg.draft_vocab_size, h, ctx.attn)
         self.target_vocab = target.cfg.vocab_size
-        self.register_buffer("d2t", attach_loader(torch.zeros(cfg.draft_vocab_size, dtype=torch.long),
-                                                  replicated_loader))
+        self.register_buffer(
+            "d2t",
+            attach_loader(torch.zeros(cfg.draft_vocab_size, dtype=torch.long), replicated_loader),
+        )
         if own_embedding:
             self.embed_tokens = VocabParallelEmbedding(target.cfg.vocab_size, h, ctx.attn)
         else:  # the target's, not a submodule: loaded (and counted) once
             object.__setattr__(self, "embed_tokens", target.embed_tokens)
 
-    def forward(self, batch: ForwardBatch, hidden: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self, batch: ForwardBatch, hidden: torch.Tensor, backend: AttentionBackend
+    ) -> torch.Tensor:
         """Hidden states before the final norm [T, hidden] for the batch's tokens (token i+1 at
         position i), given the target's aux states [T, 3 * target_hidden] or the draft's own."""
         backend.plan(batch)
@@ -107,7 +142,9 @@ class Eagle3Draft(nn.Module):
         if hidden.shape[-1] != emb.shape[-1]:
             hidden = self.fc(hidden)
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
-        residual = hidden + self.self_attn(x, self.rotary.cos_sin(batch.positions, x.dtype), backend)
+        residual = hidden + self.self_attn(
+            x, self.rotary.cos_sin(batch.positions, x.dtype), backend
+        )
         return residual + self.mlp(self.post_attention_layernorm(residual))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -122,12 +159,18 @@ class Eagle3Draft(nn.Module):
             return SKIP
         for prefix in _LAYER_PREFIXES:
             if key.startswith(prefix):
-                suffix = key[len(prefix):]
-                if suffix in ("input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight"):
+                suffix = key[len(prefix) :]
+                if suffix in (
+                    "input_layernorm.weight",
+                    "hidden_norm.weight",
+                    "post_attention_layernorm.weight",
+                ):
                     return suffix, None
                 for name in ("self_attn", "mlp"):
                     if suffix.startswith(name + "."):
-                        return prefixed(name + ".", getattr(self, name).map_key(suffix[len(name) + 1:]))
+                        return prefixed(
+                            name + ".", getattr(self, name).map_key(suffix[len(name) + 1 :])
+                        )
                 return None
         key = key.removeprefix("model.")
         if key in ("fc.weight", "norm.weight", "lm_head.weight", "embed_tokens.weight", "d2t"):
@@ -135,19 +178,31 @@ class Eagle3Draft(nn.Module):
         return None
 
 
-def load_eagle3_draft(draft_path: str | None, target, device: torch.device, dtype: torch.dtype,
-                      ctx: ParallelContext = SINGLE, load_format: str = "auto") -> Eagle3Draft:
+def load_eagle3_draft(
+    draft_path: str | None,
+    target,
+    device: torch.device,
+    dtype: torch.dtype,
+    ctx: ParallelContext = SINGLE,
+    load_format: str = "auto",
+) -> Eagle3Draft:
     """The EAGLE-3 checkpoint at `draft_path` on `device`, checked against the target (with
     load_format="dummy" its config.json alone, random weights, the identity vocabulary map)."""
     if not draft_path or not os.path.isdir(draft_path):
-        raise ValueError(f"speculative_algorithm='eagle3' needs speculative_draft_model_path, a directory with "
-                         f"the EAGLE-3 checkpoint; got {draft_path!r}")
+        raise ValueError(
+            f"speculative_algorithm='eagle3' needs speculative_draft_model_path, a directory with "
+            f"the EAGLE-3 checkpoint; got {draft_path!r}"
+        )
     cfg = parse_eagle3_config(load_raw_config(draft_path))
     if cfg.target_hidden_size != target.cfg.hidden_size:
-        raise ValueError(f"the EAGLE-3 draft at {draft_path!r} was made for a target of hidden size "
-                         f"{cfg.target_hidden_size}; this target's is {target.cfg.hidden_size}")
-    own_embedding = load_format != "dummy" and any(src.name.removeprefix("model.") == "embed_tokens.weight"
-                                                   for src in iter_checkpoint(draft_path))
+        raise ValueError(
+            f"the EAGLE-3 draft at {draft_path!r} was made for a target of hidden size "
+            f"{cfg.target_hidden_size}; this target's is {target.cfg.hidden_size}"
+        )
+    own_embedding = load_format != "dummy" and any(
+        src.name.removeprefix("model.") == "embed_tokens.weight"
+        for src in iter_checkpoint(draft_path)
+    )
     draft = build_on(device, dtype, lambda: Eagle3Draft(cfg, target, ctx, own_embedding))
     fill_weights(draft, draft_path, draft.map_checkpoint_key, load_format, progress=False)
     return draft.eval()

@@ -12,6 +12,7 @@ i+2:
 A multi-step draft feeds its own output hidden state back in place of the target's. The draft layer
 has its own KV pool of one layer (pool layer 0), in the layout of the target's attention.
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,7 +31,13 @@ _OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weig
 
 
 class MTPDraft(nn.Module):
-    def __init__(self, cfg: ModelConfig, target: CausalLM, ctx: ParallelContext = SINGLE, own_embedding: bool = True):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        target: CausalLM,
+        ctx: ParallelContext = SINGLE,
+        own_embedding: bool = True,
+    ):
         super().__init__()
         self.cfg, self.ctx = cfg, ctx
         self.layer_index = cfg.num_hidden_layers  # where the checkpoint stores it
@@ -48,7 +55,9 @@ class MTPDraft(nn.Module):
             object.__setattr__(self, "embed_tokens", target.embed_tokens)
         self.head = ParallelLMHead(cfg.vocab_size, h, ctx.attn)  # shared_head.head
 
-    def forward(self, batch: ForwardBatch, hidden: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self, batch: ForwardBatch, hidden: torch.Tensor, backend: AttentionBackend
+    ) -> torch.Tensor:
         """Draft hidden states [T, hidden] for the batch's tokens (token i+1 at position i) given the
         hidden states `hidden` [T, hidden] of position i (the target's, or the draft's own)."""
         backend.plan(batch)
@@ -64,7 +73,7 @@ class MTPDraft(nn.Module):
         prefix = f"model.layers.{self.layer_index}."
         if not key.startswith(prefix):
             return SKIP  # the target's tensors
-        suffix = key[len(prefix):]
+        suffix = key[len(prefix) :]
         if suffix in _OWN:
             return suffix.replace("shared_head.norm", "final_norm"), None
         if suffix == "shared_head.head.weight":
@@ -74,16 +83,25 @@ class MTPDraft(nn.Module):
         return prefixed("layer.", self.layer.map_key(suffix))
 
 
-def load_mtp_draft(model_path: str, cfg: ModelConfig, target: CausalLM, device: torch.device,
-                   dtype: torch.dtype, ctx: ParallelContext = SINGLE, load_format: str = "auto") -> MTPDraft:
+def load_mtp_draft(
+    model_path: str,
+    cfg: ModelConfig,
+    target: CausalLM,
+    device: torch.device,
+    dtype: torch.dtype,
+    ctx: ParallelContext = SINGLE,
+    load_format: str = "auto",
+) -> MTPDraft:
     """The checkpoint's NextN layer on `device` (random with load_format="dummy", on the target's
     embedding); a clear error when the checkpoint has none."""
     dummy = load_format == "dummy"
     names = set() if dummy else {src.name for src in iter_checkpoint(model_path)}
     prefix = f"model.layers.{cfg.num_hidden_layers}."
     if not dummy and not any(n.startswith(prefix) for n in names):
-        raise ValueError(f"speculative_algorithm='mtp' needs the checkpoint's MTP (NextN) layer, but {model_path!r} "
-                         f"has no {prefix}* tensors")
+        raise ValueError(
+            f"speculative_algorithm='mtp' needs the checkpoint's MTP (NextN) layer, but {model_path!r} "
+            f"has no {prefix}* tensors"
+        )
     own_embedding = prefix + "embed_tokens.weight" in names
     draft = build_on(device, dtype, lambda: MTPDraft(cfg, target, ctx, own_embedding))
     fill_weights(draft, model_path, draft.map_checkpoint_key, load_format, progress=False)

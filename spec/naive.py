@@ -15,6 +15,7 @@ acceptance but not its exactness (verification never trusts the draft).
 The front reads the draft's logits after the root and after d1 and keeps the one after the last
 accepted token: the next step's d1.
 """
+
 from __future__ import annotations
 
 import torch
@@ -37,7 +38,11 @@ def fused_draft(spans: list[Span]) -> tuple[FusedDraft, list[int | None]]:
             by_target = span.draft or (span.completes and i == span.length - 1)
             from_target.append(first_logits_row + (i if span.draft else 0) if by_target else -1)
             next_ids.append(0 if by_target else req.all_ids[position + 1])
-        wants = [] if not logits_rows else (list(range(span.length)) if span.draft else [span.length - 1])
+        wants = (
+            []
+            if not logits_rows
+            else (list(range(span.length)) if span.draft else [span.length - 1])
+        )
         firsts.append(len(draft_rows) if wants and req.params.takes_drafts else None)
         if firsts[-1] is not None:
             draft_rows += [token_row + i for i in wants]
@@ -47,7 +52,9 @@ def fused_draft(spans: list[Span]) -> tuple[FusedDraft, list[int | None]]:
     return FusedDraft(as_long(next_ids), as_long(from_target), as_long(draft_rows)), firsts
 
 
-def take_proposals(spans: list[Span], firsts: list[int | None], draft_logits: torch.Tensor, live) -> None:
+def take_proposals(
+    spans: list[Span], firsts: list[int | None], draft_logits: torch.Tensor, live
+) -> None:
     """Each drafting request's next d1: the draft's argmax after its last kept token. `live(req)`
     says whether it goes on (a prefill's request ended at its first token still sends its draft)."""
     argmax = draft_logits.argmax(dim=-1).tolist()  # one small copy, not the logits

@@ -13,6 +13,7 @@ token leaves p (zeroed, renormalised) and the next sibling is tried on what is l
 taken, the bonus token is drawn from what is left. This is recursive rejection sampling with point
 masses: each emitted token is distributed exactly as the target's own draw.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -47,10 +48,14 @@ def well_formed(tokens, parents, vocab_size: int, max_nodes: int, max_depth: int
     """Whether a draft from a peer is a tree of token ids no larger and no deeper than ours, its
     parents before their children (else the decode drops it and drafts anew)."""
     is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)
-    return (isinstance(tokens, list) and isinstance(parents, list) and len(tokens) == len(parents) <= max_nodes
-            and all(is_int(t) and 0 <= t < vocab_size for t in tokens)
-            and all(is_int(p) and -1 <= p < i for i, p in enumerate(parents))
-            and max(depths(parents), default=0) <= max_depth)
+    return (
+        isinstance(tokens, list)
+        and isinstance(parents, list)
+        and len(tokens) == len(parents) <= max_nodes
+        and all(is_int(t) and 0 <= t < vocab_size for t in tokens)
+        and all(is_int(p) and -1 <= p < i for i, p in enumerate(parents))
+        and max(depths(parents), default=0) <= max_depth
+    )
 
 
 def children(parents, node: int) -> list[int]:
@@ -107,7 +112,9 @@ def select(candidates: list[Candidate], count: int) -> tuple[list[int], list[int
     """The `count` best-scoring candidates as a tree (tokens, parents) in breadth-first order. A
     child never scores above its parent and wins ties against nothing shallower, so every chosen
     node's parent is chosen too."""
-    best = sorted(range(len(candidates)), key=lambda i: (-candidates[i].score, candidates[i].depth, i))[:count]
+    best = sorted(
+        range(len(candidates)), key=lambda i: (-candidates[i].score, candidates[i].depth, i)
+    )[:count]
     order = sorted(best, key=lambda i: (candidates[i].depth, -candidates[i].score, i))
     index = {c: n for n, c in enumerate(order)}
     tokens = [candidates[i].token for i in order]

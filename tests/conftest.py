@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random checkpoints of each architecture (written once per test session and
 worker through `dserve.models.tiny`, i.e. transformers' save_pretrained) and engine factories."""
+
 from __future__ import annotations
 
 import gc
@@ -78,6 +79,7 @@ def count_calls(obj, name: str) -> list:
     def counted(*args):
         calls.append(1)
         return inner(*args)
+
     setattr(obj, name, counted)
     return calls
 
@@ -89,5 +91,7 @@ def random_prompts(n: int, vocab: int, lengths: list[int], seed: int = 0) -> lis
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-if not torch.cuda.is_available():  # Triton kernels run in its interpreter on a CPU host (read at import)
+if (
+    not torch.cuda.is_available()
+):  # Triton kernels run in its interpreter on a CPU host (read at import)
     os.environ.setdefault("TRITON_INTERPRET", "1")

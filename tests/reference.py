@@ -1,4 +1,5 @@
 """The reference: transformers' own implementation of each architecture, run on our tiny checkpoints."""
+
 from __future__ import annotations
 
 import functools

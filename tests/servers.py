@@ -1,9 +1,11 @@
 """Real server processes for tests: `dserve serve|prefill|decode|router` started as subprocesses on
 free ports, waited for on /health, and stopped (SIGTERM, then SIGKILL) afterwards. Small HTTP helpers
 (plain urllib, so the client side is independent of the server's aiohttp)."""
+
 from __future__ import annotations
 
 import atexit
+import contextlib
 import fcntl
 import json
 import os
@@ -33,7 +35,9 @@ def free_port() -> int:
     lock_dir = os.path.join(tempfile.gettempdir(), "dserve-test-ports")
     os.makedirs(lock_dir, exist_ok=True)
     first, last = 12000, _ephemeral_start()
-    assert last - first >= 1000, f"the kernel's ephemeral ports start at {last}: too few ports below them"
+    assert last - first >= 1000, (
+        f"the kernel's ephemeral ports start at {last}: too few ports below them"
+    )
     start = random.randrange(first, last)
     for i in range(last - first):
         port = first + (start - first + i) % (last - first)
@@ -74,17 +78,29 @@ class Proc:
     def __init__(self, args: list[str], log_path: str, port: int, env: dict | None = None):
         self.args, self.log_path, self.port = args, log_path, port
         self.url = f"http://127.0.0.1:{port}"
-        env = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-        self.log = open(log_path, "w")
-        self.popen = subprocess.Popen([sys.executable, "-m", "dserve.runtime.cli", *args], stdout=self.log,
-                                      stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        env = {
+            **os.environ,
+            "UCX_WARN_UNUSED_ENV_VARS": "n",
+            "TOKENIZERS_PARALLELISM": "false",
+            **(env or {}),
+        }
+        self.log = open(log_path, "w")  # noqa: SIM115 - open as long as the server runs
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "dserve.runtime.cli", *args],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
         _procs.append(self)
 
     def wait_ready(self, timeout: float = 180.0) -> "Proc":
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.popen.poll() is not None:
-                raise RuntimeError(f"{self.args[0]} exited with {self.popen.returncode}:\n{self.tail()}")
+                raise RuntimeError(
+                    f"{self.args[0]} exited with {self.popen.returncode}:\n{self.tail()}"
+                )
             try:
                 if get(self.url + "/health", timeout=2)[0] == 200:
                     return self
@@ -99,25 +115,22 @@ class Proc:
 
     def kill(self) -> None:
         """SIGKILL the whole process group (the instance and its rank processes)."""
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self.popen.wait()
 
     def stop(self) -> None:
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.popen.wait(20)
-            except subprocess.TimeoutExpired:
-                pass
         self.kill()
         self.log.close()
 
 
-def start_instance(role: str, model: str, log_dir, *extra: str, port: int | None = None,
-                   env: dict | None = None) -> Proc:
+def start_instance(
+    role: str, model: str, log_dir, *extra: str, port: int | None = None, env: dict | None = None
+) -> Proc:
     """`extra` flags override the CPU default (`--device cuda` on a GPU host); `env` e.g. picks GPUs."""
     port = port or free_port()
     device = [] if "--device" in extra else DEVICE
@@ -130,7 +143,9 @@ def start_instance(role: str, model: str, log_dir, *extra: str, port: int | None
 def start_router(prefills: list[Proc], decodes: list[Proc], log_dir, *extra: str) -> Proc:
     port = free_port()
     args = ["router", "--port", str(port), "--health-interval-s", "0.5", *extra]
-    args += [a for p in prefills for a in ("--prefill", p.url)] + [a for d in decodes for a in ("--decode", d.url)]
+    args += [a for p in prefills for a in ("--prefill", p.url)] + [
+        a for d in decodes for a in ("--decode", d.url)
+    ]
     return Proc(args, os.path.join(log_dir, f"router-{port}.log"), port)
 
 
@@ -150,8 +165,15 @@ class Cluster:
             p.stop()
 
 
-def start_cluster(model: str, log_dir, prefill_args=(), decode_args=(), router_args=(), prefill_env=None,
-                  decode_env=None) -> Cluster:
+def start_cluster(
+    model: str,
+    log_dir,
+    prefill_args=(),
+    decode_args=(),
+    router_args=(),
+    prefill_env=None,
+    decode_env=None,
+) -> Cluster:
     prefill = start_instance("prefill", model, log_dir, *prefill_args, env=prefill_env)
     decode = start_instance("decode", model, log_dir, *decode_args, env=decode_env)
     started = [prefill, decode]
@@ -161,7 +183,9 @@ def start_cluster(model: str, log_dir, prefill_args=(), decode_args=(), router_a
         router = start_router([prefill], [decode], log_dir, *router_args)
         started.insert(0, router)
         router.wait_ready()
-        wait_for(lambda: get(router.url + "/health")[0] == 200, 30, "router sees both instances healthy")
+        wait_for(
+            lambda: get(router.url + "/health")[0] == 200, 30, "router sees both instances healthy"
+        )
     except BaseException:
         for proc in started:  # the router too: none outlives a failed start
             proc.stop()
@@ -190,8 +214,11 @@ def post(url: str, body, timeout: float = 120) -> tuple[int, dict]:
 
 def stream(url: str, body: dict, timeout: float = 120) -> list[dict]:
     """The SSE events of a streamed request, parsed, up to [DONE]."""
-    req = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url,
+        data=json.dumps({**body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     events = []
     with urllib.request.urlopen(req, timeout=timeout) as r:
         for line in r:
@@ -227,6 +254,9 @@ def kv_state(proc: Proc) -> dict:
 def assert_all_pages_free(*procs: Proc, timeout: float = 15) -> None:
     """Every page back in the pool (in-flight and quarantined ones included) and invariants hold."""
     for p in procs:
-        wait_for(lambda: kv_state(p)["used_pages"] == 0 and kv_state(p)["held"] == 0, timeout,
-                 f"{p.args[0]} frees every page (now {kv_state(p)})")
+        wait_for(
+            lambda p=p: kv_state(p)["used_pages"] == 0 and kv_state(p)["held"] == 0,
+            timeout,
+            f"{p.args[0]} frees every page (now {kv_state(p)})",
+        )
         assert kv_state(p)["invariants"] == "ok", kv_state(p)

@@ -17,6 +17,7 @@ listener handshake, a stream exchange with a 5 s deadline, timed out for whole r
 between busy rank processes on a loaded 2-core host.) Every wait has a deadline. A failing endpoint
 is aborted and forgotten (the next room makes a new one).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -35,7 +36,14 @@ import torch
 from dserve.scheduler.kv_pool import KVPool
 from dserve.transfer.descriptor import PoolDescriptor, RankDescriptor
 from dserve.transfer.mapping import Route, held_heads
-from dserve.transfer.messages import CTRL_BYTES, Message, ctrl_tag, pack_ctrl, route_messages, unpack_ctrl
+from dserve.transfer.messages import (
+    CTRL_BYTES,
+    Message,
+    ctrl_tag,
+    pack_ctrl,
+    route_messages,
+    unpack_ctrl,
+)
 
 log = logging.getLogger("dserve.transfer")
 
@@ -49,20 +57,31 @@ class AgentConfig:
     front_address: str
     host: str = "127.0.0.1"
     fail_rate: float = 0.0
-    message_mib: int = 0  # the most MiB one UCX message brings into this rank's pages (0: a whole page run)
+    message_mib: int = (
+        0  # the most MiB one UCX message brings into this rank's pages (0: a whole page run)
+    )
 
 
-def start_agent(config: AgentConfig, pools: list, dp_rank: int, attn_rank: int, attn_tp: int) -> "TransferAgent":
+def start_agent(
+    config: AgentConfig, pools: list, dp_rank: int, attn_rank: int, attn_tp: int
+) -> "TransferAgent":
     """The rank's agent over its pools: `pools` lists (KVPool, ModelConfig of the layers it holds),
     the target's first, then with speculation the draft's (same page ids, maybe another layout)."""
     described = []
     for name, (p, model_config) in zip(("target", "draft"), pools):
         mha = p.layout.kind == "mha"
         held = held_heads(attn_rank, attn_tp, model_config.num_key_value_heads) if mha else []
-        desc = PoolDescriptor.from_layout(name, p.layout, model_config.num_key_value_heads if mha else 0, held,
-                                          message_pages(p.layout, config.message_mib))
+        desc = PoolDescriptor.from_layout(
+            name,
+            p.layout,
+            model_config.num_key_value_heads if mha else 0,
+            held,
+            message_pages(p.layout, config.message_mib),
+        )
         described.append((desc, p))
-    return TransferAgent(config.front_address, dp_rank, attn_rank, attn_tp, described, config.host, config.fail_rate)
+    return TransferAgent(
+        config.front_address, dp_rank, attn_rank, attn_tp, described, config.host, config.fail_rate
+    )
 
 
 def ucx_settings(cuda: bool, host: str) -> dict:
@@ -90,17 +109,29 @@ def as_ucx_buffer(t: torch.Tensor):
 
 
 class TransferAgent:
-    def __init__(self, front_address: str, dp_rank: int, attn_rank: int, attn_tp: int,
-                 pools: list[tuple[PoolDescriptor, KVPool]], host: str = "127.0.0.1", fail_rate: float = 0.0):
+    def __init__(
+        self,
+        front_address: str,
+        dp_rank: int,
+        attn_rank: int,
+        attn_tp: int,
+        pools: list[tuple[PoolDescriptor, KVPool]],
+        host: str = "127.0.0.1",
+        fail_rate: float = 0.0,
+    ):
         self.front_address, self.host, self.fail_rate = front_address, host, fail_rate
         self.dp_rank, self.attn_rank, self.attn_tp = dp_rank, attn_rank, attn_tp
         self.pools = pools
-        self.endpoints: dict[str, asyncio.Future] = {}  # peer worker address -> endpoint being made or made
+        self.endpoints: dict[
+            str, asyncio.Future
+        ] = {}  # peer worker address -> endpoint being made or made
         self.rooms: dict[int, dict] = {}  # decode: room -> outstanding receive tags
         self.stream = None  # the agent's own CUDA stream for its copies (made on first use)
         self.ready = threading.Event()
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name=f"dserve-transfer-{dp_rank}-{attn_rank}", daemon=True)
+        self.thread = threading.Thread(
+            target=self._run, name=f"dserve-transfer-{dp_rank}-{attn_rank}", daemon=True
+        )
         self.thread.start()
         self.ready.wait(60)
         if self.error is not None:
@@ -121,22 +152,29 @@ class TransferAgent:
         import zmq.asyncio
 
         cuda = any(pool.device.type == "cuda" for _, pool in self.pools)
-        for key, value in ucx_settings(cuda, self.host).items():  # read when the context is made, below
+        for key, value in ucx_settings(
+            cuda, self.host
+        ).items():  # read when the context is made, below
             os.environ.setdefault(key, value)  # a user's setting wins
-        self.address = ucxx.get_worker_address().tobytes().hex()  # makes the context; progress on this loop
+        self.address = (
+            ucxx.get_worker_address().tobytes().hex()
+        )  # makes the context; progress on this loop
         self.zctx = zmq.asyncio.Context()
         self.sock = self.zctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.IDENTITY, f"{self.dp_rank}-{self.attn_rank}".encode())
         self.sock.connect(self.front_address)
-        self.descriptor = RankDescriptor(self.dp_rank, self.attn_rank, self.attn_tp, self.address,
-                                         [d for d, _ in self.pools])
+        self.descriptor = RankDescriptor(
+            self.dp_rank, self.attn_rank, self.attn_tp, self.address, [d for d, _ in self.pools]
+        )
         await self._emit({"kind": "hello", "descriptor": self.descriptor.to_dict()})
         self.ready.set()
         tasks = set()
         while True:
             cmd = msgpack.unpackb(await self.sock.recv())
-            cmd["arrived"] = time.perf_counter()  # monotonic, comparable across processes: timelines in debug logs
+            cmd["arrived"] = (
+                time.perf_counter()
+            )  # monotonic, comparable across processes: timelines in debug logs
             if cmd["kind"] == "stop":
                 break
             task = asyncio.ensure_future(self._dispatch(cmd))
@@ -149,12 +187,18 @@ class TransferAgent:
 
     async def _emit(self, event: dict) -> None:
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("rank %d/%d: event %s", self.dp_rank, self.attn_rank,
-                      {k: v for k, v in event.items() if k != "aux"})
+            log.debug(
+                "rank %d/%d: event %s",
+                self.dp_rank,
+                self.attn_rank,
+                {k: v for k, v in event.items() if k != "aux"},
+            )
         await self.sock.send(msgpack.packb(event))
 
     async def _dispatch(self, cmd: dict) -> None:
-        log.debug("rank %d/%d: %s room %s", self.dp_rank, self.attn_rank, cmd["kind"], cmd.get("room"))
+        log.debug(
+            "rank %d/%d: %s room %s", self.dp_rank, self.attn_rank, cmd["kind"], cmd.get("room")
+        )
         try:
             if cmd["kind"] == "push":
                 await self._push(cmd)
@@ -164,9 +208,17 @@ class TransferAgent:
                 await self._cancel(cmd["room"])
         except Exception as e:  # noqa: BLE001 - a room fails, the agent keeps serving
             log.exception("transfer command %s failed", cmd.get("kind"))
-            await self._emit({"kind": "pushed" if cmd["kind"] == "push" else "received", "room": cmd.get("room"),
-                              "ok": False, "error": f"{type(e).__name__}: {e}", "aux": None, "bytes": 0,
-                              "settled": True})  # _expect settles its own receives; it fails here before posting any
+            await self._emit(
+                {
+                    "kind": "pushed" if cmd["kind"] == "push" else "received",
+                    "room": cmd.get("room"),
+                    "ok": False,
+                    "error": f"{type(e).__name__}: {e}",
+                    "aux": None,
+                    "bytes": 0,
+                    "settled": True,
+                }
+            )  # _expect settles its own receives; it fails here before posting any
 
     async def _endpoint(self, address: str):
         """One endpoint per peer, shared by all rooms. Rooms that start together wait on the same
@@ -176,7 +228,9 @@ class TransferAgent:
 
         if address not in self.endpoints:
             worker = ucxx.get_ucx_address_from_buffer(bytes.fromhex(address))
-            self.endpoints[address] = asyncio.ensure_future(ucxx.create_endpoint_from_worker_address(worker))
+            self.endpoints[address] = asyncio.ensure_future(
+                ucxx.create_endpoint_from_worker_address(worker)
+            )
         making = self.endpoints[address]
         try:
             return await asyncio.shield(making)
@@ -215,10 +269,21 @@ class TransferAgent:
             if route not in [Route(*r) for r in cmd["routes"][i]]:
                 continue  # nothing of this pool moves on this route
             mine = len(desc.held_heads) if desc.kind == "mha" else 0
-            src_held, dst_held = (mine, cmd["dst_heads_held"][i]) if src_pages is not None \
+            src_held, dst_held = (
+                (mine, cmd["dst_heads_held"][i])
+                if src_pages is not None
                 else (cmd["src_heads_held"][i], mine)
-            out += route_messages(cmd["room"], route, i, cmd["dst_pages"], src_pages, src_held, dst_held,
-                                  cmd["message_pages"][i])
+            )
+            out += route_messages(
+                cmd["room"],
+                route,
+                i,
+                cmd["dst_pages"],
+                src_pages,
+                src_held,
+                dst_held,
+                cmd["message_pages"][i],
+            )
         return out
 
     @staticmethod
@@ -230,13 +295,22 @@ class TransferAgent:
         """The message's bytes: a view of consecutive whole pages, else a gathered copy."""
         pool = self.pools[msg.pool][1]
         first, n = msg.src_pages[0], len(msg.src_pages)
-        index = slice(first, first + n) if _consecutive(msg.src_pages) else torch.tensor(msg.src_pages,
-                                                                                         device=pool.device)
+        index = (
+            slice(first, first + n)
+            if _consecutive(msg.src_pages)
+            else torch.tensor(msg.src_pages, device=pool.device)
+        )
         if msg.src_heads is None:
             return pool.pages[index].contiguous()
         h0, hn = msg.src_heads
-        return torch.cat([buf[index][:, :, h0:h0 + hn].reshape(n, -1) for layer in pool.buffers for buf in layer],
-                         dim=1)
+        return torch.cat(
+            [
+                buf[index][:, :, h0 : h0 + hn].reshape(n, -1)
+                for layer in pool.buffers
+                for buf in layer
+            ],
+            dim=1,
+        )
 
     def _destination(self, msg: Message) -> tuple[torch.Tensor, list | None]:
         """Where to receive: the pages themselves, or a staging buffer and the head-slice views it
@@ -244,17 +318,21 @@ class TransferAgent:
         pool = self.pools[msg.pool][1]
         first, n = msg.dst_pages
         if msg.dst_heads is None:
-            return pool.pages[first:first + n], None
+            return pool.pages[first : first + n], None
         h0, hn = msg.dst_heads
-        views = [buf[first:first + n, :, h0:h0 + hn] for layer in pool.buffers for buf in layer]
-        staging = torch.empty((n, sum(v[0].numel() for v in views)), dtype=pool.pages.dtype, device=pool.device)
+        views = [buf[first : first + n, :, h0 : h0 + hn] for layer in pool.buffers for buf in layer]
+        staging = torch.empty(
+            (n, sum(v[0].numel() for v in views)), dtype=pool.pages.dtype, device=pool.device
+        )
         return staging, views
 
     # ---- prefill side ---------------------------------------------------------------------------
     async def _push(self, cmd: dict) -> None:
         room, me = cmd["room"], self.attn_rank
         deadline = time.monotonic() + cmd["timeout_s"]
-        decode_ranks = sorted({r[1] for pool_routes in cmd["routes"] for r in pool_routes if r[0] == me})
+        decode_ranks = sorted(
+            {r[1] for pool_routes in cmd["routes"] for r in pool_routes if r[0] == me}
+        )
         # No wait for the rank's forwards: the engine pushes a room only after it has read the results
         # of every forward that wrote the room's pages (a step's outputs reach the host; other TP
         # ranks' writes precede collectives those outputs depend on). A device-wide synchronize here
@@ -265,10 +343,23 @@ class TransferAgent:
             results = await asyncio.gather(*(self._push_to(cmd, d, deadline) for d in decode_ranks))
         errors = [e for _, e in results if e]
         sent = time.perf_counter()
-        log.debug("room %d push timeline: command %.6f, sent +%.3f ms", room, cmd["arrived"],
-                  (sent - cmd["arrived"]) * 1e3)
-        await self._emit({"kind": "pushed", "room": room, "ok": not errors, "error": "; ".join(errors) or None,
-                          "bytes": sum(n for n, _ in results), "started": cmd["arrived"], "finished": sent})
+        log.debug(
+            "room %d push timeline: command %.6f, sent +%.3f ms",
+            room,
+            cmd["arrived"],
+            (sent - cmd["arrived"]) * 1e3,
+        )
+        await self._emit(
+            {
+                "kind": "pushed",
+                "room": room,
+                "ok": not errors,
+                "error": "; ".join(errors) or None,
+                "bytes": sum(n for n, _ in results),
+                "started": cmd["arrived"],
+                "finished": sent,
+            }
+        )
 
     async def _push_to(self, cmd: dict, d: int, deadline: float) -> tuple[int, str | None]:
         """All messages to decode rank d and the control message in flight at once; (bytes, error).
@@ -280,26 +371,41 @@ class TransferAgent:
         sent, error, data = 0, None, []
         try:
             making = self.endpoints.get(address)
-            ep = making.result() if making is not None and _made(making) else \
-                await asyncio.wait_for(self._endpoint(address), left())
+            ep = (
+                making.result()
+                if making is not None and _made(making)
+                else await asyncio.wait_for(self._endpoint(address), left())
+            )
             if self.fail_rate > 0 and random.Random(room).random() < self.fail_rate:
                 error = "transfer failed (injected by transfer_fail_rate)"
             else:
-                msgs = [msg for r in self._pair_routes(cmd, me, d) for msg in self._messages(cmd, r, cmd["src_pages"])]
-                if all(self._in_place(msg) for msg in msgs):  # views of whole page runs: nothing to copy
+                msgs = [
+                    msg
+                    for r in self._pair_routes(cmd, me, d)
+                    for msg in self._messages(cmd, r, cmd["src_pages"])
+                ]
+                if all(
+                    self._in_place(msg) for msg in msgs
+                ):  # views of whole page runs: nothing to copy
                     data = [(msg, self._source(msg)) for msg in msgs]
                 else:
-                    with self._own_stream():  # gathers of scattered pages or head slices, done before sending
+                    with (
+                        self._own_stream()
+                    ):  # gathers of scattered pages or head slices, done before sending
                         data = [(msg, self._source(msg)) for msg in msgs]
                     self._own_stream_done()
-            ctrl = np.frombuffer(pack_ctrl(error is None, error, cmd["aux"] if me == 0 else None), dtype=np.uint8)
+            ctrl = np.frombuffer(
+                pack_ctrl(error is None, error, cmd["aux"] if me == 0 else None), dtype=np.uint8
+            )
             sends = [ep.send(as_ucx_buffer(t), tag=msg.tag, force_tag=True) for msg, t in data]
             sends.append(ep.send(ctrl, tag=ctrl_tag(room, me, d), force_tag=True))
             await asyncio.wait_for(asyncio.gather(*sends), left())
             sent = sum(t.numel() * t.element_size() for _, t in data)
         except Exception as e:  # noqa: BLE001 - the room fails with the reason; the endpoint is redone
             self._drop_endpoint(address)
-            reason = "timed out" if isinstance(e, asyncio.TimeoutError) else f"{type(e).__name__}: {e}"
+            reason = (
+                "timed out" if isinstance(e, asyncio.TimeoutError) else f"{type(e).__name__}: {e}"
+            )
             error = f"sending to decode rank {d} failed: {reason}"
         return sent, error
 
@@ -317,21 +423,37 @@ class TransferAgent:
         import ucxx
 
         room, me = cmd["room"], self.attn_rank
-        recvs, scatters = [], []  # (sending prefill rank for a control message else None, tag, buffer)
+        recvs, scatters = (
+            [],
+            [],
+        )  # (sending prefill rank for a control message else None, tag, buffer)
         for p in range(cmd["prefill_tp"]):
             for r in self._pair_routes(cmd, p, me):
                 for msg in self._messages(cmd, r, None):
-                    with self._own_stream() if msg.dst_heads is not None else contextlib.nullcontext():
-                        target, scatter_to = self._destination(msg)  # staging: never memory of an in-flight step
+                    with (
+                        self._own_stream()
+                        if msg.dst_heads is not None
+                        else contextlib.nullcontext()
+                    ):
+                        target, scatter_to = self._destination(
+                            msg
+                        )  # staging: never memory of an in-flight step
                     recvs.append((None, msg.tag, target))
                     if scatter_to is not None:
                         scatters.append((target, scatter_to))
             recvs.append((p, ctrl_tag(room, p, me), np.zeros(CTRL_BYTES, dtype=np.uint8)))
-        state = {"tags": {tag for _, tag, _ in recvs}, "cancelled": False, "sender_error": None, "aux": None}
+        state = {
+            "tags": {tag for _, tag, _ in recvs},
+            "cancelled": False,
+            "sender_error": None,
+            "aux": None,
+        }
         self.rooms[room] = state
 
         async def one(tag, buffer):
-            await ucxx.recv(as_ucx_buffer(buffer) if isinstance(buffer, torch.Tensor) else buffer, tag)
+            await ucxx.recv(
+                as_ucx_buffer(buffer) if isinstance(buffer, torch.Tensor) else buffer, tag
+            )
             state["tags"].discard(tag)
 
         async def ctrl(p, tag, buffer):
@@ -340,11 +462,16 @@ class TransferAgent:
                 return  # completed empty by a cancel
             msg = unpack_ctrl(buffer.tobytes())
             state["aux"] = state["aux"] or msg.get("aux")
-            if not msg["ok"] and state["sender_error"] is None:  # its data will not come: stop waiting
+            if (
+                not msg["ok"] and state["sender_error"] is None
+            ):  # its data will not come: stop waiting
                 state["sender_error"] = f"prefill rank {p}: {msg['error']}"
                 await self._cancel(room)
 
-        tasks = [asyncio.ensure_future(ctrl(p, tag, buf) if p is not None else one(tag, buf)) for p, tag, buf in recvs]
+        tasks = [
+            asyncio.ensure_future(ctrl(p, tag, buf) if p is not None else one(tag, buf))
+            for p, tag, buf in recvs
+        ]
         posted = time.perf_counter()
         error, aux, received = None, None, 0
         try:
@@ -357,7 +484,9 @@ class TransferAgent:
                         _scatter(staged, views)
                 self._own_stream_done()  # the pages are whole before the room is reported; staging is freed
             if error is None:
-                received = sum(b.numel() * b.element_size() for _, _, b in recvs if isinstance(b, torch.Tensor))
+                received = sum(
+                    b.numel() * b.element_size() for _, _, b in recvs if isinstance(b, torch.Tensor)
+                )
         except Exception as e:  # noqa: BLE001 - the room fails; its receives are settled below first
             log.exception("room %d: receiving failed", room)
             error = f"{type(e).__name__}: {e}"
@@ -365,16 +494,36 @@ class TransferAgent:
             settled = await self._complete_receives(room, tasks)
             self.rooms.pop(room, None)
         arrived = time.perf_counter()
-        log.debug("room %d expect timeline: command %.6f, posted +%.3f ms, arrived +%.3f ms", room, cmd["arrived"],
-                  (posted - cmd["arrived"]) * 1e3, (arrived - cmd["arrived"]) * 1e3)
-        await self._emit({"kind": "received", "room": room, "ok": error is None, "error": error, "aux": aux,
-                          "bytes": received, "settled": settled, "started": cmd["arrived"], "finished": arrived})
+        log.debug(
+            "room %d expect timeline: command %.6f, posted +%.3f ms, arrived +%.3f ms",
+            room,
+            cmd["arrived"],
+            (posted - cmd["arrived"]) * 1e3,
+            (arrived - cmd["arrived"]) * 1e3,
+        )
+        await self._emit(
+            {
+                "kind": "received",
+                "room": room,
+                "ok": error is None,
+                "error": error,
+                "aux": aux,
+                "bytes": received,
+                "settled": settled,
+                "started": cmd["arrived"],
+                "finished": arrived,
+            }
+        )
 
-    async def _wait_receives(self, room: int, state: dict, tasks: list, timeout_s: float) -> str | None:
+    async def _wait_receives(
+        self, room: int, state: dict, tasks: list, timeout_s: float
+    ) -> str | None:
         """Wait for every receive of the room (those left after a timeout are cancelled by
         `_complete_receives`). The first error, if any."""
         done, pending = await asyncio.wait(tasks, timeout=timeout_s)
-        error = next((f"receive failed: {t.exception()}" for t in done if t.exception() is not None), None)
+        error = next(
+            (f"receive failed: {t.exception()}" for t in done if t.exception() is not None), None
+        )
         if pending:
             error = error or f"KV of room {room} did not arrive within {timeout_s:.0f}s"
         if state["cancelled"] and error is None:
@@ -388,7 +537,9 @@ class TransferAgent:
             return True
         try:
             await self._cancel(room)
-            left = [t for t in tasks if not t.done()]  # the cancel may already have completed them all
+            left = [
+                t for t in tasks if not t.done()
+            ]  # the cancel may already have completed them all
             if left:
                 await asyncio.wait(left, timeout=10)
         except Exception:  # noqa: BLE001 - reported as unsettled: the decode keeps the pages out of use
@@ -419,5 +570,5 @@ def _scatter(staged: torch.Tensor, views: list[torch.Tensor]) -> None:
     offset = 0
     for v in views:
         size = v[0].numel()
-        v.copy_(staged[:, offset:offset + size].view(v.shape))
+        v.copy_(staged[:, offset : offset + size].view(v.shape))
         offset += size

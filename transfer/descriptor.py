@@ -5,6 +5,7 @@ and one `PoolDescriptor` per KV pool it holds: the target model's pool first, a 
 (possibly of another layout) as a further list entry. Decode and prefill compare descriptors before
 any page moves and refuse a peer whose pools would not line up, naming the difference.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -33,11 +34,25 @@ class PoolDescriptor:
     message_pages: int = 0  # decode: the most pages it takes in one UCX message (0: a whole run)
 
     @classmethod
-    def from_layout(cls, name: str, layout: KVLayout, total_kv_heads: int = 0,
-                    held_heads: list[int] | None = None, message_pages: int = 0) -> "PoolDescriptor":
-        return cls(name, layout.kind, layout.num_layers, layout.page_size, str(layout.dtype).removeprefix("torch."),
-                   [list(s) for s in layout.token_shapes()], total_kv_heads, list(held_heads or []),
-                   message_pages=message_pages)
+    def from_layout(
+        cls,
+        name: str,
+        layout: KVLayout,
+        total_kv_heads: int = 0,
+        held_heads: list[int] | None = None,
+        message_pages: int = 0,
+    ) -> "PoolDescriptor":
+        return cls(
+            name,
+            layout.kind,
+            layout.num_layers,
+            layout.page_size,
+            str(layout.dtype).removeprefix("torch."),
+            [list(s) for s in layout.token_shapes()],
+            total_kv_heads,
+            list(held_heads or []),
+            message_pages=message_pages,
+        )
 
     def per_head_shapes(self) -> list[list[int]]:
         """Token shapes with the head dimension taken out (MHA), to compare across TP sizes."""
@@ -58,7 +73,9 @@ class RankDescriptor:
     @classmethod
     def from_dict(cls, d: dict) -> "RankDescriptor":
         pools = [PoolDescriptor(**p) for p in d["pools"]]
-        return cls(int(d["dp_rank"]), int(d["attn_rank"]), int(d["attn_tp"]), str(d["address"]), pools)
+        return cls(
+            int(d["dp_rank"]), int(d["attn_rank"]), int(d["attn_tp"]), str(d["address"]), pools
+        )
 
 
 @dataclass(frozen=True)
@@ -71,24 +88,39 @@ class InstanceDescriptor:
     ranks: list[RankDescriptor]
 
     def to_dict(self) -> dict:
-        return {"model": self.model, "dp_size": self.dp_size, "attn_tp": self.attn_tp,
-                "ranks": [r.to_dict() for r in self.ranks]}
+        return {
+            "model": self.model,
+            "dp_size": self.dp_size,
+            "attn_tp": self.attn_tp,
+            "ranks": [r.to_dict() for r in self.ranks],
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> "InstanceDescriptor":
-        return cls(dict(d["model"]), int(d["dp_size"]), int(d["attn_tp"]),
-                   [RankDescriptor.from_dict(r) for r in d["ranks"]])
+        return cls(
+            dict(d["model"]),
+            int(d["dp_size"]),
+            int(d["attn_tp"]),
+            [RankDescriptor.from_dict(r) for r in d["ranks"]],
+        )
 
     def group(self, dp_rank: int) -> list[RankDescriptor]:
         return [r for r in self.ranks if r.dp_rank == dp_rank]
 
 
-def check_compatible(local: InstanceDescriptor, remote: InstanceDescriptor, local_role: str = "decode",
-                     remote_role: str = "prefill") -> None:
+def check_compatible(
+    local: InstanceDescriptor,
+    remote: InstanceDescriptor,
+    local_role: str = "decode",
+    remote_role: str = "prefill",
+) -> None:
     """Raise IncompatiblePeer naming the first difference that would make pages not line up."""
+
     def differ(what: str, mine, theirs) -> None:
-        raise IncompatiblePeer(f"incompatible {remote_role} peer: {what} differs ({local_role}: {mine}, "
-                               f"{remote_role}: {theirs})")
+        raise IncompatiblePeer(
+            f"incompatible {remote_role} peer: {what} differs ({local_role}: {mine}, "
+            f"{remote_role}: {theirs})"
+        )
 
     for key in sorted(set(local.model) | set(remote.model)):
         if local.model.get(key) != remote.model.get(key):

@@ -4,8 +4,10 @@ Agents say hello with their descriptor when they start; the front then sends the
 `cancel` commands for a room, and gathers their per-rank events into one outcome per room once every
 rank of the room's group has reported.
 """
+
 from __future__ import annotations
 
+import contextlib
 import logging
 import tempfile
 import time
@@ -30,7 +32,9 @@ class RoomOutcome:
     bytes: int
     seconds: float
     settled: bool = True  # decode: False when a receive could still land in the room's pages
-    started: float = 0.0  # perf_counter (one clock per host) when the first rank's agent took the command
+    started: float = (
+        0.0  # perf_counter (one clock per host) when the first rank's agent took the command
+    )
     finished: float = 0.0  # ... and when the last rank's agent had sent / received everything
 
 
@@ -53,7 +57,9 @@ class TransferManager:
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown rank is an error, not a silent drop
+        self.sock.setsockopt(
+            zmq.ROUTER_MANDATORY, 1
+        )  # an unknown rank is an error, not a silent drop
         self.ipc_dir = tempfile.TemporaryDirectory(prefix="dserve-transfer-")
         self.address = f"ipc://{self.ipc_dir.name}/front"
         self.sock.bind(self.address)
@@ -69,7 +75,9 @@ class TransferManager:
             self._receive_one()
 
     def descriptor(self, model: dict, dp_size: int, attn_tp: int) -> InstanceDescriptor:
-        return InstanceDescriptor(model, dp_size, attn_tp, [self.ranks[k] for k in sorted(self.ranks)])
+        return InstanceDescriptor(
+            model, dp_size, attn_tp, [self.ranks[k] for k in sorted(self.ranks)]
+        )
 
     def group(self, dp_rank: int) -> list[RankDescriptor]:
         return [self.ranks[k] for k in sorted(self.ranks) if k[0] == dp_rank]
@@ -78,43 +86,84 @@ class TransferManager:
     def _send(self, dp_rank: int, attn_rank: int, cmd: dict) -> None:
         self.sock.send_multipart([identity(dp_rank, attn_rank), msgpack.packb(cmd)])
 
-    def push(self, room: int, dp_rank: int, peer: InstanceDescriptor, peer_dp: int, src_pages: list[int],
-             dst_pages: list[int], aux: dict, timeout_s: float) -> None:
+    def push(
+        self,
+        room: int,
+        dp_rank: int,
+        peer: InstanceDescriptor,
+        peer_dp: int,
+        src_pages: list[int],
+        dst_pages: list[int],
+        aux: dict,
+        timeout_s: float,
+    ) -> None:
         mine = self.group(dp_rank)
         theirs = peer.group(peer_dp)
-        cmd = {"kind": "push", "room": room, "src_pages": src_pages, "dst_pages": dst_pages, "aux": aux,
-               "timeout_s": timeout_s, "routes": self._routes(room, len(mine), len(theirs), mine[0]),
-               "dst_ranks": [r.address for r in theirs],
-               "dst_heads_held": [len(p.held_heads) for p in theirs[0].pools],
-               "message_pages": [p.message_pages for p in theirs[0].pools]}
+        cmd = {
+            "kind": "push",
+            "room": room,
+            "src_pages": src_pages,
+            "dst_pages": dst_pages,
+            "aux": aux,
+            "timeout_s": timeout_s,
+            "routes": self._routes(room, len(mine), len(theirs), mine[0]),
+            "dst_ranks": [r.address for r in theirs],
+            "dst_heads_held": [len(p.held_heads) for p in theirs[0].pools],
+            "message_pages": [p.message_pages for p in theirs[0].pools],
+        }
         self._start("pushed", room, dp_rank, mine, cmd)
 
-    def expect(self, room: int, dp_rank: int, peer: InstanceDescriptor, dst_pages: list[int], timeout_s: float) -> None:
+    def expect(
+        self,
+        room: int,
+        dp_rank: int,
+        peer: InstanceDescriptor,
+        dst_pages: list[int],
+        timeout_s: float,
+    ) -> None:
         mine = self.group(dp_rank)
         theirs = peer.group(0)
-        cmd = {"kind": "expect", "room": room, "dst_pages": dst_pages, "timeout_s": timeout_s,
-               "prefill_tp": peer.attn_tp, "routes": self._routes(room, peer.attn_tp, len(mine), mine[0]),
-               "src_heads_held": [len(p.held_heads) for p in theirs[0].pools],
-               "message_pages": [p.message_pages for p in mine[0].pools]}
+        cmd = {
+            "kind": "expect",
+            "room": room,
+            "dst_pages": dst_pages,
+            "timeout_s": timeout_s,
+            "prefill_tp": peer.attn_tp,
+            "routes": self._routes(room, peer.attn_tp, len(mine), mine[0]),
+            "src_heads_held": [len(p.held_heads) for p in theirs[0].pools],
+            "message_pages": [p.message_pages for p in mine[0].pools],
+        }
         self._start("received", room, dp_rank, mine, cmd)
 
     def cancel(self, room: int, dp_rank: int) -> None:
         for r in self.group(dp_rank):
             self._send(r.dp_rank, r.attn_rank, {"kind": "cancel", "room": room})
 
-    def _routes(self, room: int, prefill_tp: int, decode_tp: int, rank: RankDescriptor) -> list[list]:
+    def _routes(
+        self, room: int, prefill_tp: int, decode_tp: int, rank: RankDescriptor
+    ) -> list[list]:
         out = []
         for pool in rank.pools:
             routes = plan_routes(pool.kind, prefill_tp, decode_tp, room, pool.total_kv_heads)
-            out.append([[r.prefill_rank, r.decode_rank, r.dummy, r.src_head, r.dst_head, r.num_heads]
-                        for r in routes])
+            out.append(
+                [
+                    [r.prefill_rank, r.decode_rank, r.dummy, r.src_head, r.dst_head, r.num_heads]
+                    for r in routes
+                ]
+            )
         return out
 
-    def _start(self, kind: str, room: int, dp_rank: int, ranks: list[RankDescriptor], cmd: dict) -> None:
+    def _start(
+        self, kind: str, room: int, dp_rank: int, ranks: list[RankDescriptor], cmd: dict
+    ) -> None:
         key = (kind, room)
         if key in self.pending:
-            raise ValueError(f"room {room} is already {'sending' if kind == 'pushed' else 'receiving'}")
-        self.pending[key] = _Pending(kind, {(r.dp_rank, r.attn_rank) for r in ranks}, time.perf_counter())
+            raise ValueError(
+                f"room {room} is already {'sending' if kind == 'pushed' else 'receiving'}"
+            )
+        self.pending[key] = _Pending(
+            kind, {(r.dp_rank, r.attn_rank) for r in ranks}, time.perf_counter()
+        )
         for r in ranks:
             self._send(r.dp_rank, r.attn_rank, cmd)
 
@@ -150,11 +199,9 @@ class TransferManager:
         return outcomes
 
     def close(self) -> None:
-        for (dp, rank) in self.ranks:
-            try:
+        for dp, rank in self.ranks:
+            with contextlib.suppress(zmq.ZMQError):
                 self._send(dp, rank, {"kind": "stop"})
-            except zmq.ZMQError:
-                pass
         self.sock.close()
         self.ipc_dir.cleanup()
 
@@ -162,8 +209,15 @@ class TransferManager:
 def _merge(room: int, pending: _Pending) -> RoomOutcome:
     errors = [e["error"] for e in pending.events if not e["ok"]]
     aux = next((e.get("aux") for e in pending.events if e.get("aux")), None)
-    return RoomOutcome(room, pending.kind, not errors, "; ".join(dict.fromkeys(errors)) or None, aux,
-                       sum(e.get("bytes", 0) for e in pending.events), time.perf_counter() - pending.started,
-                       all(e.get("settled", True) for e in pending.events),
-                       min((e["started"] for e in pending.events if "started" in e), default=0.0),
-                       max((e["finished"] for e in pending.events if "finished" in e), default=0.0))
+    return RoomOutcome(
+        room,
+        pending.kind,
+        not errors,
+        "; ".join(dict.fromkeys(errors)) or None,
+        aux,
+        sum(e.get("bytes", 0) for e in pending.events),
+        time.perf_counter() - pending.started,
+        all(e.get("settled", True) for e in pending.events),
+        min((e["started"] for e in pending.events if "started" in e), default=0.0),
+        max((e["finished"] for e in pending.events if "finished" in e), default=0.0),
+    )

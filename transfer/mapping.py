@@ -11,6 +11,7 @@ request (`prefill_tp` ranks) and the decode DP group that will run it (`decode_t
   take turns). Prefill ranks holding none of a decode rank's heads are dummies for it.
 A decode rank knows before any byte moves how many routes (senders) complete the room for it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,18 +31,26 @@ def held_heads(rank: int, tp: int, num_kv_heads: int) -> list[int]:
     """Global KV heads an attention rank holds: a share when heads >= ranks, else one replicated head."""
     if num_kv_heads >= tp:
         if num_kv_heads % tp:
-            raise ValueError(f"num_key_value_heads = {num_kv_heads} does not divide by {tp} attention ranks")
+            raise ValueError(
+                f"num_key_value_heads = {num_kv_heads} does not divide by {tp} attention ranks"
+            )
         n = num_kv_heads // tp
         return list(range(rank * n, (rank + 1) * n))
     if tp % num_kv_heads:
-        raise ValueError(f"{tp} attention ranks is not a multiple of num_key_value_heads = {num_kv_heads}")
+        raise ValueError(
+            f"{tp} attention ranks is not a multiple of num_key_value_heads = {num_kv_heads}"
+        )
     return [rank // (tp // num_kv_heads)]
 
 
-def plan_routes(kind: str, prefill_tp: int, decode_tp: int, room: int = 0, num_kv_heads: int = 0) -> list[Route]:
+def plan_routes(
+    kind: str, prefill_tp: int, decode_tp: int, room: int = 0, num_kv_heads: int = 0
+) -> list[Route]:
     """Every (prefill rank, decode rank) pair that takes part in moving one room, real or dummy."""
     if prefill_tp < 1 or decode_tp < 1:
-        raise ValueError(f"attention TP sizes must be >= 1, got prefill {prefill_tp}, decode {decode_tp}")
+        raise ValueError(
+            f"attention TP sizes must be >= 1, got prefill {prefill_tp}, decode {decode_tp}"
+        )
     if kind == "mla":
         return _mla_routes(prefill_tp, decode_tp, room)
     if kind == "mha":

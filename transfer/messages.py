@@ -12,6 +12,7 @@ rooms collide.
 Every (prefill rank, decode rank) pair of a room also exchanges one control message (msgpack, at most
 `CTRL_BYTES`) after its data: success or the sender's error, plus the aux data (first token, ...).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -55,8 +56,16 @@ def page_runs(pages: list[int], longest: int = 0) -> list[tuple[int, int]]:
     return runs
 
 
-def route_messages(room: int, route: Route, pool_index: int, dst_pages: list[int], src_pages: list[int] | None,
-                   src_heads_held: int, dst_heads_held: int, message_pages: int = 0) -> list[Message]:
+def route_messages(
+    room: int,
+    route: Route,
+    pool_index: int,
+    dst_pages: list[int],
+    src_pages: list[int] | None,
+    src_heads_held: int,
+    dst_heads_held: int,
+    message_pages: int = 0,
+) -> list[Message]:
     """Messages of one real route for one pool. `src_pages` is None on the decode side (unknown
     there, not needed); `*_heads_held` are the KV heads each side holds (0 for MLA); the decode
     pool's `message_pages` caps the pages of one message."""
@@ -67,7 +76,7 @@ def route_messages(room: int, route: Route, pool_index: int, dst_pages: list[int
     out = []
     for run, (start, n) in enumerate(page_runs(dst_pages, message_pages)):
         tag = tag_of(room, route.prefill_rank, route.decode_rank, pool_index, run)
-        src = tuple(src_pages[start:start + n]) if src_pages is not None else ()
+        src = tuple(src_pages[start : start + n]) if src_pages is not None else ()
         out.append(Message(tag, pool_index, (dst_pages[start], n), src, src_slice, dst_slice))
     return out
 
@@ -81,8 +90,13 @@ def _head_slice(first: int, count: int, held: int) -> tuple[int, int] | None:
 def pack_ctrl(ok: bool, error: str | None = None, aux: dict | None = None) -> bytes:
     body = msgpack.packb({"ok": ok, "error": error, "aux": aux})
     if len(body) + 4 > CTRL_BYTES:
-        body = msgpack.packb({"ok": False, "error": f"control message of {len(body)} bytes is over the limit",
-                              "aux": None})
+        body = msgpack.packb(
+            {
+                "ok": False,
+                "error": f"control message of {len(body)} bytes is over the limit",
+                "aux": None,
+            }
+        )
     return struct.pack("<I", len(body)) + body
 
 
@@ -92,7 +106,7 @@ def unpack_ctrl(buffer: bytes) -> dict:
         (n,) = struct.unpack_from("<I", buffer)
         if not 0 < n <= CTRL_BYTES - 4:
             raise ValueError(f"length {n}")
-        msg = msgpack.unpackb(bytes(buffer[4:4 + n]))
+        msg = msgpack.unpackb(bytes(buffer[4 : 4 + n]))
         if not isinstance(msg, dict) or not isinstance(msg.get("ok"), bool):
             raise ValueError("not a control record")
         return msg

@@ -3,6 +3,7 @@
 Column-parallel layers split output features over ranks, row-parallel layers split input features
 and sum over ranks; merged layers (q/k/v, gate/up) hold several checkpoint tensors in one matrix.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dserve.models.parallel import TPGroup
+from dserve.models.parallel import ALONE, TPGroup
 from dserve.models.weights import TensorSource, attach_loader, copy_checked, replicated_loader
 
 
@@ -85,7 +86,9 @@ def qkv_parts(num_heads: int, num_kv_heads: int, head_dim: int, tp: TPGroup) -> 
         k0, k1 = tp.shard_range(num_kv_heads, "num_key_value_heads")
     else:
         if tp.size % num_kv_heads:
-            raise ValueError(f"{tp.size} attention ranks is not a multiple of num_key_value_heads = {num_kv_heads}")
+            raise ValueError(
+                f"{tp.size} attention ranks is not a multiple of num_key_value_heads = {num_kv_heads}"
+            )
         k0 = tp.rank // (tp.size // num_kv_heads)
         k1 = k0 + 1
     q_rows, kv_rows = (q1 - q0) * head_dim, (k1 - k0) * head_dim
@@ -99,7 +102,9 @@ def qkv_parts(num_heads: int, num_kv_heads: int, head_dim: int, tp: TPGroup) -> 
 class ColumnParallelLinear(MergedColumnLinear):
     """Output features split over ranks; a single checkpoint tensor (shard id None)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = TPGroup()):
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = ALONE
+    ):
         start, end = tp.shard_range(out_features, "output features")
         super().__init__(in_features, [Part(None, 0, end - start, start, out_features)], bias)
 
@@ -107,11 +112,19 @@ class ColumnParallelLinear(MergedColumnLinear):
 class RowParallelLinear(nn.Module):
     """Input features split over ranks; partial products summed across ranks, bias added once."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = TPGroup(),
-                 reduce: bool = True):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        tp: TPGroup = ALONE,
+        reduce: bool = True,
+    ):
         super().__init__()
         self.tp = tp
-        self.reduce = reduce  # False: the caller sums this partial product with others, then reduces once
+        self.reduce = (
+            reduce  # False: the caller sums this partial product with others, then reduces once
+        )
         self.in_start, self.in_end = tp.shard_range(in_features, "input features")
         self.weight = attach_loader(_param(out_features, self.in_end - self.in_start), self._load)
         self.bias = attach_loader(_param(out_features), replicated_loader) if bias else None
@@ -129,7 +142,7 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Token embedding with the vocabulary split over ranks; rows outside this rank's range read zero."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup = TPGroup()):
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup = ALONE):
         super().__init__()
         self.tp = tp
         self.start, self.end = tp.shard_range(vocab_size, "vocab_size")

@@ -1,4 +1,5 @@
 """Dense gated MLP (SiLU(gate) * up -> down) with gate/up fused and both sliced by tensor parallelism."""
+
 from __future__ import annotations
 
 import torch
@@ -6,14 +7,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from dserve.models.layers.linear import MergedColumnLinear, RowParallelLinear, column_parts
-from dserve.models.parallel import TPGroup
+from dserve.models.parallel import ALONE, TPGroup
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup = TPGroup(), reduce: bool = True):
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, tp: TPGroup = ALONE, reduce: bool = True
+    ):
         super().__init__()
         self.gate_up_proj = MergedColumnLinear(
-            hidden_size, column_parts({"gate": intermediate_size, "up": intermediate_size}, tp))
+            hidden_size, column_parts({"gate": intermediate_size, "up": intermediate_size}, tp)
+        )
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp=tp, reduce=reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ Routing: sigmoid scores plus `e_score_correction_bias` for choice with group-lim
 greedy or group-limited (group max) top-k for V2. Weights are the unbiased scores of the chosen
 experts, optionally renormalised (`norm_topk_prob`), times `routed_scaling_factor`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,10 +15,19 @@ from torch import nn
 from dserve.models.config import ModelConfig
 from dserve.models.layers.mlp import GatedMLP
 from dserve.models.parallel import SINGLE, ParallelContext
-from dserve.models.weights import SKIP, TensorSource, prefixed, attach_loader, copy_checked, replicated_loader
+from dserve.models.weights import (
+    SKIP,
+    TensorSource,
+    attach_loader,
+    copy_checked,
+    prefixed,
+    replicated_loader,
+)
 
 
-def route(logits: torch.Tensor, bias: torch.Tensor | None, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    logits: torch.Tensor, bias: torch.Tensor | None, cfg: ModelConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [tokens, experts] (float32) -> (weights, expert ids), each [tokens, top_k]."""
     n_tok, n_exp = logits.shape
     group_size = n_exp // cfg.n_group
@@ -54,15 +64,25 @@ class Experts(nn.Module):
         super().__init__()
         self.num_experts = cfg.n_routed_experts
         if self.num_experts % ctx.ep_size:
-            raise ValueError(f"n_routed_experts = {self.num_experts} does not divide by ep_size = {ctx.ep_size}")
+            raise ValueError(
+                f"n_routed_experts = {self.num_experts} does not divide by ep_size = {ctx.ep_size}"
+            )
         self.num_local = self.num_experts // ctx.ep_size
         self.first = ctx.ep_rank * self.num_local
-        self.i_start, self.i_end = ctx.moe_tp.shard_range(cfg.moe_intermediate_size, "moe_intermediate_size")
+        self.i_start, self.i_end = ctx.moe_tp.shard_range(
+            cfg.moe_intermediate_size, "moe_intermediate_size"
+        )
         local = self.i_end - self.i_start
-        self.w13 = attach_loader(nn.Parameter(torch.empty(self.num_local, 2 * local, cfg.hidden_size),
-                                              requires_grad=False), self._load)
-        self.w2 = attach_loader(nn.Parameter(torch.empty(self.num_local, cfg.hidden_size, local),
-                                             requires_grad=False), self._load)
+        self.w13 = attach_loader(
+            nn.Parameter(
+                torch.empty(self.num_local, 2 * local, cfg.hidden_size), requires_grad=False
+            ),
+            self._load,
+        )
+        self.w2 = attach_loader(
+            nn.Parameter(torch.empty(self.num_local, cfg.hidden_size, local), requires_grad=False),
+            self._load,
+        )
         self.use_kernel = False  # set by the model runner for the triton backend
         mine = range(self.first, self.first + self.num_local)
         self.w13.expected_shards = [(e, p) for e in mine for p in ("gate", "up")]
@@ -79,7 +99,11 @@ class Experts(nn.Module):
             copy_checked(param.data[expert], source.read(1, self.i_start, self.i_end), source)
         else:
             offset = 0 if part == "gate" else local
-            copy_checked(param.data[expert, offset:offset + local], source.read(0, self.i_start, self.i_end), source)
+            copy_checked(
+                param.data[expert, offset : offset + local],
+                source.read(0, self.i_start, self.i_end),
+                source,
+            )
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.use_kernel and x.is_cuda:  # the triton backend: grouped GEMMs, no host sync
@@ -102,17 +126,25 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext = SINGLE):
         super().__init__()
         self.cfg, self.ctx = cfg, ctx
-        self.gate_weight = attach_loader(nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size),
-                                                      requires_grad=False), replicated_loader)
+        self.gate_weight = attach_loader(
+            nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size), requires_grad=False),
+            replicated_loader,
+        )
         self.correction_bias = None
         if cfg.scoring_func == "sigmoid":
             bias = torch.zeros(cfg.n_routed_experts, dtype=torch.float32)
-            self.correction_bias = attach_loader(nn.Parameter(bias, requires_grad=False), replicated_loader)
+            self.correction_bias = attach_loader(
+                nn.Parameter(bias, requires_grad=False), replicated_loader
+            )
         self.experts = Experts(cfg, ctx)
         self.shared_experts = None
         if cfg.n_shared_experts:
-            self.shared_experts = GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
-                                           ctx.mlp, reduce=False)
+            self.shared_experts = GatedMLP(
+                cfg.hidden_size,
+                cfg.moe_intermediate_size * cfg.n_shared_experts,
+                ctx.mlp,
+                reduce=False,
+            )
 
     def forward(self, x: torch.Tensor, real_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """`real_tokens` (nonzero per real row) marks a padded step's padding rows: routed nowhere, they
@@ -133,10 +165,14 @@ class MoE(nn.Module):
         if suffix == "gate.e_score_correction_bias":
             return "correction_bias", None
         if suffix.startswith("shared_experts."):
-            return prefixed("shared_experts.", GatedMLP.map_key(suffix[len("shared_experts."):]))
+            return prefixed("shared_experts.", GatedMLP.map_key(suffix[len("shared_experts.") :]))
         if suffix.startswith("experts."):
-            expert, name = suffix[len("experts."):].split(".", 1)
-            part = {"gate_proj.weight": "gate", "up_proj.weight": "up", "down_proj.weight": "down"}.get(name)
+            expert, name = suffix[len("experts.") :].split(".", 1)
+            part = {
+                "gate_proj.weight": "gate",
+                "up_proj.weight": "up",
+                "down_proj.weight": "down",
+            }.get(name)
             if part is None:
                 return None
             if not self.experts.owns(int(expert)):

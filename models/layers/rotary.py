@@ -4,6 +4,7 @@ On a GPU with the Triton kernels selected, `apply` is one launch (`attention/tri
 cos/sin are computed per batch from the positions exactly as the reference does (float32 positions
 times inverse frequencies, scaled by YaRN's attention factor), so cached and fresh tokens agree bit for bit.
 """
+
 from __future__ import annotations
 
 import math
@@ -19,7 +20,11 @@ def yarn_inv_freq(rope: RopeConfig) -> tuple[torch.Tensor, float]:
     dim, base = rope.rotary_dim, rope.theta
 
     def correction_dim(rotations: float) -> float:
-        return dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+        return (
+            dim
+            * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi))
+            / (2 * math.log(base))
+        )
 
     low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
     if rope.truncate:
@@ -35,7 +40,9 @@ def yarn_inv_freq(rope: RopeConfig) -> tuple[torch.Tensor, float]:
     if rope.attention_factor is not None:
         factor = float(rope.attention_factor)
     elif rope.mscale and rope.mscale_all_dim:
-        factor = yarn_get_mscale(rope.factor, rope.mscale) / yarn_get_mscale(rope.factor, rope.mscale_all_dim)
+        factor = yarn_get_mscale(rope.factor, rope.mscale) / yarn_get_mscale(
+            rope.factor, rope.mscale_all_dim
+        )
     else:
         factor = yarn_get_mscale(rope.factor)
     return inv_freq, factor
@@ -48,12 +55,17 @@ class RotaryEmbedding(nn.Module):
         if rope.rope_type == "yarn":
             inv_freq, self.attention_scaling = yarn_inv_freq(rope)
         else:
-            inv_freq = 1.0 / (rope.theta ** (torch.arange(0, rope.rotary_dim, 2, dtype=torch.float32) / rope.rotary_dim))
+            inv_freq = 1.0 / (
+                rope.theta
+                ** (torch.arange(0, rope.rotary_dim, 2, dtype=torch.float32) / rope.rotary_dim)
+            )
             self.attention_scaling = 1.0
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.use_kernel = False  # set by the model runner for the triton backend
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of shape [tokens, rotary_dim // 2]."""
         freqs = positions[:, None].float() * self.inv_freq.to(positions.device)
         cos = (freqs.cos() * self.attention_scaling).to(dtype)
@@ -65,7 +77,12 @@ class RotaryEmbedding(nn.Module):
         r = self.rope.rotary_dim
         # one Triton launch with the same rounding in bf16 (in float32 the GPU compiler's FMAs round
         # differently, so other dtypes stay on the torch code)
-        if self.use_kernel and x.is_cuda and x.dtype == torch.bfloat16 and (r // 2) & (r // 2 - 1) == 0:
+        if (
+            self.use_kernel
+            and x.is_cuda
+            and x.dtype == torch.bfloat16
+            and (r // 2) & (r // 2 - 1) == 0
+        ):
             from dserve.attention.triton_rotary import apply_rotary
 
             return apply_rotary(x, cos.contiguous(), sin.contiguous(), self.rope.interleaved)
@@ -74,6 +91,6 @@ class RotaryEmbedding(nn.Module):
         if self.rope.interleaved:
             x1, x2 = rot[..., 0::2], rot[..., 1::2]
         else:
-            x1, x2 = rot[..., : r // 2], rot[..., r // 2:]
+            x1, x2 = rot[..., : r // 2], rot[..., r // 2 :]
         out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
         return out if r == x.shape[-1] else torch.cat([out, x[..., r:]], dim=-1)

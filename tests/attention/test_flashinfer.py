@@ -3,6 +3,7 @@ and GLM-4.5's attention shapes in bf16 (GPU host with flashinfer installed): pro
 over a prefix in pages, decode tokens and a draft tree (which goes to the Triton extend kernel) in one
 batch, then a batch of decode tokens alone. On any host: without FlashInfer the backend says how to
 install it."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -14,8 +15,9 @@ from dserve.attention.backend import create_backend
 from dserve.scheduler.kv_pool import KVLayout, KVPool
 
 HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
-needs_flashinfer = pytest.mark.skipif(not torch.cuda.is_available() or not HAS_FLASHINFER,
-                                      reason="needs a GPU and flashinfer")
+needs_flashinfer = pytest.mark.skipif(
+    not torch.cuda.is_available() or not HAS_FLASHINFER, reason="needs a GPU and flashinfer"
+)
 MIXED = [(700, 700, None), (300, 1500, None), (1, 90, None), (8, 200, None), (1, 4000, None)]
 TREE = MIXED + [(8, 200, 9)]
 DECODE = [(1, n, None) for n in (1, 63, 64, 65, 1000, 8191)]
@@ -72,4 +74,3 @@ def test_glm45_mha_matches_the_reference(spans):
 
     ref, ours = mha_case(96, 8, 128, 64, torch.bfloat16, spans, FlashInferBackend)
     assert relative_error(ref, ours) < 2e-2
-

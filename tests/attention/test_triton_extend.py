@@ -2,6 +2,7 @@
 Triton backend, against the torch reference backend on the same pool and batch: MLA and MHA/GQA,
 spans of many lengths in one batch, pages scattered, a draft tree's mask. On a CPU host under
 TRITON_INTERPRET=1 at small shapes; on a GPU host also at DeepSeek-V3's and GLM-4.5's shapes in bf16."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,12 +20,23 @@ SPANS = [(37, 37, None), (20, 70, None), (1, 9, None), (4, 12, 5), (1, 1, None)]
 
 
 def mla_case(heads, rank, rope, page_size, dtype, spans=SPANS):
-    return kernel_check.mla_case(heads, rank, rope, page_size, dtype, spans, TritonBackend, DEVICE, expect_extend=True)
+    return kernel_check.mla_case(
+        heads, rank, rope, page_size, dtype, spans, TritonBackend, DEVICE, expect_extend=True
+    )
 
 
 def mha_case(heads, kv_heads, head_dim, page_size, dtype, spans=SPANS):
-    return kernel_check.mha_case(heads, kv_heads, head_dim, page_size, dtype, spans, TritonBackend, DEVICE,
-                                 expect_extend=True)
+    return kernel_check.mha_case(
+        heads,
+        kv_heads,
+        head_dim,
+        page_size,
+        dtype,
+        spans,
+        TritonBackend,
+        DEVICE,
+        expect_extend=True,
+    )
 
 
 def test_mla_spans_and_tree_match_the_reference():
@@ -39,7 +51,9 @@ def test_mha_gqa_spans_and_tree_match_the_reference(heads, kv_heads, head_dim):
 
 
 def test_empty_step_returns_no_rows():
-    ref, ours = mla_case(heads=4, rank=32, rope=16, page_size=4, dtype=torch.float32, spans=[(0, 5, None)])
+    ref, ours = mla_case(
+        heads=4, rank=32, rope=16, page_size=4, dtype=torch.float32, spans=[(0, 5, None)]
+    )
     assert ours.shape == ref.shape == (0, 4, 32)
 
 
@@ -50,7 +64,9 @@ GPU_SPANS = [(700, 700, None), (300, 1500, None), (1, 90, None), (8, 200, 9)]
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real shapes run on a GPU")
 def test_deepseek_v3_shapes_match_the_reference():
     """128 heads, kv_lora_rank 512, rope 64, page size 64, bf16: within bf16 tolerance."""
-    ref, ours = mla_case(heads=128, rank=512, rope=64, page_size=64, dtype=torch.bfloat16, spans=GPU_SPANS)
+    ref, ours = mla_case(
+        heads=128, rank=512, rope=64, page_size=64, dtype=torch.bfloat16, spans=GPU_SPANS
+    )
     assert (ours - ref).abs().max() / ref.abs().max() < 2e-2
 
 
@@ -58,5 +74,7 @@ def test_deepseek_v3_shapes_match_the_reference():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real shapes run on a GPU")
 def test_glm45_shapes_match_the_reference():
     """GLM-4.5: 96 query heads over 8 KV heads of 128, page size 64, bf16."""
-    ref, ours = mha_case(heads=96, kv_heads=8, head_dim=128, page_size=64, dtype=torch.bfloat16, spans=GPU_SPANS)
+    ref, ours = mha_case(
+        heads=96, kv_heads=8, head_dim=128, page_size=64, dtype=torch.bfloat16, spans=GPU_SPANS
+    )
     assert (ours - ref).abs().max() / ref.abs().max() < 2e-2

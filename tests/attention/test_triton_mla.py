@@ -1,6 +1,7 @@
 """The Triton MLA decode kernel against the torch reference backend's arithmetic, over a real paged
 pool (a layer's strided view, pages scattered, contexts of many lengths, several splits). On a CPU
 host it runs under TRITON_INTERPRET=1 at small shapes; on a GPU host also at DeepSeek-V3's shapes."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,7 +20,9 @@ def reference(q_latent, q_rope, cache, page_table, seq_lens, scale):
     for b, n in enumerate(seq_lens.tolist()):
         pos = torch.arange(n, device=cache.device)
         ctx = cache[page_table[b, pos // page_size], pos % page_size].float()
-        scores = (q_latent[b].float() @ ctx[:, :rank].T + q_rope[b].float() @ ctx[:, rank:].T) * scale
+        scores = (
+            q_latent[b].float() @ ctx[:, :rank].T + q_rope[b].float() @ ctx[:, rank:].T
+        ) * scale
         out[b] = (scores.softmax(-1) @ ctx[:, :rank]).to(out.dtype)
     return out
 
@@ -28,13 +31,19 @@ def case(heads, rank, rope, page_size, seq_lens, dtype, device, seed=0):
     gen = torch.Generator().manual_seed(seed)
     pages_per_seq = [(n + page_size - 1) // page_size for n in seq_lens]
     num_pages = sum(pages_per_seq) + 3
-    pool = KVPool(KVLayout("mla", 2, page_size, dtype, latent_dim=rank + rope, kv_lora_rank=rank), num_pages, device)
+    pool = KVPool(
+        KVLayout("mla", 2, page_size, dtype, latent_dim=rank + rope, kv_lora_rank=rank),
+        num_pages,
+        device,
+    )
     pool.pages.copy_(torch.randn(pool.pages.shape, generator=gen).to(dtype))
-    order = torch.randperm(num_pages, generator=gen)  # each sequence's pages scattered over the pool
+    order = torch.randperm(
+        num_pages, generator=gen
+    )  # each sequence's pages scattered over the pool
     table = torch.zeros(len(seq_lens), max(pages_per_seq), dtype=torch.int32)
     used = 0
     for b, n in enumerate(pages_per_seq):
-        table[b, :n] = order[used:used + n]
+        table[b, :n] = order[used : used + n]
         used += n
     q_latent = torch.randn(len(seq_lens), heads, rank, generator=gen).to(dtype)
     q_rope = torch.randn(len(seq_lens), heads, rope, generator=gen).to(dtype)
@@ -43,17 +52,37 @@ def case(heads, rank, rope, page_size, seq_lens, dtype, device, seed=0):
     return to(q_latent), to(q_rope), pool.buffers[1][0], to(table), to(lens)
 
 
-@pytest.mark.parametrize("num_splits,block_v,tma", [(1, None, False), (4, None, False), (4, 16, False),
-                                                    (4, 16, True), (32, None, False)])
+@pytest.mark.parametrize(
+    "num_splits,block_v,tma",
+    [(1, None, False), (4, None, False), (4, 16, False), (4, 16, True), (32, None, False)],
+)
 def test_small_shapes_match_the_reference(num_splits, block_v, tma):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # TMA blocks lie within a page; a GPU's dot takes blocks of 16 or more
     page_size = (16 if device == "cuda" else 4) if tma else 4
-    q_latent, q_rope, cache, table, lens = case(heads=20, rank=32, rope=16, page_size=page_size,
-                                                seq_lens=[1, 5, 16, 37, 3], dtype=torch.float32, device=device)
+    q_latent, q_rope, cache, table, lens = case(
+        heads=20,
+        rank=32,
+        rope=16,
+        page_size=page_size,
+        seq_lens=[1, 5, 16, 37, 3],
+        dtype=torch.float32,
+        device=device,
+    )
     scale = 0.3
-    ours = mla_decode(q_latent, q_rope, cache, table, lens, scale, num_splits=num_splits,
-                      block_n=page_size if tma else 16, min_split=1, block_v=block_v, tma=tma)
+    ours = mla_decode(
+        q_latent,
+        q_rope,
+        cache,
+        table,
+        lens,
+        scale,
+        num_splits=num_splits,
+        block_n=page_size if tma else 16,
+        min_split=1,
+        block_v=block_v,
+        tma=tma,
+    )
     ref = reference(q_latent, q_rope, cache, table, lens, scale)
     assert torch.allclose(ours, ref, atol=1e-4, rtol=1e-4), (ours - ref).abs().max()
 
@@ -63,28 +92,61 @@ def test_rows_of_shared_sequences_and_short_contexts():
     each up to its own context length; with a minimum split longer than most contexts, rows use
     fewer splits than the launch has and the empty ones weigh nothing."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    q_latent, q_rope, cache, table, _ = case(heads=8, rank=32, rope=16, page_size=4, seq_lens=[9, 40, 2, 1],
-                                             dtype=torch.float32, device=device)
+    q_latent, q_rope, cache, table, _ = case(
+        heads=8,
+        rank=32,
+        rope=16,
+        page_size=4,
+        seq_lens=[9, 40, 2, 1],
+        dtype=torch.float32,
+        device=device,
+    )
     row_seqs = torch.tensor([1, 1, 1, 0, 3, 2], device=device)
     lens = torch.tensor([38, 39, 40, 9, 1, 2], dtype=torch.int32, device=device)
-    ours = mla_decode(q_latent[row_seqs], q_rope[row_seqs], cache, table, lens, 0.3, num_splits=8, block_n=16,
-                      row_seqs=row_seqs, min_split=32)
+    ours = mla_decode(
+        q_latent[row_seqs],
+        q_rope[row_seqs],
+        cache,
+        table,
+        lens,
+        0.3,
+        num_splits=8,
+        block_n=16,
+        row_seqs=row_seqs,
+        min_split=32,
+    )
     ref = reference(q_latent[row_seqs], q_rope[row_seqs], cache, table[row_seqs], lens, 0.3)
     assert torch.allclose(ours, ref, atol=1e-4, rtol=1e-4), (ours - ref).abs().max()
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="DeepSeek-V3 shapes run on a GPU")
-@pytest.mark.parametrize("heads,tune", [(128, {}), (16, {}), (128, {"block_v": 256, "block_h": 64, "num_warps": 4}),
-                                        (128, {"tma": True, "block_h": 64, "num_warps": 4})])
+@pytest.mark.parametrize(
+    "heads,tune",
+    [
+        (128, {}),
+        (16, {}),
+        (128, {"block_v": 256, "block_h": 64, "num_warps": 4}),
+        (128, {"tma": True, "block_h": 64, "num_warps": 4}),
+    ],
+)
 def test_deepseek_v3_shapes_match_the_reference(heads, tune):
     """128 heads (16 at attention TP 8), kv_lora_rank 512, rope 64, page size 64, bf16: within bf16
     tolerance; the default launch for each head count and other settings."""
-    q_latent, q_rope, cache, table, lens = case(heads=heads, rank=512, rope=64, page_size=64,
-                                                seq_lens=[1, 700, 4096, 1025], dtype=torch.bfloat16, device="cuda")
-    scale = 192 ** -0.5
+    q_latent, q_rope, cache, table, lens = case(
+        heads=heads,
+        rank=512,
+        rope=64,
+        page_size=64,
+        seq_lens=[1, 700, 4096, 1025],
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
+    scale = 192**-0.5
     # the engine's page table is int64: TMA offsets are narrowed in the kernel
-    ours = mla_decode(q_latent, q_rope, cache, table.long(), lens, scale, num_splits=8, **tune).float()
+    ours = mla_decode(
+        q_latent, q_rope, cache, table.long(), lens, scale, num_splits=8, **tune
+    ).float()
     ref = reference(q_latent, q_rope, cache, table, lens, scale).float()
     assert (ours - ref).abs().max() / ref.abs().max() < 2e-2
 
@@ -99,10 +161,13 @@ def test_engine_with_the_triton_backend_matches_the_reference(tp, tiny_dir, make
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter runs it on a CPU host
     if device == "cuda" and torch.cuda.device_count() < tp:
         pytest.skip(f"tp={tp} needs {tp} GPUs")
-    kwargs = dict(page_size=4, dtype="float32", device=device, max_total_tokens=4096)  # float32: exact parity
+    kwargs = dict(
+        page_size=4, dtype="float32", device=device, max_total_tokens=4096
+    )  # float32: exact parity
     expected = make_engine(path, **kwargs).generate(input_ids=prompts, sampling_params=params)
     got = make_engine(path, tp_size=tp, attention_backend="triton", **kwargs).generate(
-        input_ids=prompts, sampling_params=params)
+        input_ids=prompts, sampling_params=params
+    )
     assert [g.output_ids for g in got] == [e.output_ids for e in expected]
 
 
@@ -116,7 +181,13 @@ def test_verify_spans_through_the_kernel(topk, tiny_dir, make_engine):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     kwargs = dict(page_size=4, dtype="float32", device=device, max_total_tokens=4096)
     expected = make_engine(path, **kwargs).generate(input_ids=prompts, sampling_params=params)
-    got = make_engine(path, attention_backend="triton", speculative_algorithm="mtp", speculative_num_steps=2,
-                      speculative_eagle_topk=topk, **kwargs).generate(input_ids=prompts, sampling_params=params)
+    got = make_engine(
+        path,
+        attention_backend="triton",
+        speculative_algorithm="mtp",
+        speculative_num_steps=2,
+        speculative_eagle_topk=topk,
+        **kwargs,
+    ).generate(input_ids=prompts, sampling_params=params)
     assert [g.output_ids for g in got] == [e.output_ids for e in expected]
     assert all(g.meta["spec_verify_ct"] >= 1 for g in got)

@@ -1,6 +1,7 @@
 """The Triton RMSNorm (+ residual add) kernel against the torch RMSNorm it replaces. On a CPU host it
 runs under TRITON_INTERPRET=1 at small shapes (one of them not a power of two); on a GPU host also
 at DeepSeek-V3's hidden size in bfloat16."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,16 +18,24 @@ def check(rows: int, hidden: int, dtype: torch.dtype, device: str, residual: boo
     norm = RMSNorm(hidden, 1e-6).to(device=device, dtype=dtype)
     norm.weight.copy_(torch.rand(hidden, generator=gen) + 0.5)
     x = (torch.randn(rows, hidden, generator=gen) * 3).to(device=device, dtype=dtype)
-    r = (torch.randn(rows, hidden, generator=gen) * 3).to(device=device, dtype=dtype) if residual else None
+    r = (
+        (torch.randn(rows, hidden, generator=gen) * 3).to(device=device, dtype=dtype)
+        if residual
+        else None
+    )
     out, total = rms_norm(x, norm.weight, norm.eps, r)
     want_total = r + x if residual else x
     want = norm(want_total)
     assert out.dtype == want.dtype and out.shape == want.shape
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1.6e-2)  # a bf16 ulp
+    tol = (
+        dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1.6e-2)
+    )  # a bf16 ulp
     torch.testing.assert_close(out, want, **tol)
     if residual and (device == "cuda" or dtype == torch.float32):
         assert torch.equal(total, want_total)  # the sum is rounded exactly as torch rounds it
-    elif residual:  # Triton's interpreter rounds float32 -> bfloat16 towards zero: one ulp apart at most
+    elif (
+        residual
+    ):  # Triton's interpreter rounds float32 -> bfloat16 towards zero: one ulp apart at most
         torch.testing.assert_close(total, want_total, **tol)
 
 

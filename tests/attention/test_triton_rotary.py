@@ -3,6 +3,7 @@
 for DeepSeek's interleaved pairs and GLM's partial rotary, on strided views such as a split of q.
 Under TRITON_INTERPRET=1 on a CPU host in float32; bf16 (the interpreter does not round its casts
 as a GPU does) and the real models' shapes on a GPU, where float32 is only close (FMAs)."""
+
 from __future__ import annotations
 
 import pytest
@@ -35,7 +36,15 @@ def check(tokens, heads, head_dim, rotary_dim, interleaved, dtype, prefix=0):
 
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_full_rotary_equals_torch(interleaved):
-    check(tokens=7, heads=3, head_dim=16, rotary_dim=16, interleaved=interleaved, dtype=torch.float32, prefix=8)
+    check(
+        tokens=7,
+        heads=3,
+        head_dim=16,
+        rotary_dim=16,
+        interleaved=interleaved,
+        dtype=torch.float32,
+        prefix=8,
+    )
 
 
 def test_partial_rotary_copies_the_rest():
@@ -43,16 +52,20 @@ def test_partial_rotary_copies_the_rest():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="Triton's interpreter rounds float32 -> bf16 casts toward zero; bf16 is checked on a GPU")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="Triton's interpreter rounds float32 -> bf16 casts toward zero; bf16 is checked on a GPU",
+)
 def test_bf16_rounding_equals_torch():
     check(tokens=4, heads=2, head_dim=16, rotary_dim=16, interleaved=True, dtype=torch.bfloat16)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real shapes run on a GPU")
-@pytest.mark.parametrize("heads,head_dim,rotary_dim,interleaved,prefix", [(128, 64, 64, True, 128),
-                                                                          (96, 128, 64, False, 0)])
+@pytest.mark.parametrize(
+    "heads,head_dim,rotary_dim,interleaved,prefix",
+    [(128, 64, 64, True, 128), (96, 128, 64, False, 0)],
+)
 def test_real_shapes_equal_torch(heads, head_dim, rotary_dim, interleaved, prefix):
     """DeepSeek-V3's q_rope (a view past 128 nope features) and GLM-4.5's partial rotary, bf16."""
     check(300, heads, head_dim, rotary_dim, interleaved, torch.bfloat16, prefix)

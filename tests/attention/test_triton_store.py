@@ -1,5 +1,6 @@
 """The Triton KV store against `KVPool.write`: the same pages after writing scattered slots, for
 MLA's latent and MHA's K and V in one launch, from strided views, with a cast to the pool's dtype."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,6 @@
 """`load_format="dummy"`: a model from config.json alone with random weights made on the device, as
 vLLM and SGLang offer, so real shapes can be timed without a checkpoint on disk."""
+
 from __future__ import annotations
 
 import os
@@ -40,8 +41,12 @@ def test_dummy_weights_ignore_the_checkpoint(tiny_dir, make_engine):
 def test_dummy_target_and_draft_speculate_losslessly(config_only, make_engine):
     """Same seed, same random target: MTP drafting with a random draft leaves the output as is."""
     ids = [[3, 1, 4, 1, 5, 9, 2, 6]]
-    plain = make_engine(config_only, load_format="dummy").generate(input_ids=ids, sampling_params=GREEDY)
-    spec = make_engine(config_only, load_format="dummy", speculative_algorithm="mtp", speculative_num_steps=2)
+    plain = make_engine(config_only, load_format="dummy").generate(
+        input_ids=ids, sampling_params=GREEDY
+    )
+    spec = make_engine(
+        config_only, load_format="dummy", speculative_algorithm="mtp", speculative_num_steps=2
+    )
     assert spec.generate(input_ids=ids, sampling_params=GREEDY)[0].output_ids == plain[0].output_ids
 
 

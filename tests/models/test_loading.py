@@ -1,5 +1,6 @@
 """Checkpoint loading: sharded safetensors as published, clear errors naming the tensor and file,
 and the MTP layer of `make-tiny --mtp` in the public key layout."""
+
 from __future__ import annotations
 
 import json
@@ -51,8 +52,12 @@ def test_missing_tensor_is_named(tiny_dir, tmp_path):
 def test_unexpected_tensor_is_named_with_its_file(tiny_dir, tmp_path):
     path = _copy(tiny_dir("glm4_moe"), tmp_path)
     key = "model.layers.0.self_attn.q_proj.weight"
-    shard = _edit_shard_with(path, key, lambda t: t.update({"model.layers.0.self_attn.bogus.weight": torch.ones(2)}))
-    with pytest.raises(WeightLoadError, match=rf"model\.layers\.0\.self_attn\.bogus\.weight in {shard}: unexpected"):
+    shard = _edit_shard_with(
+        path, key, lambda t: t.update({"model.layers.0.self_attn.bogus.weight": torch.ones(2)})
+    )
+    with pytest.raises(
+        WeightLoadError, match=rf"model\.layers\.0\.self_attn\.bogus\.weight in {shard}: unexpected"
+    ):
         load_model(path, progress=False)
 
 
@@ -72,9 +77,18 @@ def test_mtp_layer_in_public_layout_is_skipped_by_the_target(tiny_dir):
     assert config["num_nextn_predict_layers"] == 1
     with open(os.path.join(path, "model.safetensors.index.json")) as f:
         keys = set(json.load(f)["weight_map"])
-    for suffix in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
-                   "shared_head.head.weight", "embed_tokens.weight", "self_attn.kv_b_proj.weight",
-                   "mlp.experts.0.gate_proj.weight", "mlp.gate.e_score_correction_bias", "input_layernorm.weight"):
+    for suffix in (
+        "enorm.weight",
+        "hnorm.weight",
+        "eh_proj.weight",
+        "shared_head.norm.weight",
+        "shared_head.head.weight",
+        "embed_tokens.weight",
+        "self_attn.kv_b_proj.weight",
+        "mlp.experts.0.gate_proj.weight",
+        "mlp.gate.e_score_correction_bias",
+        "input_layernorm.weight",
+    ):
         assert f"model.layers.{n}.{suffix}" in keys
     cfg, model = load_model(path, progress=False)
     assert len(model.layers) == n

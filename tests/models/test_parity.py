@@ -1,6 +1,7 @@
 """Token-exact parity with transformers on tiny random checkpoints of every architecture:
 DeepSeek-V3 (MLA with q_lora, YaRN), DeepSeek-V2 (MLA without q_lora, softmax group routing),
 GLM-4.5 MoE (GQA with bias, QK norm, partial rotary)."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,9 +20,15 @@ def test_config_features_are_exercised(tiny_dir):
     from dserve.models.registry import resolve
 
     v3, _ = resolve(tiny_dir("deepseek_v3"))
-    assert v3.rope.rope_type == "yarn" and v3.q_lora_rank and v3.softmax_scale != v3.qk_head_dim ** -0.5
+    assert (
+        v3.rope.rope_type == "yarn" and v3.q_lora_rank and v3.softmax_scale != v3.qk_head_dim**-0.5
+    )
     v2, _ = resolve(tiny_dir("deepseek_v2"))
-    assert v2.q_lora_rank is None and v2.scoring_func == "softmax" and v2.topk_method == "group_limited_greedy"
+    assert (
+        v2.q_lora_rank is None
+        and v2.scoring_func == "softmax"
+        and v2.topk_method == "group_limited_greedy"
+    )
     glm, _ = resolve(tiny_dir("glm4_moe"))
     assert glm.use_qk_norm and glm.attention_bias and glm.rope.rotary_dim == glm.head_dim // 2
     assert glm.num_key_value_heads < glm.num_attention_heads
@@ -88,7 +95,9 @@ def test_prefix_cache_can_be_switched_off(tiny_dir, make_engine):
     prompt = random_prompts(1, engine.model_config.vocab_size, [30], seed=5)[0]
     a = engine.generate(input_ids=prompt, sampling_params=GREEDY32)
     b = engine.generate(input_ids=prompt, sampling_params=GREEDY32)
-    assert b.meta["cached_tokens"] == 0 and a.output_ids == b.output_ids == hf_greedy(path, prompt, 32)
+    assert b.meta["cached_tokens"] == 0 and a.output_ids == b.output_ids == hf_greedy(
+        path, prompt, 32
+    )
 
 
 def test_text_prompt_uses_checkpoint_tokenizer(tiny_dir, make_engine):
@@ -96,7 +105,9 @@ def test_text_prompt_uses_checkpoint_tokenizer(tiny_dir, make_engine):
     engine = make_engine(path)
     text = "Hello world! Tell me a story."
     ids = engine.tokenizer.encode(text)
-    result = engine.generate(text, sampling_params=SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True))
+    result = engine.generate(
+        text, sampling_params=SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    )
     assert result.output_ids == hf_greedy(path, ids, 8)
     assert result.text == engine.tokenizer.decode(result.output_ids, skip_special_tokens=True)
 

@@ -1,5 +1,6 @@
 """The command line reads like a real tool's: every flag of every subcommand says what it does, and
-engine/server flags take their text from the comment where the config field is declared."""
+engine/server flags take their text from the docstring of the config field."""
+
 from __future__ import annotations
 
 import argparse
@@ -7,7 +8,7 @@ import re
 
 import pytest
 
-from dserve.runtime.cli import build_parser, field_comments
+from dserve.runtime.cli import build_parser, field_docs
 from dserve.runtime.config import EngineConfig
 
 
@@ -23,13 +24,15 @@ def test_every_flag_is_explained(name):
     for action in parser._actions:
         if action.option_strings and action.dest != "help":
             words = re.sub(r"\(default: [^)]*\)", "", action.help or "").strip()
-            assert len(words) >= 8, f"dserve {name} {action.option_strings[0]}: help is {action.help!r}"
+            assert len(words) >= 8, (
+                f"dserve {name} {action.option_strings[0]}: help is {action.help!r}"
+            )
 
 
-def test_engine_flag_help_comes_from_the_config_declaration():
-    comments = field_comments(EngineConfig)
-    assert comments["page_size"] == "tokens per KV page; default 16 on CPU, 64 on GPU"
-    assert set(comments) >= {f for f in EngineConfig.field_names() if f != "model_path"}
+def test_engine_flag_help_comes_from_the_field_docstring():
+    docs = field_docs(EngineConfig)
+    assert docs["page_size"] == "tokens per KV page; default 16 on CPU, 64 on GPU"
+    assert set(docs) >= {f for f in EngineConfig.field_names() if f != "model_path"}
     serve = subcommands()["serve"]
     help_of = {a.dest: a.help for a in serve._actions}
     assert help_of["speculative_num_steps"].startswith("draft passes per step")

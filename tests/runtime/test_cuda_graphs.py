@@ -1,6 +1,7 @@
 """Decode-like steps from static buffers (`runtime/cuda_graphs.py`). On a CPU host the static path
 runs eagerly under the Triton interpreter, with the padding, scratch page and row selection of the
 GPU path; on a GPU host the steps replay captured CUDA graphs, with no host sync inside a step."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,7 +11,9 @@ from dserve.runtime.cuda_graphs import token_buckets
 from tests.conftest import count_calls, random_prompts
 
 pytest.importorskip("triton")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter runs the kernels on a CPU host
+DEVICE = (
+    "cuda" if torch.cuda.is_available() else "cpu"
+)  # the interpreter runs the kernels on a CPU host
 EXACT = dict(page_size=4, dtype="float32", device=DEVICE, max_total_tokens=4096)
 LENGTHS = [6, 11, 17]  # requests end at different steps: batches of 3, 2 and 1 sequences
 
@@ -22,10 +25,16 @@ def test_token_buckets():
     assert sizes == sorted(set(sizes)) and sizes[-1] == 1000 and 256 in sizes and 320 in sizes
 
 
-@pytest.mark.parametrize("arch,spec", [("deepseek_v3", {}), ("glm4_moe", {}),
-                                       ("deepseek_v3", dict(speculative_algorithm="mtp", speculative_num_steps=2)),
-                                       ("deepseek_v3", dict(speculative_algorithm="mtp", speculative_naive=True))],
-                         ids=["mla-decode", "mha-decode", "mtp-chain", "mtp-naive"])
+@pytest.mark.parametrize(
+    "arch,spec",
+    [
+        ("deepseek_v3", {}),
+        ("glm4_moe", {}),
+        ("deepseek_v3", dict(speculative_algorithm="mtp", speculative_num_steps=2)),
+        ("deepseek_v3", dict(speculative_algorithm="mtp", speculative_naive=True)),
+    ],
+    ids=["mla-decode", "mha-decode", "mtp-chain", "mtp-naive"],
+)
 def test_static_steps_give_the_reference_tokens(arch, spec, tiny_dir, make_engine):
     """Greedy tokens equal the torch backend's plain engine. With room for two sequences' tokens,
     steps of three sequences run eagerly and the later ones statically, padded to a bucket. With
@@ -43,14 +52,18 @@ def test_static_steps_give_the_reference_tokens(arch, spec, tiny_dir, make_engin
     got = engine.generate(input_ids=prompts, sampling_params=params)
     assert [g.output_ids for g in got] == [e.output_ids for e in expected]
     for static, calls in zip(statics, runs):
-        assert len(calls) >= LENGTHS[-1] - LENGTHS[1] - 1  # at least the steps where one request is left
+        assert (
+            len(calls) >= LENGTHS[-1] - LENGTHS[1] - 1
+        )  # at least the steps where one request is left
         if DEVICE == "cuda":
             assert sorted(static.graphs) == static.buckets
 
 
 def test_disabled_static_steps_run_eagerly(tiny_dir, make_engine):
     """`disable_cuda_graph` runs every step eagerly, and the KV manager gets every page (no scratch)."""
-    off = make_engine(tiny_dir("deepseek_v3"), attention_backend="triton", disable_cuda_graph=True, **EXACT)
+    off = make_engine(
+        tiny_dir("deepseek_v3"), attention_backend="triton", disable_cuda_graph=True, **EXACT
+    )
     assert off.executor.runner.statics == []
     assert off.groups[0].kv.num_pages == off.executor.runner.pool.num_pages == 4096 // 4
 
@@ -66,12 +79,19 @@ def test_graph_replay_has_no_host_sync(tiny_dir):
     from dserve.scheduler.kv_manager import KVCacheManager
 
     path = tiny_dir("deepseek_v3")
-    config = lambda **kw: EngineConfig(path, load_progress=False, attention_backend="triton", **EXACT, **kw)  # noqa
-    graphed, eager = ModelRunner(config(cuda_graph_max_bs=8)), ModelRunner(config(disable_cuda_graph=True))
+    config = lambda **kw: EngineConfig(
+        path, load_progress=False, attention_backend="triton", **EXACT, **kw
+    )  # noqa
+    graphed, eager = (
+        ModelRunner(config(cuda_graph_max_bs=8)),
+        ModelRunner(config(disable_cuda_graph=True)),
+    )
     kv = KVCacheManager(graphed.num_pages, 4, False)
     context = torch.randn(eager.pool.pages.shape, generator=torch.Generator().manual_seed(0))
-    eager.pool.pages.copy_(context)  # the same random context in both pools (the graphed one has a scratch page)
-    graphed.pool.pages[:graphed.num_pages].copy_(context)
+    eager.pool.pages.copy_(
+        context
+    )  # the same random context in both pools (the graphed one has a scratch page)
+    graphed.pool.pages[: graphed.num_pages].copy_(context)
     batch = step_batch(kv, 5, 30, 1)
     want = eager.forward(batch)
     graphed.forward(batch)
@@ -81,4 +101,6 @@ def test_graph_replay_has_no_host_sync(tiny_dir):
         got = graphed.forward(batch)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)  # GEMMs of 8 padded rows may round differently
+    assert torch.allclose(
+        got, want, atol=1e-4, rtol=1e-4
+    )  # GEMMs of 8 padded rows may round differently

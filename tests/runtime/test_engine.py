@@ -1,4 +1,5 @@
 """The public Engine API: results, streaming, bad input, aborts by the consumer."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,25 +26,32 @@ def test_stream_reassembles_into_the_result(tiny_dir, make_engine):
 
 def test_consumer_that_stops_early_aborts_and_frees(tiny_dir, make_engine):
     engine = make_engine(tiny_dir("glm4_moe"))
-    stream = engine.generate_stream(input_ids=[10, 11, 12, 13], sampling_params=SamplingParams(max_new_tokens=50))
+    stream = engine.generate_stream(
+        input_ids=[10, 11, 12, 13], sampling_params=SamplingParams(max_new_tokens=50)
+    )
     next(stream)
     next(stream)
     stream.close()
     assert engine.requests == {} and engine.group_of == {} and engine.groups[0].kv.tables == {}
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(prompts=[""]), "empty"),
-    (dict(input_ids=[[]]), "empty"),
-    (dict(input_ids=[[1, 2, 100000]]), "unknown token ids"),
-    (dict(input_ids=[[1, 2.5]]), "unknown token ids"),
-    (dict(input_ids=[list(range(6, 506)) * 3]), "context"),
-    (dict(prompts=["hi"], sampling_params=SamplingParams(max_new_tokens=0)), "max_new_tokens"),
-    (dict(prompts=["hi"], sampling_params={"temperature": -0.5}), "temperature"),
-    (dict(prompts=["hi"], sampling_params={"top_p": 0}), "top_p"),
-    (dict(prompts=["hi"], sampling_params={"bogus": 1}), "bogus"),
-])
-def test_bad_input_is_a_value_error_and_the_engine_keeps_serving(tiny_dir, make_engine, kwargs, message):
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(prompts=[""]), "empty"),
+        (dict(input_ids=[[]]), "empty"),
+        (dict(input_ids=[[1, 2, 100000]]), "unknown token ids"),
+        (dict(input_ids=[[1, 2.5]]), "unknown token ids"),
+        (dict(input_ids=[list(range(6, 506)) * 3]), "context"),
+        (dict(prompts=["hi"], sampling_params=SamplingParams(max_new_tokens=0)), "max_new_tokens"),
+        (dict(prompts=["hi"], sampling_params={"temperature": -0.5}), "temperature"),
+        (dict(prompts=["hi"], sampling_params={"top_p": 0}), "top_p"),
+        (dict(prompts=["hi"], sampling_params={"bogus": 1}), "bogus"),
+    ],
+)
+def test_bad_input_is_a_value_error_and_the_engine_keeps_serving(
+    tiny_dir, make_engine, kwargs, message
+):
     path = tiny_dir("deepseek_v3")
     engine = make_engine(path)
     prompt = random_prompts(1, engine.model_config.vocab_size, [9], seed=31)[0]
@@ -60,7 +68,9 @@ def test_single_and_list_inputs(tiny_dir, make_engine):
     engine = make_engine(tiny_dir("deepseek_v2"))
     single = engine.generate("Hello", sampling_params=GREEDY)
     listed = engine.generate(["Hello", "world"], sampling_params=GREEDY)
-    assert isinstance(listed, list) and len(listed) == 2 and listed[0].output_ids == single.output_ids
+    assert (
+        isinstance(listed, list) and len(listed) == 2 and listed[0].output_ids == single.output_ids
+    )
     by_ids = engine.generate(input_ids=engine.tokenizer.encode("Hello"), sampling_params=GREEDY)
     assert by_ids.output_ids == single.output_ids
 
@@ -69,7 +79,9 @@ def test_context_manager_and_unknown_architecture(tiny_dir, tmp_path):
     with Engine(tiny_dir("deepseek_v3"), device="cpu", load_progress=False) as engine:
         assert engine.generate("Hi", sampling_params=GREEDY).finish_reason == "length"
     (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
-    with pytest.raises(ValueError, match="unknown architecture.*LlamaForCausalLM.*DeepseekV3ForCausalLM"):
+    with pytest.raises(
+        ValueError, match="unknown architecture.*LlamaForCausalLM.*DeepseekV3ForCausalLM"
+    ):
         Engine(str(tmp_path), device="cpu")
 
 
@@ -79,8 +91,23 @@ def test_every_engine_keyword_is_a_cli_flag():
     from dserve.runtime.cli import build_parser, engine_kwargs
     from dserve.runtime.config import EngineConfig
 
-    args = build_parser().parse_args(["generate", "hi", "--model", "/m", "--tp", "4", "--dp-size", "2",
-                                      "--page-size", "8", "--no-enable-prefix-caching", "--dtype", "bfloat16"])
+    args = build_parser().parse_args(
+        [
+            "generate",
+            "hi",
+            "--model",
+            "/m",
+            "--tp",
+            "4",
+            "--dp-size",
+            "2",
+            "--page-size",
+            "8",
+            "--no-enable-prefix-caching",
+            "--dtype",
+            "bfloat16",
+        ]
+    )
     kwargs = engine_kwargs(args)
     assert set(kwargs) == {f.name for f in dataclasses.fields(EngineConfig)} - {"model_path"}
     assert kwargs["tp_size"] == 4 and kwargs["dp_size"] == 2 and kwargs["page_size"] == 8

@@ -1,5 +1,6 @@
 """The engine thread's asyncio front (`runtime/engine_loop.py`): a client that leaves ends its request
 and frees its pages, even when it leaves while the start still waits behind a busy engine thread."""
+
 from __future__ import annotations
 
 import asyncio

@@ -1,5 +1,6 @@
 """The HTTP API of a colocated instance (`dserve serve`): answers, streaming, and bad input that gets
 HTTP 400 with a message while the server keeps serving."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,7 +14,9 @@ GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def server(tiny_dir, tmp_path_factory):
     model = tiny_dir("deepseek_v3")
-    proc = start_instance("serve", model, tmp_path_factory.mktemp("serve"), "--max-request-bytes", "65536")
+    proc = start_instance(
+        "serve", model, tmp_path_factory.mktemp("serve"), "--max-request-bytes", "65536"
+    )
     proc.wait_ready()
     proc.model = model
     yield proc
@@ -22,7 +25,9 @@ def server(tiny_dir, tmp_path_factory):
 
 def test_generate_and_stream_match_engine(server: Proc, make_engine):
     expected = make_engine(server.model).generate("hello there", sampling_params=GREEDY)
-    status, body = post(server.url + "/generate", {"text": "hello there", "sampling_params": GREEDY})
+    status, body = post(
+        server.url + "/generate", {"text": "hello there", "sampling_params": GREEDY}
+    )
     assert status == 200
     assert body["output_ids"] == expected.output_ids and body["text"] == expected.text
     assert body["meta_info"]["prompt_tokens"] == expected.meta["prompt_tokens"]
@@ -37,8 +42,13 @@ def test_models_health_metrics(server: Proc):
     assert status == 200 and models["data"][0]["id"]
     post(server.url + "/generate", {"input_ids": [5, 6, 7], "sampling_params": GREEDY})
     status, text = get(server.url + "/metrics")
-    for name in ("dserve_requests_total", "dserve_time_to_first_token_seconds_bucket", "dserve_kv_pages_used",
-                 "dserve_num_running_requests", "dserve_inter_token_latency_seconds_count"):
+    for name in (
+        "dserve_requests_total",
+        "dserve_time_to_first_token_seconds_bucket",
+        "dserve_kv_pages_used",
+        "dserve_num_running_requests",
+        "dserve_inter_token_latency_seconds_count",
+    ):
         assert name in text
 
 
@@ -56,7 +66,10 @@ BAD = [
     ({"text": "a", "stream": "yes"}, "stream"),
     ({"text": "a", "colour": "blue"}, "unknown field"),
     ({"input_ids": [7] * 5000}, "context"),
-    ({"text": "a", "bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": 1}, "serves alone"),
+    (
+        {"text": "a", "bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": 1},
+        "serves alone",
+    ),
 ]
 
 

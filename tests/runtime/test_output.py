@@ -1,6 +1,7 @@
 """Incremental detokenisation (`runtime/output.py`): token by token, the text is always a prefix of
 the whole output's decode, never half a character, and at the end it is the whole decode; stop
 strings cut at their first occurrence even when they span tokens."""
+
 from __future__ import annotations
 
 import pytest
@@ -40,7 +41,9 @@ def test_text_grows_by_whole_characters_and_ends_as_the_full_decode(tokenizer):
     held = 0
     for i, text in enumerate(texts):
         assert full.startswith(text) and "\ufffd" not in text
-        held += text != tokenizer.decode(ids[:i + 1])  # mid-character: the partial decode shows U+FFFD
+        held += text != tokenizer.decode(
+            ids[: i + 1]
+        )  # mid-character: the partial decode shows U+FFFD
     assert held > 0
 
 
@@ -56,4 +59,4 @@ def test_stop_strings_cut_at_their_first_occurrence(tokenizer, stop):
     ids = tokenizer.encode(TEXT, add_special_tokens=False)
     _, matched, tracker = feed(tokenizer, ids, stop)
     first = min((TEXT.find(s), s) for s in stop if s in TEXT)
-    assert matched == first[1] and tracker.text == TEXT[:first[0]]
+    assert matched == first[1] and tracker.text == TEXT[: first[0]]

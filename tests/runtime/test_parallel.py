@@ -1,6 +1,7 @@
 """Parallel ranks on the CPU with gloo: TP, DP attention and EP give the single-rank engine's and
 transformers' greedy tokens; each rank holds its share of the weights; bad sizes fail before any
 weight is read; a dead rank takes the instance down promptly instead of hanging it."""
+
 from __future__ import annotations
 
 import os
@@ -29,7 +30,10 @@ def test_gqa_kv_heads_replicated_over_more_ranks(tiny_dir, make_engine):
     """GLM tiny has 2 KV heads: with 4 attention ranks each pair of ranks shares (replicates) one."""
     path = tiny_dir("glm4_moe")
     engine = make_engine(path, tp_size=4)
-    shapes = [info.parameter_shapes["layers.0.self_attn.qkv_proj.weight"] for info in engine.executor.rank_info]
+    shapes = [
+        info.parameter_shapes["layers.0.self_attn.qkv_proj.weight"]
+        for info in engine.executor.rank_info
+    ]
     head_dim = engine.model_config.head_dim
     assert all(shape[0] == 3 * head_dim for shape in shapes)  # one q head, one k head, one v head
     prompts = random_prompts(2, engine.model_config.vocab_size, [21, 8], seed=43)
@@ -40,7 +44,9 @@ def test_gqa_kv_heads_replicated_over_more_ranks(tiny_dir, make_engine):
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("arch_name", ["deepseek_v3", "glm4_moe"])
-def test_parallel_greedy_matches_single_rank_and_transformers(tiny_dir, make_engine, arch_name, shape):
+def test_parallel_greedy_matches_single_rank_and_transformers(
+    tiny_dir, make_engine, arch_name, shape
+):
     check_parallel_parity(tiny_dir(arch_name), make_engine, SHAPES[shape], device="cpu")
 
 
@@ -58,12 +64,15 @@ def check_parallel_parity(path: str, make_engine, shape: dict, device: str) -> N
     prompts = random_prompts(4, engine.model_config.vocab_size, [5, 23, 40, 17], seed=41)
     rids = [engine.add_request(input_ids=p, sampling_params=GREEDY) for p in prompts]
     if engine.config.dp_size > 1:
-        assert set(engine.group_of.values()) == {0, 1}, "requests are spread over the DP groups by load"
+        assert set(engine.group_of.values()) == {0, 1}, (
+            "requests are spread over the DP groups by load"
+        )
     while engine.groups[0].scheduler.has_work or engine.groups[-1].scheduler.has_work:
         engine.step()
     outputs = [engine.pop_result(rid).output_ids for rid in rids]
     single = make_engine(path, device=device, dtype="float32", max_total_tokens=8192).generate(
-        input_ids=prompts, sampling_params=GREEDY)
+        input_ids=prompts, sampling_params=GREEDY
+    )
     for prompt, output, alone in zip(prompts, outputs, single):
         assert output == alone.output_ids == hf_greedy(path, prompt, 24)
 
@@ -80,7 +89,9 @@ def _local_bytes(shape, dtype_bytes=4) -> int:
 def test_each_rank_loads_its_share_of_the_weights(tiny_dir, make_engine, kwargs, split):
     """Measured parameter bytes per rank == replicated parameters + 1/T of the split ones."""
     path = tiny_dir("deepseek_v3")
-    whole = {n: tuple(p.shape) for n, p in make_engine(path).executor.runner.model.named_parameters()}
+    whole = {
+        n: tuple(p.shape) for n, p in make_engine(path).executor.runner.model.named_parameters()
+    }
     total = sum(_local_bytes(s) for s in whole.values())
     engine = make_engine(path, **kwargs)
     for info in engine.executor.rank_info:
@@ -91,13 +102,19 @@ def test_each_rank_loads_its_share_of_the_weights(tiny_dir, make_engine, kwargs,
         assert info.parameter_bytes < 0.65 * total
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(tp_size=3), r"num_attention_heads = 4 does not divide by attention ranks \(tp_size / dp_size\) = 3"),
-    (dict(tp_size=8, ep_size=8), "n_routed_experts = 8|num_attention_heads = 4"),
-    (dict(tp_size=2, ep_size=3), "tp_size = 2 does not divide by ep_size = 3"),
-    (dict(tp_size=2, dp_size=4), "tp_size = 2 does not divide by dp_size = 4"),
-    (dict(tp_size=2, device="cuda"), "tp_size = 2 needs 2 GPUs"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            dict(tp_size=3),
+            r"num_attention_heads = 4 does not divide by attention ranks \(tp_size / dp_size\) = 3",
+        ),
+        (dict(tp_size=8, ep_size=8), "n_routed_experts = 8|num_attention_heads = 4"),
+        (dict(tp_size=2, ep_size=3), "tp_size = 2 does not divide by ep_size = 3"),
+        (dict(tp_size=2, dp_size=4), "tp_size = 2 does not divide by dp_size = 4"),
+        (dict(tp_size=2, device="cuda"), "tp_size = 2 needs 2 GPUs"),
+    ],
+)
 def test_bad_parallel_sizes_fail_before_loading(tiny_dir, kwargs, message):
     if kwargs.get("device") == "cuda":
         import torch
@@ -113,7 +130,9 @@ def test_bad_parallel_sizes_fail_before_loading(tiny_dir, kwargs, message):
 @pytest.mark.slow
 def test_dead_rank_fails_requests_promptly_and_reaps_every_rank(tiny_dir, make_engine):
     engine = make_engine(tiny_dir("deepseek_v3"), tp_size=2, collective_timeout_s=30)
-    rid = engine.add_request(input_ids=[10, 11, 12, 13, 14], sampling_params=SamplingParams(max_new_tokens=200))
+    rid = engine.add_request(
+        input_ids=[10, 11, 12, 13, 14], sampling_params=SamplingParams(max_new_tokens=200)
+    )
     engine.step()
     procs = engine.executor.procs
     os.kill(procs[1].pid, signal.SIGKILL)

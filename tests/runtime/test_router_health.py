@@ -2,6 +2,7 @@
 instances' `/health` (the router's policy is under test, not the instances): an instance that is
 slow to answer stays in rotation for a while, one that is gone or says it is unhealthy leaves at
 once, and either comes back at its next good answer."""
+
 from __future__ import annotations
 
 import asyncio
@@ -47,7 +48,9 @@ def test_slow_gone_and_unhealthy_instances():
         prefill, decode = Instance(), Instance()
         for inst in (prefill, decode):
             await inst.start()
-        router = Router([prefill.url], [decode.url], health_interval_s=0.2)  # probes time out after 1 s
+        router = Router(
+            [prefill.url], [decode.url], health_interval_s=0.2
+        )  # probes time out after 1 s
         router.session = aiohttp.ClientSession()
         try:
             await router.check_all()

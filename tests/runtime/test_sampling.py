@@ -1,5 +1,6 @@
 """Sampling: filters on crafted logits, penalties against transformers' processors, seeds, stops,
 logprobs against the reference distribution."""
+
 from __future__ import annotations
 
 import math
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from dserve.runtime import SamplingParams
-from dserve.runtime.sampler import processed_probs, _penalise, sample
+from dserve.runtime.sampler import _penalise, processed_probs, sample
 from dserve.scheduler.request import Request
 from tests.conftest import random_prompts
 from tests.reference import hf_greedy, hf_last_logits
@@ -36,7 +37,9 @@ def test_temperature_sharpens():
 
 
 def test_frequency_and_presence_penalties():
-    req = Request("r", [0], SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), output_ids=[2, 2, 3])
+    req = Request(
+        "r", [0], SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), output_ids=[2, 2, 3]
+    )
     out = _penalise(torch.zeros(1, 5), [req])[0]
     assert out.tolist() == [0.0, 0.0, -1.25, -0.75, 0.0]
 
@@ -47,7 +50,9 @@ def test_repetition_penalty_matches_transformers(tiny_dir, make_engine):
     path = tiny_dir("deepseek_v3")
     engine = make_engine(path)
     prompt = random_prompts(1, engine.model_config.vocab_size, [12], seed=21)[0]
-    params = SamplingParams(max_new_tokens=20, temperature=0, repetition_penalty=1.5, ignore_eos=True)
+    params = SamplingParams(
+        max_new_tokens=20, temperature=0, repetition_penalty=1.5, ignore_eos=True
+    )
     result = engine.generate(input_ids=prompt, sampling_params=params)
     assert result.output_ids == hf_greedy(path, prompt, 20, RepetitionPenaltyLogitsProcessor(1.5))
     assert result.output_ids != hf_greedy(path, prompt, 20)  # the penalty changed something
@@ -56,13 +61,19 @@ def test_repetition_penalty_matches_transformers(tiny_dir, make_engine):
 def test_seeded_sampling_is_reproducible_in_any_batch(tiny_dir, make_engine):
     engine = make_engine(tiny_dir("glm4_moe"))
     prompts = random_prompts(3, engine.model_config.vocab_size, [9, 14, 6], seed=22)
-    seeded = SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True)
+    seeded = SamplingParams(
+        max_new_tokens=16, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True
+    )
     alone = engine.generate(input_ids=prompts[0], sampling_params=seeded)
     other = SamplingParams(max_new_tokens=16, temperature=0.7, ignore_eos=True)
     batch = engine.generate(input_ids=prompts, sampling_params=[seeded, other, other])
     assert batch[0].output_ids == alone.output_ids
-    different = engine.generate(input_ids=prompts[0], sampling_params=SamplingParams(
-        max_new_tokens=16, temperature=1.0, top_p=0.95, seed=99, ignore_eos=True))
+    different = engine.generate(
+        input_ids=prompts[0],
+        sampling_params=SamplingParams(
+            max_new_tokens=16, temperature=1.0, top_p=0.95, seed=99, ignore_eos=True
+        ),
+    )
     assert different.output_ids != alone.output_ids
 
 
@@ -70,8 +81,10 @@ def test_top_k_one_is_greedy(tiny_dir, make_engine):
     path = tiny_dir("deepseek_v2")
     engine = make_engine(path)
     prompt = random_prompts(1, engine.model_config.vocab_size, [10], seed=23)[0]
-    result = engine.generate(input_ids=prompt, sampling_params=SamplingParams(max_new_tokens=12, top_k=1,
-                                                                              ignore_eos=True))
+    result = engine.generate(
+        input_ids=prompt,
+        sampling_params=SamplingParams(max_new_tokens=12, top_k=1, ignore_eos=True),
+    )
     assert result.output_ids == hf_greedy(path, prompt, 12)
 
 
@@ -82,15 +95,21 @@ def test_stop_token_ids_and_eos(tiny_dir, make_engine):
     full = hf_greedy(path, prompt, 20)
     stop_at = full[6]
     first = full.index(stop_at)
-    result = engine.generate(input_ids=prompt, sampling_params=SamplingParams(
-        max_new_tokens=20, temperature=0, stop_token_ids=[stop_at]))
+    result = engine.generate(
+        input_ids=prompt,
+        sampling_params=SamplingParams(max_new_tokens=20, temperature=0, stop_token_ids=[stop_at]),
+    )
     assert result.output_ids == full[: first + 1]
     assert result.finish_reason == "stop" and result.meta["matched_stop"] == stop_at
     engine.eos_token_ids = {full[3]}
-    eos = engine.generate(input_ids=prompt, sampling_params=SamplingParams(max_new_tokens=20, temperature=0))
+    eos = engine.generate(
+        input_ids=prompt, sampling_params=SamplingParams(max_new_tokens=20, temperature=0)
+    )
     assert eos.output_ids == full[: full.index(full[3]) + 1] and eos.finish_reason == "stop"
-    ignored = engine.generate(input_ids=prompt, sampling_params=SamplingParams(
-        max_new_tokens=20, temperature=0, ignore_eos=True))
+    ignored = engine.generate(
+        input_ids=prompt,
+        sampling_params=SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True),
+    )
     assert ignored.output_ids == full and ignored.finish_reason == "length"
 
 
@@ -101,9 +120,17 @@ def test_stop_string_cuts_text(tiny_dir, make_engine):
     greedy = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
     full = engine.generate(input_ids=prompt, sampling_params=greedy)
     text = full.text
-    stop = next(text[i:i + 2] for i in range(4, len(text) - 2) if text[i:i + 2].strip() and "\ufffd" not in text[i:i + 2])
-    cut = engine.generate(input_ids=prompt, sampling_params=SamplingParams(
-        max_new_tokens=24, temperature=0, ignore_eos=True, stop=[stop]))
+    stop = next(
+        text[i : i + 2]
+        for i in range(4, len(text) - 2)
+        if text[i : i + 2].strip() and "\ufffd" not in text[i : i + 2]
+    )
+    cut = engine.generate(
+        input_ids=prompt,
+        sampling_params=SamplingParams(
+            max_new_tokens=24, temperature=0, ignore_eos=True, stop=[stop]
+        ),
+    )
     assert cut.finish_reason == "stop" and cut.meta["matched_stop"] == stop
     assert cut.text == text[: text.index(stop)]
     assert cut.output_ids == full.output_ids[: len(cut.output_ids)]
@@ -113,8 +140,16 @@ def test_logprobs_match_reference_distribution(tiny_dir, make_engine):
     path = tiny_dir("deepseek_v3")
     engine = make_engine(path)
     prompt = random_prompts(1, engine.model_config.vocab_size, [15], seed=26)[0]
-    result = engine.generate(input_ids=prompt, sampling_params=SamplingParams(
-        max_new_tokens=3, temperature=0, return_logprob=True, top_logprobs_num=5, ignore_eos=True))
+    result = engine.generate(
+        input_ids=prompt,
+        sampling_params=SamplingParams(
+            max_new_tokens=3,
+            temperature=0,
+            return_logprob=True,
+            top_logprobs_num=5,
+            ignore_eos=True,
+        ),
+    )
     ref = torch.log_softmax(hf_last_logits(path, prompt), dim=-1)
     logprob, token = result.meta["output_token_logprobs"][0]
     assert token == result.output_ids[0] and math.isclose(logprob, float(ref[token]), abs_tol=1e-4)
@@ -128,16 +163,26 @@ def test_sampler_draws_follow_the_filtered_distribution():
     torch.manual_seed(0)
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(4000, 1)
     reqs = [_req(temperature=1.0, top_k=3) for _ in range(4000)]
-    counts = torch.bincount(torch.tensor(sample(logits, reqs).token_ids), minlength=4).float() / 4000
+    counts = (
+        torch.bincount(torch.tensor(sample(logits, reqs).token_ids), minlength=4).float() / 4000
+    )
     assert counts[3] == 0
     assert torch.allclose(counts[:3], torch.tensor([0.5, 0.3, 0.15]) / 0.95, atol=0.03)
 
 
-@pytest.mark.parametrize("bad, message", [
-    (dict(max_new_tokens=0), "max_new_tokens"), (dict(temperature=-1), "temperature"),
-    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=0), "top_k"),
-    (dict(min_p=2), "min_p"), (dict(stop=[""]), "stop"), (dict(stop_token_ids=[10 ** 6]), "stop_token_ids"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(temperature=-1), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=0), "top_k"),
+        (dict(min_p=2), "min_p"),
+        (dict(stop=[""]), "stop"),
+        (dict(stop_token_ids=[10**6]), "stop_token_ids"),
+    ],
+)
 def test_bad_sampling_params_are_rejected(bad, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**bad).validate(vocab_size=512)

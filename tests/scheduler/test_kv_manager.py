@@ -1,4 +1,5 @@
 """The page allocator, page tables and prefix cache, and the invariant checker itself."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """Continuous batching under pressure: preemption and recompute keep tokens exact; aborts free pages."""
+
 from __future__ import annotations
 
 from dserve.runtime import SamplingParams
@@ -52,7 +53,9 @@ def test_new_requests_join_a_running_batch(tiny_dir, make_engine):
 def test_abort_of_a_running_request_frees_its_pages(tiny_dir, make_engine):
     engine = make_engine(tiny_dir("deepseek_v3"), page_size=4)
     prompt = random_prompts(1, engine.model_config.vocab_size, [30], seed=14)[0]
-    rid = engine.add_request(input_ids=prompt, sampling_params=SamplingParams(max_new_tokens=100, temperature=0))
+    rid = engine.add_request(
+        input_ids=prompt, sampling_params=SamplingParams(max_new_tokens=100, temperature=0)
+    )
     for _ in range(3):
         engine.step()
     req = engine.requests[rid]
@@ -82,7 +85,9 @@ def test_abort_of_a_waiting_request(tiny_dir, make_engine):
 def test_request_larger_than_the_pool_ends_with_an_error(tiny_dir, make_engine):
     engine = make_engine(tiny_dir("deepseek_v3"), page_size=4, max_total_tokens=32)
     prompt = random_prompts(1, engine.model_config.vocab_size, [20], seed=16)[0]
-    result = engine.generate(input_ids=prompt, sampling_params=SamplingParams(max_new_tokens=50, ignore_eos=True))
+    result = engine.generate(
+        input_ids=prompt, sampling_params=SamplingParams(max_new_tokens=50, ignore_eos=True)
+    )
     assert result.finish_reason == "abort" and "KV cache" in result.meta["error"]
     # 32 slots: 20 prompt tokens, then 12 decode steps; the 13th sampled token had no slot to go to
     assert len(result.output_ids) == 13

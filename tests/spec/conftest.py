@@ -1,6 +1,7 @@
 """Draft checkpoints for the speculative tests: a tiny target and MTP draft trained on a phrase
 corpus (bench/train_mtp.py), once per session and worker, for tests whose drafts must be accepted
 often; and random EAGLE-3 drafts written for the tiny targets."""
+
 from __future__ import annotations
 
 import pytest
@@ -36,7 +37,10 @@ def eagle3_dir(tiny_dir, tmp_path_factory):
             from dserve.models.tiny import make_tiny_eagle3
 
             target = tiny_dir(arch)
-            made[arch] = target, make_tiny_eagle3(target, str(tmp_path_factory.mktemp(f"eagle3_{arch}")))
+            made[arch] = (
+                target,
+                make_tiny_eagle3(target, str(tmp_path_factory.mktemp(f"eagle3_{arch}"))),
+            )
         return made[arch]
 
     return get
@@ -54,7 +58,11 @@ def trained_eagle3(trained_dir, tmp_path_factory):
 
             target, info = trained_dir(arch)
             out = str(tmp_path_factory.mktemp(f"eagle3_trained_{arch}"))
-            made[arch] = target, out, {**info, **train_eagle3(target, out, steps=150, log=lambda *_: None)}
+            made[arch] = (
+                target,
+                out,
+                {**info, **train_eagle3(target, out, steps=150, log=lambda *_: None)},
+            )
         return made[arch]
 
     return get

@@ -2,6 +2,7 @@
 phrase corpus (bench/train_mtp.py, ~10 s on the CPU) accept well over one draft token per verify,
 with the output equal to the plain engine's, also split over ranks (TP=2, DP attention 2); so does
 an EAGLE-3 draft trained for that target (bench/train_eagle3.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,9 @@ from bench.train_mtp import measure
 def test_trained_draft_is_accepted(trained):
     path, info = trained
     assert info["final_draft_loss"] < 1.0, info  # the phrases were learned
-    rows = {r["steps"]: r["accept_length"] for r in measure(path, info["prompts"], steps_list=(1, 3))}
+    rows = {
+        r["steps"]: r["accept_length"] for r in measure(path, info["prompts"], steps_list=(1, 3))
+    }
     assert rows[1] > 1.5, rows  # measure() also checks the output equals the plain engine's
     assert rows[3] > 2.0, rows
     tree = measure(path, info["prompts"], steps_list=(3,), topk=4)[1]["accept_length"]
@@ -27,8 +30,13 @@ def test_trained_eagle3_draft_is_accepted(arch, trained_eagle3):
     spec = {"speculative_algorithm": "eagle3", "speculative_draft_model_path": draft}
     rows = measure(target, info["prompts"], steps_list=(1,), speculative=spec)
     assert rows[1]["accept_length"] > 1.5, rows
-    tree = measure(target, info["prompts"], steps_list=(1,), speculative=spec, topk=4)[1]["accept_length"]
-    assert tree >= rows[1]["accept_length"], (tree, rows)  # the chain's guess is one of the root's 4 children
+    tree = measure(target, info["prompts"], steps_list=(1,), speculative=spec, topk=4)[1][
+        "accept_length"
+    ]
+    assert tree >= rows[1]["accept_length"], (
+        tree,
+        rows,
+    )  # the chain's guess is one of the root's 4 children
 
 
 @pytest.mark.parametrize("topk", [1, 4])
@@ -36,8 +44,14 @@ def test_speculation_across_ranks_is_lossless(topk, trained, make_engine):
     path, info = trained
     params = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}
     expected = make_engine(path).generate(input_ids=info["prompts"][:4], sampling_params=params)
-    engine = make_engine(path, tp_size=2, dp_size=2, speculative_algorithm="mtp", speculative_num_steps=2,
-                         speculative_eagle_topk=topk)
+    engine = make_engine(
+        path,
+        tp_size=2,
+        dp_size=2,
+        speculative_algorithm="mtp",
+        speculative_num_steps=2,
+        speculative_eagle_topk=topk,
+    )
     got = engine.generate(input_ids=info["prompts"][:4], sampling_params=params)
     assert [g.output_ids for g in got] == [e.output_ids for e in expected]
     assert sum(len(g.output_ids) for g in got) / sum(g.meta["spec_verify_ct"] for g in got) > 1.5
@@ -57,16 +71,22 @@ def chi_square_same_distribution(a: list[int], b: list[int]) -> float:
         expected = counts.sum(1, keepdim=True) * counts.sum(0, keepdim=True) / counts.sum()
     stat = float(((counts - expected) ** 2 / expected).sum())
     dof = counts.shape[0] - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2)))
+    return float(
+        torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2))
+    )
 
 
 SAMPLES = 2000
 
 
 def sampled_tokens(engine, prompt: list[int]) -> list[list[int]]:
-    params = [{"temperature": 3.0, "top_k": 8, "max_new_tokens": 4, "ignore_eos": True, "seed": s}
-              for s in range(SAMPLES)]
-    return [r.output_ids for r in engine.generate(input_ids=[prompt] * SAMPLES, sampling_params=params)]
+    params = [
+        {"temperature": 3.0, "top_k": 8, "max_new_tokens": 4, "ignore_eos": True, "seed": s}
+        for s in range(SAMPLES)
+    ]
+    return [
+        r.output_ids for r in engine.generate(input_ids=[prompt] * SAMPLES, sampling_params=params)
+    ]
 
 
 @pytest.mark.parametrize("topk", [1, 4])
@@ -77,10 +97,17 @@ def test_speculative_sampling_keeps_the_target_distribution(topk, trained, make_
     path, info = trained
     prompt = info["prompts"][0]
     plain = sampled_tokens(make_engine(path, max_running_requests=512), prompt)
-    engine = make_engine(path, max_running_requests=512, speculative_algorithm="mtp", speculative_num_steps=2,
-                         speculative_eagle_topk=topk)
+    engine = make_engine(
+        path,
+        max_running_requests=512,
+        speculative_algorithm="mtp",
+        speculative_num_steps=2,
+        speculative_eagle_topk=topk,
+    )
     spec = sampled_tokens(engine, prompt)
-    assert [s[0] for s in spec] == [p[0] for p in plain]  # the first token comes from the prefill alike
+    assert [s[0] for s in spec] == [
+        p[0] for p in plain
+    ]  # the first token comes from the prefill alike
     stats = engine.speculator
     assert 0 < sum(stats.accepted) < sum(stats.proposed), (stats.accepted, stats.proposed)
     for position in (1, 2, 3):

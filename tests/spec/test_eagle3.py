@@ -2,6 +2,7 @@
 layers (as transformers' own hidden states say they are), the draft layer computes what transformers'
 Llama attention and MLP compute when wired the EAGLE-3 way, and speculation changes no output while
 target and draft pools (MLA + MHA for DeepSeek) stay accounted for."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,11 +17,15 @@ ARCHES = ("deepseek_v3", "glm4_moe")
 
 
 def eagle3_engine(make_engine, target: str, draft: str, **kwargs):
-    return make_engine(target, speculative_algorithm="eagle3", speculative_draft_model_path=draft, **kwargs)
+    return make_engine(
+        target, speculative_algorithm="eagle3", speculative_draft_model_path=draft, **kwargs
+    )
 
 
 @torch.no_grad()
-def reference_draft_logits(draft: str, embed: torch.Tensor, tokens: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+def reference_draft_logits(
+    draft: str, embed: torch.Tensor, tokens: torch.Tensor, aux: torch.Tensor
+) -> torch.Tensor:
     """The EAGLE-3 layer written with transformers' LlamaAttention (its q/k/v read 2 * hidden, its
     o_proj writes hidden), LlamaMLP and rotary embedding (the module bench/train_eagle3.py trains);
     logits over the draft vocabulary."""
@@ -40,7 +45,9 @@ def test_target_hands_over_the_configured_layer_outputs(arch, eagle3_dir, make_e
     ids = prompts(2)[1]
     kv = KVCacheManager(runner.num_pages, runner.pool.layout.page_size)
     assert kv.allocate_slots("r", len(ids))
-    runner.forward(assemble([Seq("r", 0, ids, [len(ids) - 1])], kv))  # a target pass over the prompt
+    runner.forward(
+        assemble([Seq("r", 0, ids, [len(ids) - 1])], kv)
+    )  # a target pass over the prompt
     transformers.logging.set_verbosity_error()
     hf = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -63,7 +70,9 @@ def test_draft_layer_matches_transformers(arch, eagle3_dir, make_engine):
     kv = KVCacheManager(runner.num_pages, runner.draft_pool.layout.page_size)
     assert kv.allocate_slots("r", T)
     runner.last_hidden = aux
-    ours = runner.forward(build_draft_batch([Seq("r", 0, tokens.tolist(), list(range(T)), list(range(T)))], kv))
+    ours = runner.forward(
+        build_draft_batch([Seq("r", 0, tokens.tolist(), list(range(T)), list(range(T)))], kv)
+    )
     embed = runner.model.embed_tokens.weight
     ref = reference_draft_logits(draft, embed, tokens, aux)
     hot = torch.arange(ref.shape[-1]) + checkpoint_tensors(draft, "")["d2t"]
@@ -79,12 +88,25 @@ def test_speculation_changes_no_output(arch, steps, topk, eagle3_dir, make_engin
     """As for MTP: greedy drafting requests and a seeded sampling one with logprobs, chunked prefill,
     small pages; every page of both pools back at the end (the fixture checks the invariants)."""
     target, draft = eagle3_dir(arch)
-    params = [GREEDY] * 3 + [{"temperature": 0.8, "seed": 7, "max_new_tokens": 24, "ignore_eos": True,
-                              "return_logprob": True}]
+    params = [GREEDY] * 3 + [
+        {
+            "temperature": 0.8,
+            "seed": 7,
+            "max_new_tokens": 24,
+            "ignore_eos": True,
+            "return_logprob": True,
+        }
+    ]
     kwargs = dict(chunked_prefill_size=16, page_size=4)
     expected = make_engine(target, **kwargs).generate(input_ids=prompts(4), sampling_params=params)
-    engine = eagle3_engine(make_engine, target, draft, speculative_num_steps=steps,
-                             speculative_eagle_topk=topk, **kwargs)
+    engine = eagle3_engine(
+        make_engine,
+        target,
+        draft,
+        speculative_num_steps=steps,
+        speculative_eagle_topk=topk,
+        **kwargs,
+    )
     got = engine.generate(input_ids=prompts(4), sampling_params=params)
     assert [g.output_ids for g in got] == [e.output_ids for e in expected]
     assert all(g.meta["spec_verify_ct"] >= 1 for g in got[:3])

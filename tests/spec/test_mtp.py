@@ -1,6 +1,7 @@
 """MTP speculative decoding, colocated: the NextN draft computes what the published layer computes
 (transformers' own decoder layer of that index, loaded from the checkpoint, between the NextN
 projections), and speculation changes no request's output while its pages stay accounted for."""
+
 from __future__ import annotations
 
 import random
@@ -23,7 +24,8 @@ def checkpoint_tensors(path: str, prefix: str) -> dict[str, torch.Tensor]:
     out = {}
     for file in glob.glob(f"{path}/*.safetensors"):
         with safe_open(file, "pt") as f:
-            out.update({k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)})
+            names = [k for k in f.keys() if k.startswith(prefix)]  # noqa: SIM118 - not iterable
+            out.update({k[len(prefix) :]: f.get_tensor(k) for k in names})
     return out
 
 
@@ -40,12 +42,15 @@ def reference_draft_logits(path: str, tokens: torch.Tensor, hidden: torch.Tensor
     cfg = transformers.AutoConfig.from_pretrained(path)
     n = cfg.num_hidden_layers
     transformers.logging.set_verbosity_error()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, num_hidden_layers=n + 1, dtype=torch.float32,
-                                                           attn_implementation="sdpa").eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        path, num_hidden_layers=n + 1, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
     w = checkpoint_tensors(path, f"model.layers.{n}.")
     embed = w.get("embed_tokens.weight", hf.model.embed_tokens.weight)
     eps = cfg.rms_norm_eps
-    x = torch.cat([rms(embed[tokens], w["enorm.weight"], eps), rms(hidden, w["hnorm.weight"], eps)], -1)
+    x = torch.cat(
+        [rms(embed[tokens], w["enorm.weight"], eps), rms(hidden, w["hnorm.weight"], eps)], -1
+    )
     x = x @ w["eh_proj.weight"].T
     pos = torch.arange(len(tokens))[None]
     cos_sin = hf.model.rotary_emb(x[None], pos)
@@ -84,12 +89,24 @@ def test_speculation_changes_no_output(arch, steps, topk, tiny_dir, make_engine)
     one batch; chunked prefill so the draft catches up over prompt chunks too. Random weights: most
     drafts are rejected, so pages come and go every step (the fixture's invariant checker runs after)."""
     path = tiny_dir(arch, mtp=True)
-    params = [GREEDY] * 3 + [{"temperature": 0.8, "seed": 7, "max_new_tokens": 24, "ignore_eos": True,
-                              "return_logprob": True}]
+    params = [GREEDY] * 3 + [
+        {
+            "temperature": 0.8,
+            "seed": 7,
+            "max_new_tokens": 24,
+            "ignore_eos": True,
+            "return_logprob": True,
+        }
+    ]
     kwargs = dict(chunked_prefill_size=16, page_size=4)
     expected = make_engine(path, **kwargs).generate(input_ids=prompts(4), sampling_params=params)
-    engine = make_engine(path, speculative_algorithm="mtp", speculative_num_steps=steps,
-                             speculative_eagle_topk=topk, **kwargs)
+    engine = make_engine(
+        path,
+        speculative_algorithm="mtp",
+        speculative_num_steps=steps,
+        speculative_eagle_topk=topk,
+        **kwargs,
+    )
     got = engine.generate(input_ids=prompts(4), sampling_params=params)
     assert [g.output_ids for g in got] == [e.output_ids for e in expected]
     for g in got[:3]:
@@ -110,8 +127,9 @@ def oracle_drafts(engine, answer: list[int], steps: int = 3) -> None:
             for span in spans:
                 req = span.req
                 if not req.finished:
-                    req.draft_tokens = oracle[req.num_tokens:req.num_tokens + steps]
+                    req.draft_tokens = oracle[req.num_tokens : req.num_tokens + steps]
                     req.draft_parents = list(range(-1, steps - 1))
+
     engine.speculator.propose = propose
 
 
@@ -125,7 +143,9 @@ def test_drafts_that_the_target_agrees_with_are_all_taken(tiny_dir, make_engine)
     oracle_drafts(engine, ids + expected)
     got = engine.generate(input_ids=[ids], sampling_params=GREEDY)[0]
     assert got.output_ids == expected
-    assert got.meta["spec_accept_length"] > 3.5  # 4 tokens per verify, bar the last one's cut at max_new_tokens
+    assert (
+        got.meta["spec_accept_length"] > 3.5
+    )  # 4 tokens per verify, bar the last one's cut at max_new_tokens
     assert got.meta["spec_verify_ct"] == 6  # 1 + 6 * 4 >= 24 tokens
 
 
@@ -143,8 +163,12 @@ def test_verified_tokens_reach_the_prefix_cache(tiny_dir, make_engine):
     engine = make_engine(path, page_size=4, speculative_algorithm="mtp", speculative_num_steps=3)
     oracle_drafts(engine, ids + expected)  # every verify fills pages with accepted drafts
     assert engine.generate(input_ids=[ids], sampling_params=GREEDY)[0].output_ids == expected
-    cached.append(engine.generate(input_ids=[again], sampling_params=one_more)[0].meta["cached_tokens"])
-    assert cached[0] == (len(again) - 1) // 4 * 4  # every full page but the one of the last prompt token
+    cached.append(
+        engine.generate(input_ids=[again], sampling_params=one_more)[0].meta["cached_tokens"]
+    )
+    assert (
+        cached[0] == (len(again) - 1) // 4 * 4
+    )  # every full page but the one of the last prompt token
     assert cached[1] == cached[0]
 
 
@@ -152,9 +176,21 @@ def test_bad_speculative_settings_are_refused(tiny_dir, make_engine):
     from dserve.runtime.config import EngineConfig
 
     with pytest.raises(ValueError, match="num_draft_tokens"):
-        EngineConfig("x", speculative_algorithm="mtp", speculative_num_steps=2, speculative_num_draft_tokens=5)
-    with pytest.raises(ValueError, match=r"num_draft_tokens must be in \[2, 5\]"):  # 4 root children at most
-        EngineConfig("x", speculative_algorithm="mtp", speculative_eagle_topk=4, speculative_num_draft_tokens=6)
+        EngineConfig(
+            "x",
+            speculative_algorithm="mtp",
+            speculative_num_steps=2,
+            speculative_num_draft_tokens=5,
+        )
+    with pytest.raises(
+        ValueError, match=r"num_draft_tokens must be in \[2, 5\]"
+    ):  # 4 root children at most
+        EngineConfig(
+            "x",
+            speculative_algorithm="mtp",
+            speculative_eagle_topk=4,
+            speculative_num_draft_tokens=6,
+        )
     with pytest.raises(ValueError, match="topk must be >= 1"):
         EngineConfig("x", speculative_algorithm="mtp", speculative_eagle_topk=0)
     with pytest.raises(ValueError, match="must be mtp or eagle3"):
@@ -171,16 +207,21 @@ def test_served_with_mtp(tiny_dir, tmp_path, make_engine):
     path = tiny_dir("glm4_moe", mtp=True)
     ids = prompts(2)
     expected = make_engine(path).generate(input_ids=ids, sampling_params=GREEDY)
-    server = start_instance("serve", path, tmp_path, "--speculative-algorithm", "mtp",
-                            "--speculative-num-steps", "2").wait_ready()
+    server = start_instance(
+        "serve", path, tmp_path, "--speculative-algorithm", "mtp", "--speculative-num-steps", "2"
+    ).wait_ready()
     try:
         for prompt, want in zip(ids, expected):
-            status, body = post(server.url + "/generate", {"input_ids": prompt, "sampling_params": GREEDY})
+            status, body = post(
+                server.url + "/generate", {"input_ids": prompt, "sampling_params": GREEDY}
+            )
             assert status == 200, body
             assert body["output_ids"] == want.output_ids
             assert body["meta_info"]["spec_verify_ct"] >= 1
         events = stream(server.url + "/generate", {"input_ids": ids[0], "sampling_params": GREEDY})
-        assert [t for e in events for t in e["output_ids"]] == expected[0].output_ids  # several tokens a step
+        assert [t for e in events for t in e["output_ids"]] == expected[
+            0
+        ].output_ids  # several tokens a step
         status, text = get(server.url + "/metrics")
         assert status == 200
         assert 'dserve_spec_draft_tokens_total{position="1"}' in text

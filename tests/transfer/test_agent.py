@@ -2,6 +2,7 @@
 the exact bytes of scattered pages land where the decode wants them (head slicing either way), rooms
 started together on a fresh pair share one connection, and a decode agent whose room fails after its
 receives were posted settles them first, so a late sender writes nothing into the pages."""
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -23,7 +24,9 @@ def layout(kind: str, tp: int) -> KVLayout:
     if kind == "mla":
         return KVLayout("mla", LAYERS, PAGE, torch.float32, latent_dim=DIM * 2, kv_lora_rank=DIM)
     n = len(held_heads(0, tp, HEADS))
-    return KVLayout("mha", LAYERS, PAGE, torch.float32, num_kv_heads=n, head_dim=DIM, v_head_dim=DIM // 2)
+    return KVLayout(
+        "mha", LAYERS, PAGE, torch.float32, num_kv_heads=n, head_dim=DIM, v_head_dim=DIM // 2
+    )
 
 
 def global_values(kind: str) -> list[list[torch.Tensor]]:
@@ -33,15 +36,25 @@ def global_values(kind: str) -> list[list[torch.Tensor]]:
     return [[torch.randn(PAGES, PAGE, *s, generator=gen) for s in shapes] for _ in range(LAYERS)]
 
 
-def rank_process(front: str, kind: str, rank: int, tp: int, prefill: bool, dump: str, break_settle: bool,
-                 message_pages: int) -> None:
+def rank_process(
+    front: str,
+    kind: str,
+    rank: int,
+    tp: int,
+    prefill: bool,
+    dump: str,
+    break_settle: bool,
+    message_pages: int,
+) -> None:
     from dserve.scheduler.kv_pool import KVPool
     from dserve.transfer.agent import TransferAgent
     from dserve.transfer.descriptor import PoolDescriptor
 
     if break_settle:  # the room fails after its receives were posted, before any arrived
+
         async def broken(self, room, state, tasks, timeout_s):
             raise RuntimeError("broken on purpose after posting")
+
         TransferAgent._wait_receives = broken
     lay = layout(kind, tp)
     pool = KVPool(lay, PAGES, "cpu")
@@ -50,22 +63,44 @@ def rank_process(front: str, kind: str, rank: int, tp: int, prefill: bool, dump:
         for layer, values in zip(pool.buffers, global_values(kind)):
             for buf, full in zip(layer, values):
                 buf.copy_(full[:, :, heads] if kind == "mha" else full)
-    desc = PoolDescriptor.from_layout("target", lay, HEADS if kind == "mha" else 0, heads, message_pages)
+    desc = PoolDescriptor.from_layout(
+        "target", lay, HEADS if kind == "mha" else 0, heads, message_pages
+    )
     agent = TransferAgent(front, 0, rank, tp, [(desc, pool)])
     agent.thread.join()
     torch.save(pool.pages, dump)
 
 
 class Side:
-    def __init__(self, kind: str, tp: int, prefill: bool, tmp_path, break_settle: bool = False,
-                 message_pages: int = 0):
+    def __init__(
+        self,
+        kind: str,
+        tp: int,
+        prefill: bool,
+        tmp_path,
+        break_settle: bool = False,
+        message_pages: int = 0,
+    ):
         self.manager = TransferManager()
         self.dumps = [str(tmp_path / f"{'p' if prefill else 'd'}{r}.pt") for r in range(tp)]
         ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=rank_process, daemon=True,
-                                  args=(self.manager.address, kind, r, tp, prefill, self.dumps[r], break_settle,
-                                        message_pages))
-                      for r in range(tp)]
+        self.procs = [
+            ctx.Process(
+                target=rank_process,
+                daemon=True,
+                args=(
+                    self.manager.address,
+                    kind,
+                    r,
+                    tp,
+                    prefill,
+                    self.dumps[r],
+                    break_settle,
+                    message_pages,
+                ),
+            )
+            for r in range(tp)
+        ]
         for p in self.procs:
             p.start()
         self.manager.wait_for_agents(tp)
@@ -101,8 +136,10 @@ def expected_pages(kind: str, rank: int, tp: int, src: list[int], dst: list[int]
             torch.testing.assert_close(buf[dst], want, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("kind,prefill_tp,decode_tp,message_pages",
-                         [("mha", 1, 2, 0), ("mha", 2, 1, 2), ("mla", 2, 2, 0), ("mla", 1, 1, 2)])
+@pytest.mark.parametrize(
+    "kind,prefill_tp,decode_tp,message_pages",
+    [("mha", 1, 2, 0), ("mha", 2, 1, 2), ("mla", 2, 2, 0), ("mla", 1, 1, 2)],
+)
 def test_scattered_pages_arrive_exactly(kind, prefill_tp, decode_tp, message_pages, tmp_path):
     """`message_pages` 2: the decode takes runs in pieces of at most two pages."""
     prefill = Side(kind, prefill_tp, True, tmp_path)
@@ -112,7 +149,9 @@ def test_scattered_pages_arrive_exactly(kind, prefill_tp, decode_tp, message_pag
     order = torch.randperm(PAGES, generator=gen).tolist()
     for i, room in enumerate(range(11, 15)):
         src = torch.randperm(PAGES, generator=gen)[:5].tolist()
-        dst = sorted(order[i * 8:i * 8 + 3]) + order[i * 8 + 3:i * 8 + 5]  # a run and scattered pages
+        dst = (
+            sorted(order[i * 8 : i * 8 + 3]) + order[i * 8 + 3 : i * 8 + 5]
+        )  # a run and scattered pages
         rooms[room] = (src, dst)
         decode.manager.expect(room, 0, prefill.desc, dst, 30)
         prefill.manager.push(room, 0, decode.desc, 0, src, dst, {"token": room}, 30)
@@ -132,7 +171,10 @@ def test_scattered_pages_arrive_exactly(kind, prefill_tp, decode_tp, message_pag
 
 
 def test_failed_room_settles_its_receives_before_reporting(tmp_path):
-    prefill, decode = Side("mha", 1, True, tmp_path), Side("mha", 1, False, tmp_path, break_settle=True)
+    prefill, decode = (
+        Side("mha", 1, True, tmp_path),
+        Side("mha", 1, False, tmp_path, break_settle=True),
+    )
     decode.manager.expect(7, 0, prefill.desc, [3, 4, 9], 30)
     (failed,) = outcomes([decode], 1)
     assert not failed.ok and "broken on purpose" in failed.error

@@ -1,5 +1,6 @@
 """Layout descriptors: what a rank tells its peers, and the refusal of a peer whose pages would not
 line up, naming the difference."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -8,19 +9,28 @@ import pytest
 import torch
 
 from dserve.scheduler.kv_pool import KVLayout
-from dserve.transfer.descriptor import (IncompatiblePeer, InstanceDescriptor, PoolDescriptor, RankDescriptor,
-                                        check_compatible)
+from dserve.transfer.descriptor import (
+    IncompatiblePeer,
+    InstanceDescriptor,
+    PoolDescriptor,
+    RankDescriptor,
+    check_compatible,
+)
 from dserve.transfer.messages import CTRL_BYTES, pack_ctrl, page_runs, unpack_ctrl
 
 MODEL = {"architecture": "DeepseekV3ForCausalLM", "num_hidden_layers": 3, "kv_lora_rank": 32}
 
 
-def instance(page_size=16, dtype=torch.float32, tp=1, model=MODEL, kind="mla", extra_pools=(), order=None):
+def instance(
+    page_size=16, dtype=torch.float32, tp=1, model=MODEL, kind="mla", extra_pools=(), order=None
+):
     if kind == "mla":
         layout = KVLayout("mla", 3, page_size, dtype, latent_dim=48, kv_lora_rank=32)
         pools = [PoolDescriptor.from_layout("target", layout)]
     else:
-        layout = KVLayout("mha", 3, page_size, dtype, num_kv_heads=4 // tp, head_dim=32, v_head_dim=32)
+        layout = KVLayout(
+            "mha", 3, page_size, dtype, num_kv_heads=4 // tp, head_dim=32, v_head_dim=32
+        )
         pools = [PoolDescriptor.from_layout("target", layout, 4, list(range(4 // tp)))]
     if order is not None:
         pools = [dataclasses.replace(p, order=order) for p in pools]
@@ -35,19 +45,36 @@ def test_round_trip_through_dict():
 
 
 def test_compatible_across_tp_sizes():
-    check_compatible(instance(kind="mha", tp=1), instance(kind="mha", tp=2))  # head slicing lines up
+    check_compatible(
+        instance(kind="mha", tp=1), instance(kind="mha", tp=2)
+    )  # head slicing lines up
     check_compatible(instance(tp=1), instance(tp=2))
 
 
-@pytest.mark.parametrize("other,what", [
-    (instance(page_size=8), "target pool page_size differs (decode: 16, prefill: 8)"),
-    (instance(dtype=torch.bfloat16), "target pool dtype differs (decode: float32, prefill: bfloat16)"),
-    (instance(model={**MODEL, "kv_lora_rank": 64}), "model kv_lora_rank differs (decode: 32, prefill: 64)"),
-    (instance(kind="mha"), "target pool kind differs (decode: mla, prefill: mha)"),
-    (instance(order="layer-major"), "target pool order differs (decode: page-major"),
-    (instance(extra_pools=[PoolDescriptor("draft", "mha", 1, 16, "float32", [[2, 32], [2, 32]], 2, [0, 1])]),
-     "KV pools differs"),
-])
+@pytest.mark.parametrize(
+    "other,what",
+    [
+        (instance(page_size=8), "target pool page_size differs (decode: 16, prefill: 8)"),
+        (
+            instance(dtype=torch.bfloat16),
+            "target pool dtype differs (decode: float32, prefill: bfloat16)",
+        ),
+        (
+            instance(model={**MODEL, "kv_lora_rank": 64}),
+            "model kv_lora_rank differs (decode: 32, prefill: 64)",
+        ),
+        (instance(kind="mha"), "target pool kind differs (decode: mla, prefill: mha)"),
+        (instance(order="layer-major"), "target pool order differs (decode: page-major"),
+        (
+            instance(
+                extra_pools=[
+                    PoolDescriptor("draft", "mha", 1, 16, "float32", [[2, 32], [2, 32]], 2, [0, 1])
+                ]
+            ),
+            "KV pools differs",
+        ),
+    ],
+)
 def test_incompatible_peer_names_the_difference(other, what):
     with pytest.raises(IncompatiblePeer, match=what.replace("(", r"\(").replace(")", r"\)")):
         check_compatible(instance(), other)

@@ -1,5 +1,6 @@
 """Rank mapping rules: every decode rank gets each piece of KV it needs exactly once, from a rank
 that holds it, and knows how many senders complete its room."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -37,7 +38,8 @@ def test_mla_traffic_spreads_over_prefill_ranks():
 @pytest.mark.parametrize("num_kv_heads", [1, 2, 4, 8])
 def test_mha_head_slicing_covers_each_needed_head_once(prefill_tp, decode_tp, num_kv_heads):
     if (num_kv_heads % prefill_tp and prefill_tp % num_kv_heads) or (
-            num_kv_heads % decode_tp and decode_tp % num_kv_heads):
+        num_kv_heads % decode_tp and decode_tp % num_kv_heads
+    ):
         pytest.skip("no valid head split")
     for room in range(3):
         routes = plan_routes("mha", prefill_tp, decode_tp, room, num_kv_heads)
@@ -47,18 +49,27 @@ def test_mha_head_slicing_covers_each_needed_head_once(prefill_tp, decode_tp, nu
             for r in routes:
                 if r.decode_rank != d or r.dummy:
                     continue
-                src = held_heads(r.prefill_rank, prefill_tp, num_kv_heads)[r.src_head:r.src_head + r.num_heads]
-                dst = wanted[r.dst_head:r.dst_head + r.num_heads]
-                assert src == dst and len(src) == r.num_heads  # the sender holds exactly these heads
+                src = held_heads(r.prefill_rank, prefill_tp, num_kv_heads)[
+                    r.src_head : r.src_head + r.num_heads
+                ]
+                dst = wanted[r.dst_head : r.dst_head + r.num_heads]
+                assert (
+                    src == dst and len(src) == r.num_heads
+                )  # the sender holds exactly these heads
                 got += dst
             assert sorted(got) == wanted
             assert expected_senders(routes, d) == prefill_tp
-            assert len(routes_from(routes, 0)) == decode_tp  # each prefill rank has a role per decode rank
+            assert (
+                len(routes_from(routes, 0)) == decode_tp
+            )  # each prefill rank has a role per decode rank
 
 
 def test_mha_two_to_one_takes_half_the_heads_from_each():
     routes = [r for r in plan_routes("mha", 2, 1, num_kv_heads=4) if not r.dummy]
-    assert [(r.prefill_rank, r.src_head, r.dst_head, r.num_heads) for r in routes] == [(0, 0, 0, 2), (1, 0, 2, 2)]
+    assert [(r.prefill_rank, r.src_head, r.dst_head, r.num_heads) for r in routes] == [
+        (0, 0, 0, 2),
+        (1, 0, 2, 2),
+    ]
 
 
 def test_bad_mapping_inputs():

@@ -1,6 +1,7 @@
 """What a disaggregated pair does when things go wrong: every case ends in a clear error for the
 client, both instances get every page back (in-flight and quarantined ones included), and the pair
 still serves new requests."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.servers import (assert_all_pages_free, free_port, get, post, start_cluster, start_instance,
-                           start_router, wait_for)
+from tests.servers import (
+    assert_all_pages_free,
+    free_port,
+    get,
+    post,
+    start_cluster,
+    start_instance,
+    start_router,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
@@ -42,15 +51,25 @@ def test_injected_transfer_failures(tiny_dir, tmp_path):
 def test_client_disconnect_mid_stream(tiny_dir, tmp_path):
     cluster = start_cluster(tiny_dir("deepseek_v3"), tmp_path)
     try:
-        body = {"input_ids": [7] * 20, "stream": True, "sampling_params": {**GREEDY, "max_new_tokens": 100000}}
-        req = urllib.request.Request(cluster.url + "/generate", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+        body = {
+            "input_ids": [7] * 20,
+            "stream": True,
+            "sampling_params": {**GREEDY, "max_new_tokens": 100000},
+        }
+        req = urllib.request.Request(
+            cluster.url + "/generate",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req, timeout=60) as r:
             for line in r:
                 if line.startswith(b"data: "):
                     break  # the first tokens arrived; now hang up
-        wait_for(lambda: get(cluster.decode.url + "/debug/kv")[1]["requests"] == 0, 15,
-                 "the decode drops the request of the client that left")
+        wait_for(
+            lambda: get(cluster.decode.url + "/debug/kv")[1]["requests"] == 0,
+            15,
+            "the decode drops the request of the client that left",
+        )
         assert_all_pages_free(cluster.prefill, cluster.decode)
         assert ask(cluster.url, [5, 6, 7])[0] == 200
     finally:
@@ -79,14 +98,20 @@ def test_decode_killed_in_flight(tiny_dir, tmp_path):
         for status, body in answers:
             assert status == 200 or body["error"]["message"], body
         assert_all_pages_free(prefill, timeout=30)
-        wait_for(lambda: get(router.url + "/health")[0] == 503, 15, "router takes the dead decode out")
+        wait_for(
+            lambda: get(router.url + "/health")[0] == 503, 15, "router takes the dead decode out"
+        )
         assert ask(router.url, [1, 2, 3])[0] == 503
         # a new decode on the same port comes back into rotation
         port = decode.port
         decode = start_instance("decode", model, tmp_path, port=port)
         procs.append(decode)
         decode.wait_ready()
-        wait_for(lambda: get(router.url + "/health")[0] == 200, 30, "router puts the new decode in rotation")
+        wait_for(
+            lambda: get(router.url + "/health")[0] == 200,
+            30,
+            "router puts the new decode in rotation",
+        )
         assert ask(router.url, [1, 2, 3])[0] == 200
         assert_all_pages_free(prefill, decode)
     finally:
@@ -115,8 +140,10 @@ def test_bootstrap_and_transfer_timeouts(tiny_dir, tmp_path):
         status, answer = post(decode.url + "/generate", {**body, **room, "bootstrap_room": 12})
         assert status == 500 and "did not arrive within 2s" in answer["error"]["message"], answer
 
-        status, answer = post(decode.url + "/generate", {**body, **room, "bootstrap_port": free_port(),
-                                                        "bootstrap_room": 13})
+        status, answer = post(
+            decode.url + "/generate",
+            {**body, **room, "bootstrap_port": free_port(), "bootstrap_room": 13},
+        )
         assert status == 502 and "unreachable" in answer["error"]["message"]
 
         status, answer = post(decode.url + "/generate", body)
@@ -130,8 +157,12 @@ def test_bootstrap_and_transfer_timeouts(tiny_dir, tmp_path):
 def test_incompatible_pair_is_refused_with_the_difference(tiny_dir, tmp_path):
     """The decode refuses the prefill at its first contact (400 naming the difference); the router drops
     the prefill's request, whose pages come back at once (its bootstrap timeout is far away)."""
-    cluster = start_cluster(tiny_dir("deepseek_v3"), tmp_path, ["--page-size", "16", "--bootstrap-timeout-s", "120"],
-                            ["--page-size", "8"])
+    cluster = start_cluster(
+        tiny_dir("deepseek_v3"),
+        tmp_path,
+        ["--page-size", "16", "--bootstrap-timeout-s", "120"],
+        ["--page-size", "8"],
+    )
     try:
         status, answer = ask(cluster.url, [4, 5, 6])
         assert status == 400

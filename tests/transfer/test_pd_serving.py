@@ -1,5 +1,6 @@
 """Disaggregated serving end to end: router + prefill + decode as real processes, real HTTP, KV over
 real UCX on loopback. Greedy output must equal the colocated engine's and transformers'."""
+
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -30,8 +31,14 @@ def prompts(cluster):
 
 def test_generate_matches_colocated_and_transformers(cluster, prompts, make_engine):
     with ThreadPoolExecutor(4) as pool:  # concurrently: several rooms in flight at once
-        answers = list(pool.map(lambda ids: post(cluster.url + "/generate",
-                                                 {"input_ids": ids, "sampling_params": GREEDY}), prompts))
+        answers = list(
+            pool.map(
+                lambda ids: post(
+                    cluster.url + "/generate", {"input_ids": ids, "sampling_params": GREEDY}
+                ),
+                prompts,
+            )
+        )
     colocated = make_engine(cluster.model).generate(input_ids=prompts, sampling_params=GREEDY)
     for ids, (status, body), local in zip(prompts, answers, colocated):
         assert status == 200, body
@@ -44,7 +51,12 @@ def test_generate_matches_colocated_and_transformers(cluster, prompts, make_engi
 def test_generate_stream_matches(cluster, prompts, make_engine):
     events = stream(cluster.url + "/generate", {"input_ids": prompts[2], "sampling_params": GREEDY})
     tokens = [t for e in events for t in e["output_ids"]]
-    assert tokens == make_engine(cluster.model).generate(input_ids=prompts[2], sampling_params=GREEDY).output_ids
+    assert (
+        tokens
+        == make_engine(cluster.model)
+        .generate(input_ids=prompts[2], sampling_params=GREEDY)
+        .output_ids
+    )
     assert events[-1]["meta_info"]["finish_reason"] == "length"
     assert len(events) > 2  # tokens arrived incrementally, not in one piece
 
@@ -52,11 +64,23 @@ def test_generate_stream_matches(cluster, prompts, make_engine):
 def test_seeded_sampling_matches_colocated(cluster, prompts, make_engine):
     """The decode continues the seeded generator from the prefill's state (sent with the first
     token): the pair draws exactly the colocated engine's tokens."""
-    params = {"temperature": 0.9, "top_k": 40, "seed": 1234, "max_new_tokens": 12, "ignore_eos": True}
-    status, body = post(cluster.url + "/generate", {"input_ids": prompts[1], "sampling_params": params})
+    params = {
+        "temperature": 0.9,
+        "top_k": 40,
+        "seed": 1234,
+        "max_new_tokens": 12,
+        "ignore_eos": True,
+    }
+    status, body = post(
+        cluster.url + "/generate", {"input_ids": prompts[1], "sampling_params": params}
+    )
     assert status == 200, body
-    assert body["output_ids"] == make_engine(cluster.model).generate(input_ids=prompts[1],
-                                                                     sampling_params=params).output_ids
+    assert (
+        body["output_ids"]
+        == make_engine(cluster.model)
+        .generate(input_ids=prompts[1], sampling_params=params)
+        .output_ids
+    )
 
 
 def test_openai_client_against_router(cluster, make_engine):
@@ -66,22 +90,41 @@ def test_openai_client_against_router(cluster, make_engine):
     engine = make_engine(cluster.model)
     prompt = "The capital of France is"
     expected = engine.generate(prompt, sampling_params=GREEDY)
-    done = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0,
-                                     extra_body={"ignore_eos": True})
+    done = client.completions.create(
+        model=model, prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert done.choices[0].text == expected.text
     assert done.usage.completion_tokens == 12
-    pieces = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0, stream=True,
-                                       extra_body={"ignore_eos": True})
+    pieces = client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     assert "".join(p.choices[0].text for p in pieces) == expected.text
 
     messages = [{"role": "user", "content": "Say hello."}]
-    ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                               return_dict=False)
+    ids = engine.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     chat_expected = engine.generate(input_ids=list(ids), sampling_params=GREEDY)
-    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
-                                          extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert chat.choices[0].message.content == chat_expected.text
-    chunks = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
-                                            stream=True, extra_body={"ignore_eos": True})
+    chunks = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == chat_expected.text
     assert_all_pages_free(cluster.prefill, cluster.decode)
