@@ -60,10 +60,6 @@ class ForwardBatch:
     tree_masks: list[torch.Tensor | None] | None = None  # per span, None (causal) or a draft tree's
     #   bool [q_len, tail]: which of the context's last `tail` positions each new token sees (all
     #   positions before those are seen by every token of the span)
-    kv_moves: torch.Tensor | None = (
-        None  # [2, M] target-pool slots copied src -> dst before the pass
-    )
-    #                                       (the accepted path of a verified draft tree)
     fused_draft: FusedDraft | None = (
         None  # naive speculation: the draft's pass over these tokens too;
     )
@@ -100,7 +96,6 @@ class ForwardBatch:
             logits_indices=move(self.logits_indices),
             hidden_rows=move(self.hidden_rows),
             tree_masks=None if self.tree_masks is None else [move(m) for m in self.tree_masks],
-            kv_moves=move(self.kv_moves),
             fused_draft=None if self.fused_draft is None else self.fused_draft.to(device),
             token_seqs=move(self.token_seqs),
             token_ctx_lens=move(self.token_ctx_lens),
@@ -118,13 +113,34 @@ class ForwardBatch:
         return mask
 
 
+@dataclass(frozen=True)
+class PassShape:
+    """What decides whether a pass can run from static buffers (CUDA graphs): its token count,
+    longest span, longest context and whether a span carries a draft tree's mask."""
+
+    tokens: int
+    max_q_len: int
+    max_seq_len: int
+    tree: bool = False
+
+    @classmethod
+    def of(cls, batch: ForwardBatch) -> PassShape:
+        return cls(
+            batch.num_tokens,
+            max(batch.q_lens, default=0),
+            max(batch.seq_lens, default=0),
+            batch.tree_masks is not None,
+        )
+
+
 class AttentionBackend(ABC):
     def __init__(self, pool: KVPool):
         self.pool = pool
 
-    def runs_static(self, batch: ForwardBatch) -> bool:
-        """Whether the layers can run `batch` from its device tensors alone, with no host work that
-        depends on the step's values (what a CUDA graph replay needs); `plan` may still read shapes."""
+    def runs_static(self, shape: PassShape) -> bool:
+        """Whether the layers can run a pass of this shape from its device tensors alone, with no
+        host work that depends on the step's values (what a CUDA graph replay needs); `plan` may
+        still read shapes."""
         return False
 
     @abstractmethod

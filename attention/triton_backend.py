@@ -16,7 +16,7 @@ import os
 
 import triton
 
-from dserve.attention.backend import AttentionBackend, ForwardBatch
+from dserve.attention.backend import AttentionBackend, ForwardBatch, PassShape
 from dserve.attention.triton_store import store_tokens
 
 MAX_DECODE_LIKE = 8  # spans up to this many tokens go through the decode kernel, one row per token
@@ -42,18 +42,15 @@ class TritonBackend(AttentionBackend):
             kind: dict(tune) for kind, tune in EXTEND_TUNE.items()
         }  # benches may change it
 
-    def runs_static(self, batch: ForwardBatch) -> bool:
-        """Spans of a few causal tokens: the decode kernels read everything they need from the batch's
-        device tensors (one query row per token, with its span's page-table row and context)."""
-        return (
-            bool(batch.q_lens)
-            and all(n <= MAX_DECODE_LIKE for n in batch.q_lens)
-            and batch.tree_masks is None
-        )
+    def runs_static(self, shape: PassShape) -> bool:
+        """Spans of a few causal tokens: the decode kernels read everything they need from the
+        batch's device tensors (one query row per token, with its span's page-table row and
+        context)."""
+        return shape.max_q_len <= MAX_DECODE_LIKE and not shape.tree
 
     def plan(self, batch: ForwardBatch) -> None:
         self.batch = batch
-        self.decode = self.runs_static(batch)
+        self.decode = bool(batch.q_lens) and self.runs_static(PassShape.of(batch))
         # the longest context sizes the decode kernel's splits; extend plans are made per block size
         self.max_len = max(batch.seq_lens, default=0)
         self.extend_plans = {}

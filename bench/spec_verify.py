@@ -107,7 +107,7 @@ def dummy_runner(
 
 def step_batch(kv, batch_size: int, context: int, q_len: int):
     """`batch_size` requests with `context` tokens in KV, each adding `q_len` tokens with logits at all."""
-    from dserve.runtime.batch import Seq, assemble
+    from dserve.runtime.batch import Seq, assemble, table_rows
 
     entries = []
     for i in range(batch_size):
@@ -117,7 +117,8 @@ def step_batch(kv, batch_size: int, context: int, q_len: int):
         entries.append(
             Seq(rid, context, [100 + 7 * i + j for j in range(q_len)], list(range(q_len)))
         )
-    return assemble(entries, kv)
+    rows = table_rows(kv.tables, [seq.key for seq in entries])
+    return assemble(entries, rows, kv.page_size)
 
 
 def model_args(parser: argparse.ArgumentParser, layers: int = 4) -> None:

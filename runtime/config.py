@@ -38,10 +38,13 @@ class EngineConfig:
     attention_backend: str = "auto"
     """`torch` (reference, any device); `triton` (kernels, CUDA graphs); `flashinfer`
     (FlashInfer's kernels, bf16/fp16, eager); `auto`: triton on a GPU, torch on the CPU."""
-    cuda_graph_max_bs: int = 64
-    """Triton backend: decode steps of up to this many sequences replay CUDA graphs."""
+    cuda_graph_max_bs: int = 256
+    """Triton backend: decode-like passes of up to this many sequences (at most 512) replay CUDA
+    graphs."""
     disable_cuda_graph: bool = False
     """Run every step eagerly."""
+    disable_overlap_schedule: bool = False
+    """Plan each step only after the one before has reported (no overlapped scheduling)."""
     random_seed: int = 0
     """Seeds unseeded sampling."""
     load_progress: bool = True
@@ -80,6 +83,8 @@ class EngineConfig:
             self.attention_backend = "torch" if self.device == "cpu" else "triton"
         if self.page_size is None:
             self.page_size = 16 if self.device == "cpu" else 64
+        if self.cuda_graph_max_bs > 512:
+            raise ValueError(f"cuda_graph_max_bs must be at most 512, got {self.cuda_graph_max_bs}")
         for name in (
             "page_size",
             "chunked_prefill_size",

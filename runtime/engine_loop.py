@@ -108,11 +108,11 @@ class EngineLoop:
 
     def _run(self) -> None:
         while self.running:
-            busy = any(g.scheduler.has_work for g in self.engine.groups) or self.side.has_work
+            busy = self.engine.has_work or self.side.has_work
             self._drain(block=not busy)
             try:
                 self.side.poll()
-                if any(g.scheduler.has_work for g in self.engine.groups) and not self.failure:
+                if self.engine.has_work and not self.failure:
                     self.engine.step()
             except RankFailure as e:
                 self.failure = str(e)

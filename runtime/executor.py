@@ -1,10 +1,10 @@
-"""Where forward passes run: in this process (one rank) or in spawned rank processes.
+"""Where steps run: on one rank in this process, or on spawned rank processes.
 
-`execute(batches)` takes one `ForwardBatch` per DP group (an empty one where a group has nothing
-to do: its ranks still join the MoE collectives) and returns each group's logits: on the rank's
-device in this process (the front moves only the ids and values it needs), on the host from rank
-processes. A rank that dies or fails takes the whole instance down with a message naming it; no
-rank is left waiting.
+The front `submit`s a `StepPlan` and later `collect`s the oldest step's `StepResult`s (one per DP
+group); in between it may submit the next plan (overlapped scheduling: a plan that `overlaps`
+lets the ranks hold its result back until the next plan is launched). The ranks answer with
+tokens, never logits. A rank that dies or fails takes the whole instance down with a message
+naming it, within seconds; no rank is left waiting.
 """
 
 from __future__ import annotations
@@ -14,15 +14,18 @@ import datetime
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
+import pickle
 import time
+import zlib
+from collections import deque
 
 import torch
 import torch.distributed as dist
 
-from dserve.attention.backend import ForwardBatch
 from dserve.models.config import ModelConfig
 from dserve.models.registry import resolve
 from dserve.runtime.config import EngineConfig
+from dserve.runtime.plan import Settle, StepPlan, StepResult
 
 log = logging.getLogger("dserve.runtime")
 
@@ -32,24 +35,35 @@ class RankFailure(RuntimeError):
 
 
 class LocalExecutor:
+    """One rank, in this process: `submit` launches the step at once, `collect` waits for it."""
+
     def __init__(self, config: EngineConfig, transfer=None):
         from dserve.runtime.model_runner import ModelRunner
+        from dserve.runtime.step_runner import StepRunner
 
         self.runner = ModelRunner(config)
+        self.steps = StepRunner(self.runner)
         self.model_config = self.runner.model_config
         self.num_pages = [self.runner.num_pages]
+        self.launched = deque()
         self.agent = None
         if transfer is not None:
             from dserve.transfer.agent import start_agent
 
             self.agent = start_agent(transfer, self.runner.transfer_pools, 0, 0, 1)
 
-    def execute(self, batches: list[ForwardBatch]) -> list[torch.Tensor]:
-        """The logits stay on the device: the front moves only the ids and values it needs."""
-        return [self.runner.forward(batches[0])]
+    @property
+    def in_flight(self) -> int:
+        return len(self.launched)
+
+    def submit(self, plan: StepPlan) -> None:
+        self.launched.append(self.steps.launch(plan))
+
+    def collect(self) -> list[StepResult]:
+        return [self.steps.finish(self.launched.popleft())]
 
     def shutdown(self) -> None:
-        pass
+        self.launched.clear()
 
 
 def validate_parallel(config: EngineConfig) -> ModelConfig:
@@ -100,13 +114,19 @@ def _has_data(conn) -> bool:
         return False
 
 
+def result_digest(result: StepResult) -> int:
+    """What a rank that does not answer says of its step: every rank of an attention group
+    computes the same tokens and trees, and the front checks that they did."""
+    return zlib.crc32(pickle.dumps(result))
+
+
 class MultiprocessExecutor:
     def __init__(self, config: EngineConfig, transfer=None):
         self.config = config
         self.model_config = validate_parallel(config)
         ctx = mp.get_context("spawn")
-        # The rendezvous store binds port 0 here and lives as long as the executor: no port is picked, released
-        # and bound again later, which another process could take in between.
+        # The rendezvous store binds port 0 here and lives as long as the executor: no port is
+        # picked, released and bound again later, which another process could take in between.
         self.store = dist.TCPStore(
             "127.0.0.1",
             0,
@@ -115,6 +135,7 @@ class MultiprocessExecutor:
             timeout=datetime.timedelta(seconds=config.step_timeout_s),
         )
         self.conns, self.procs, self.closed = [], [], False
+        self.in_flight, self.held = 0, 0
         from dserve.runtime.worker import worker_main
 
         for rank in range(config.world_size):
@@ -136,10 +157,8 @@ class MultiprocessExecutor:
             raise
         self.rank_info = [info for _, info in replies]
         a = config.attn_tp_size
-        self.num_pages = [
-            min(i.num_pages for i in self.rank_info[g * a : (g + 1) * a])
-            for g in range(config.dp_size)
-        ]
+        groups = [self.rank_info[g * a : (g + 1) * a] for g in range(config.dp_size)]
+        self.num_pages = [min(i.num_pages for i in group) for group in groups]
         log.info(
             "%d ranks up (tp=%d, dp=%d, ep=%d); parameter bytes per rank: %s",
             config.world_size,
@@ -149,8 +168,43 @@ class MultiprocessExecutor:
             [i.parameter_bytes for i in self.rank_info],
         )
 
+    def submit(self, plan: StepPlan) -> None:
+        self._send(plan)
+        self.in_flight += 1
+        self.held = 1 if plan.overlaps else 0
+
+    def collect(self) -> list[StepResult]:
+        """The oldest step's results, one per DP group."""
+        if self.in_flight == self.held:  # the ranks hold it back: ask for it
+            self._send(Settle())
+            self.held = 0
+        replies = [payload for _, payload in self._gather(self.config.step_timeout_s, "step")]
+        self.in_flight -= 1
+        a = self.config.attn_tp_size
+        results = replies[::a]
+        for g, result in enumerate(results):
+            digest = result_digest(result)
+            for rank in range(g * a + 1, (g + 1) * a):
+                if replies[rank] != digest:
+                    self._fail(
+                        f"the ranks of DP group {g} computed different tokens in step "
+                        f"{result.step} (rank {rank} differs from rank {g * a})"
+                    )
+        return results
+
+    def _send(self, message) -> None:
+        if self.closed:
+            raise RankFailure("the instance's ranks are shut down")
+        data = pickle.dumps(message)
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send_bytes(data)
+            except (BrokenPipeError, OSError):
+                self._fail(f"rank {rank} is gone (exit code {self.procs[rank].exitcode})")
+
     def _gather(self, timeout: float, what: str) -> list[tuple]:
-        """One reply from every rank, or RankFailure as soon as any rank dies or reports an error."""
+        """One reply from every rank, or RankFailure as soon as any rank dies or reports an
+        error. A rank whose pipe closed is dead whether or not its process has been reaped."""
         pending = dict(enumerate(self.conns))
         replies: list = [None] * len(self.conns)
         sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
@@ -159,24 +213,29 @@ class MultiprocessExecutor:
             if not ready:
                 self._fail(f"no {what} reply from ranks {sorted(pending)} within {timeout:.0f}s")
             for rank, conn in list(pending.items()):
-                if conn in ready or _has_data(conn):
-                    try:
-                        status, payload = conn.recv()
-                    except (EOFError, OSError):
-                        continue  # its process is gone: reported through the sentinel
-                    if status == "error":
-                        self._fail(self._root_cause(rank, payload))
-                    replies[rank] = (status, payload)
-                    del pending[rank]
+                if conn not in ready:
+                    continue
+                try:
+                    status, payload = conn.recv()
+                except (EOFError, OSError):
+                    self._dead(rank, what)
+                if status == "error":
+                    self._fail(self._root_cause(rank, payload))
+                replies[rank] = (status, payload)
+                del pending[rank]
             for sentinel, rank in sentinels.items():
                 if sentinel in ready and rank in pending and not _has_data(self.conns[rank]):
-                    self.procs[rank].join(timeout=1)
-                    code = self.procs[rank].exitcode
-                    self._fail(f"rank {rank} died (exit code {code}) during {what}")
+                    self._dead(rank, what)
         return replies
 
+    def _dead(self, rank: int, what: str) -> None:
+        self.procs[rank].join(timeout=1)
+        code = self.procs[rank].exitcode
+        self._fail(f"rank {rank} died (exit code {code}) during {what}")
+
     def _root_cause(self, rank: int, error: str) -> str:
-        """A rank's error is often a peer's death seen through a broken collective: name the dead first."""
+        """A rank's error is often a peer's death seen through a broken collective: name the
+        dead first."""
         time.sleep(0.2)
         dead = [(r, p.exitcode) for r, p in enumerate(self.procs) if r != rank and not p.is_alive()]
         last_line = error.strip().splitlines()[-1]
@@ -189,18 +248,6 @@ class MultiprocessExecutor:
         self.shutdown(graceful=False)  # survivors may sit in a collective with the dead rank
         raise RankFailure(f"{message}; the instance has shut down all its ranks")
 
-    def execute(self, batches: list[ForwardBatch]) -> list[torch.Tensor]:
-        if self.closed:
-            raise RankFailure("the instance's ranks are shut down")
-        a = self.config.attn_tp_size
-        for rank, conn in enumerate(self.conns):
-            try:
-                conn.send(batches[rank // a])
-            except (BrokenPipeError, OSError):
-                self._fail(f"rank {rank} is gone (exit code {self.procs[rank].exitcode})")
-        replies = self._gather(self.config.step_timeout_s, "step")
-        return [replies[g * a][1] for g in range(self.config.dp_size)]
-
     def shutdown(self, graceful: bool = True) -> None:
         if self.closed:
             return
@@ -208,7 +255,7 @@ class MultiprocessExecutor:
         if graceful:
             for conn in self.conns:
                 with contextlib.suppress(BrokenPipeError, OSError):
-                    conn.send(None)
+                    conn.send_bytes(pickle.dumps(None))
             for proc in self.procs:
                 proc.join(timeout=10)
         for proc in self.procs:

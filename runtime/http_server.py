@@ -67,8 +67,8 @@ class Instance:
                 "kv_pages_total": lambda: sum(x.kv.num_pages for x in g),
             }
         )
-        spec = self.engine.speculator
-        if spec is not None:
+        spec = self.engine.speculation
+        if self.engine.config.speculative_algorithm:
             algorithm = self.engine.config.speculative_algorithm
             self.metrics.labeled.update(
                 {

@@ -1,9 +1,10 @@
 """One rank's model, KV pool and attention backend: runs a `ForwardBatch` and returns logits.
 
 Pool sizing: `max_total_tokens` when given; on a GPU otherwise what `mem_fraction_static` of the
-device memory leaves after the weights; on the CPU 16384 tokens. Decode-like steps replay CUDA
-graphs where the backend allows it (`cuda_graphs.py`), the draft's passes too; everything else runs
-eagerly.
+device memory leaves after the weights and the CUDA graphs' shared outputs; on the CPU 16384
+tokens. Decode-like passes replay CUDA graphs where the backend allows it (`cuda_graphs.py`), the
+draft's passes too; everything else runs eagerly. `last_token` holds, per request slot, the token
+its last step sampled, which the next step reads on the device when the host has not seen it yet.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import replace
 
 import torch
 
-from dserve.attention.backend import ForwardBatch, create_backend
+from dserve.attention.backend import ForwardBatch, PassShape, create_backend
 from dserve.models.config import ModelConfig
 from dserve.models.layers.moe import Experts
 from dserve.models.layers.norm import RMSNorm
@@ -21,7 +22,7 @@ from dserve.models.layers.rotary import RotaryEmbedding
 from dserve.models.loader import load_model, parameter_bytes
 from dserve.models.parallel import SINGLE, ParallelContext
 from dserve.runtime.config import EngineConfig
-from dserve.runtime.cuda_graphs import StaticSteps
+from dserve.runtime.cuda_graphs import StaticSteps, output_bytes
 from dserve.scheduler.kv_pool import KVLayout, KVPool
 
 log = logging.getLogger("dserve.runtime")
@@ -58,20 +59,24 @@ def kv_layout(
     )
 
 
-def pool_pages(config: EngineConfig, layouts: list[KVLayout], device: torch.device) -> int:
-    """Pages per pool; every pool (target, draft) has as many, indexed by the same page tables."""
+def pool_pages(
+    config: EngineConfig, layouts: list[KVLayout], device: torch.device, reserved: int = 0
+) -> int:
+    """Pages per pool; every pool (target, draft) has as many, indexed by the same page tables.
+    `reserved` bytes are kept out of the budget (the CUDA graphs' outputs, allocated after)."""
     layout = layouts[0]
     page_bytes = sum(lay.bytes_per_page for lay in layouts)
     if config.max_total_tokens is not None:
         tokens = config.max_total_tokens
     elif device.type == "cuda":
-        torch.cuda.empty_cache()  # blocks cached by torch's allocator count as used in mem_get_info
+        torch.cuda.empty_cache()  # blocks cached by torch's allocator count as used
         free, total = torch.cuda.mem_get_info(device)
-        budget = total * config.mem_fraction_static - (total - free)
+        budget = total * config.mem_fraction_static - (total - free) - reserved
         if budget < page_bytes:
             raise ValueError(
                 f"no memory left for the KV cache: {free / 2**30:.1f} GiB free of "
-                f"{total / 2**30:.1f} GiB with mem_fraction_static={config.mem_fraction_static}"
+                f"{total / 2**30:.1f} GiB with mem_fraction_static="
+                f"{config.mem_fraction_static} ({reserved / 2**30:.2f} GiB for CUDA graphs)"
             )
         tokens = int(budget // page_bytes) * layout.page_size
     else:
@@ -80,45 +85,37 @@ def pool_pages(config: EngineConfig, layouts: list[KVLayout], device: torch.devi
 
 
 def load_draft(config: EngineConfig, target, device: torch.device, ctx: ParallelContext):
-    """The speculative draft model, or None: MTP from the target's checkpoint, EAGLE-3 from its own."""
+    """The speculative draft, or None: MTP from the target's checkpoint, EAGLE-3 from its own."""
+    dtype, fmt = config.torch_dtype, config.load_format
     if config.speculative_algorithm == "mtp":
         from dserve.spec.mtp import load_mtp_draft
 
-        return load_mtp_draft(
-            config.model_path,
-            target.cfg,
-            target,
-            device,
-            config.torch_dtype,
-            ctx,
-            config.load_format,
-        )
+        return load_mtp_draft(config.model_path, target.cfg, target, device, dtype, ctx, fmt)
     if config.speculative_algorithm == "eagle3":
         from dserve.spec.eagle3 import load_eagle3_draft
 
-        return load_eagle3_draft(
-            config.speculative_draft_model_path,
-            target,
-            device,
-            config.torch_dtype,
-            ctx,
-            config.load_format,
-        )
+        path = config.speculative_draft_model_path
+        return load_eagle3_draft(path, target, device, dtype, ctx, fmt)
     return None
 
 
 def uses_static_steps(config: EngineConfig) -> bool:
-    """Decode-like steps from static buffers (CUDA graphs on a GPU): with the triton backend, one rank."""
-    return (
-        config.attention_backend == "triton"
-        and not config.disable_cuda_graph
-        and config.world_size == 1
-    )
+    """Decode-like passes from static buffers (CUDA graphs on a GPU): the triton backend."""
+    return config.attention_backend == "triton" and not config.disable_cuda_graph
 
 
 def tokens_per_seq(config: EngineConfig) -> int:
-    """Most tokens one sequence computes in a decode-like step: one, or a verify's draft tokens."""
+    """Most tokens one sequence computes in a decode-like step: one, or a verify's tokens."""
     return config.speculative_num_draft_tokens if config.speculative_algorithm else 1
+
+
+def max_pages_per_seq(config: EngineConfig, max_context: int, num_pages: int) -> int:
+    """The most pages one request holds: its context, and the slots a draft tree takes past it."""
+    extra = 0
+    if config.speculative_algorithm:
+        steps, topk = config.speculative_num_steps, config.speculative_eagle_topk
+        extra = config.speculative_num_draft_tokens + steps * topk
+    return min(-(-(max_context + extra) // config.page_size), num_pages)
 
 
 class ModelRunner:
@@ -135,65 +132,70 @@ class ModelRunner:
             progress=config.load_progress,
             load_format=config.load_format,
         )
-        layout = kv_layout(self.model_config, config.page_size, config.torch_dtype, ctx.attn.size)
-        self.draft, self.draft_pool, self.last_hidden = (
-            load_draft(config, self.model, self.device, ctx),
-            None,
-            None,
-        )
-        self.aux_layers = getattr(
-            self.draft, "aux_layers", ()
-        )  # EAGLE-3 reads these target layers' outputs
-        layouts = [layout]
+        dtype, attn = config.torch_dtype, ctx.attn.size
+        layouts = [kv_layout(self.model_config, config.page_size, dtype, attn)]
+        self.draft = load_draft(config, self.model, self.device, ctx)
+        self.draft_pool = self.last_hidden = None
+        self.aux_layers = getattr(self.draft, "aux_layers", ())  # EAGLE-3 reads their outputs
         if self.draft is not None:
-            layouts.append(
-                kv_layout(self.draft.cfg, config.page_size, config.torch_dtype, ctx.attn.size, 1)
-            )
-        self.num_pages = pool_pages(config, layouts, self.device)  # what the KV manager hands out
+            layouts.append(kv_layout(self.draft.cfg, config.page_size, dtype, attn, 1))
         static = uses_static_steps(config)
-        num_pages = self.num_pages + static  # and a scratch page for the padding of static steps
-        self.pool = KVPool(layout, num_pages, self.device)
+        widths = self._static_widths() if static else []
+        reserved = sum(output_bytes(self, self.graph_tokens, w) for w in widths)
+        self.num_pages = pool_pages(config, layouts, self.device, reserved)
+        num_pages = self.num_pages + static  # and a scratch page for static steps' padding
+        max_context = self.model_config.max_position_embeddings
+        self.max_pages = max_pages_per_seq(config, max_context, self.num_pages)
+        self.pool = KVPool(layouts[0], num_pages, self.device)
         self.backend = create_backend(config.attention_backend, self.pool)
-        if config.attention_backend in (
-            "triton",
-            "flashinfer",
-        ):  # Triton kernels for norms, rotary, MoE too
-            for module in [
-                *self.model.modules(),
-                *(self.draft.modules() if self.draft is not None else []),
-            ]:
-                if isinstance(module, (RMSNorm, RotaryEmbedding, Experts)):
-                    module.use_kernel = True
+        self._use_kernels()
         if self.draft is not None:
             self.draft_pool = KVPool(layouts[1], num_pages, self.device)
             self.draft_backend = create_backend(config.attention_backend, self.draft_pool)
+        slots = config.max_running_requests
+        self.last_token = torch.zeros(slots, dtype=torch.int64, device=self.device)
+        lay = layouts[0]
         log.info(
             "KV pool: %d pages x %d tokens = %d tokens, %.2f MB (%s, %d layers, %s)",
             self.num_pages,
-            layout.page_size,
-            self.num_pages * layout.page_size,
+            lay.page_size,
+            self.num_pages * lay.page_size,
             self.pool.total_bytes / 1e6,
-            layout.kind,
-            layout.num_layers,
+            lay.kind,
+            lay.num_layers,
             config.dtype,
         )
-        self.statics = self._static_steps() if static else []
+        self.statics = self._static_steps(widths)
 
-    def _static_steps(self) -> list[StaticSteps]:
-        """Static decode-like target steps, and the two-pass draft's passes (per width of the states
-        they read), where every backend of the step runs them; captured on a GPU."""
+    def _use_kernels(self) -> None:
+        """The triton and flashinfer backends put norms, rotary and MoE on Triton kernels too."""
+        if self.config.attention_backend not in ("triton", "flashinfer"):
+            return
+        draft = list(self.draft.modules()) if self.draft is not None else []
+        for module in [*self.model.modules(), *draft]:
+            if isinstance(module, (RMSNorm, RotaryEmbedding, Experts)):
+                module.use_kernel = True
+
+    @property
+    def graph_tokens(self) -> int:
+        """The largest bucket of static passes: `cuda_graph_max_bs` sequences' tokens."""
+        return self.config.cuda_graph_max_bs * tokens_per_seq(self.config)
+
+    def _static_widths(self) -> list[int | None]:
+        """One set of static passes for the target (None), and per width of the states the
+        two-pass draft's passes read, one for the draft."""
         widths = [None]
         if self.draft is not None and not self.config.speculative_naive:
-            aux = len(self.aux_layers) * self.model_config.hidden_size if self.aux_layers else None
-            widths += sorted({aux or self.model_config.hidden_size, self.draft.cfg.hidden_size})
+            hidden = self.model_config.hidden_size
+            aux = len(self.aux_layers) * hidden if self.aux_layers else None
+            widths += sorted({aux or hidden, self.draft.cfg.hidden_size})
+        return widths
+
+    def _static_steps(self, widths: list[int | None]) -> list[StaticSteps]:
+        """The static passes the step's backends run; captured on a GPU."""
         out = []
         for width in widths:
-            steps = StaticSteps(
-                self,
-                self.config.cuda_graph_max_bs * tokens_per_seq(self.config),
-                self.model_config.max_position_embeddings,
-                width,
-            )
+            steps = StaticSteps(self, self.graph_tokens, width)
             if steps.usable:
                 if self.device.type == "cuda":
                     steps.capture()
@@ -204,62 +206,82 @@ class ModelRunner:
     def transfer_pools(self) -> list:
         """(pool, config of its layers) for the transfer agent: the target's, then the draft's."""
         pools = [(self.pool, self.model_config)]
-        return pools + [(self.draft_pool, self.draft.cfg)] if self.draft_pool is not None else pools
+        if self.draft_pool is not None:
+            pools.append((self.draft_pool, self.draft.cfg))
+        return pools
 
     @property
     def parameter_bytes(self) -> int:
         return parameter_bytes(self.model)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [N, vocab] (float32, on the rank's device) for the batch's `logits_indices` rows."""
-        if batch.kv_moves is not None:  # the accepted path of last step's draft tree, into place
-            moves = batch.kv_moves.to(self.device, non_blocking=True)
-            self.pool.move(moves[0], moves[1])
-            batch = replace(batch, kv_moves=None)  # done: not copied again with the batch
-        static = next((steps for steps in self.statics if steps.fits(batch)), None)
-        if static is not None:
-            logits, feed = static.run(batch)
+    def forward(self, batch: ForwardBatch, shapes: list[PassShape] | None = None):
+        """Logits [N, vocab] (float32, on the rank's device) at the batch's `logits_indices` rows
+        (with naive speculation, the target's rows then the draft's). `shapes` are every DP
+        group's parts of this pass (default: this batch alone): all ranks run the pass statically
+        or all eagerly, each group padded to the same bucket."""
+        shapes = shapes or [PassShape.of(batch)]
+        draft_pass = batch.hidden_rows is not None
+        for steps in self.statics:
+            if steps.fused == (batch.fused_draft is not None) and self._reads(steps, draft_pass):
+                bucket = steps.bucket_for(shapes)
+                if bucket is not None:
+                    logits, feed = steps.run(batch, bucket)
+                    break
         else:
+            if self.ctx.dp.size > 1:
+                batch.dp_num_tokens = [shape.tokens for shape in shapes]
             logits, feed = self.run_model(batch.to(self.device))
         if self.draft is not None:
             self.last_hidden = feed
         return logits
 
-    def run_model(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """One pass of the target (or, with `hidden_rows`, the draft): its logits at the batch's rows
-        (then the fused draft's), and the hidden states a following draft pass reads."""
-        if batch.hidden_rows is not None:  # a draft pass reads the previous pass's hidden states
-            return self.run_draft(batch, self.last_hidden[batch.hidden_rows])
+    def _reads(self, steps: StaticSteps, draft_pass: bool) -> bool:
+        """Whether `steps` serve this pass: the target's, or the draft's over states this wide."""
+        if not draft_pass:
+            return steps.hidden_width is None
+        states = self.last_hidden
+        return states is not None and states.shape[-1] == steps.hidden_width
+
+    def read_pending(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids with each stand-in -(slot + 1) replaced by that slot's last sampled token."""
+        slots = (-ids - 1).clamp(min=0)
+        return torch.where(ids >= 0, ids, self.last_token[slots])
+
+    def target_layers(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's final hidden states, and the states a following draft pass reads."""
         hidden, aux = self.model.forward_with_aux(batch, self.backend, self.aux_layers)
-        feed = hidden if aux is None else aux
+        return hidden, hidden if aux is None else aux
+
+    def draft_layers(self, batch: ForwardBatch, states: torch.Tensor) -> torch.Tensor:
+        """The two-pass draft's hidden states over `states`, the rows its tokens read."""
+        return self.draft(batch, states, self.draft_backend)
+
+    def fused_layers(self, batch: ForwardBatch):
+        """Naive speculation: (the target's logits at the batch's rows, the draft's hidden
+        states over the same tokens, each reading the token after it: the target's argmax where
+        that is not known yet, and the target's feed)."""
+        hidden, feed = self.target_layers(batch)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        if batch.fused_draft is not None:
-            logits = torch.cat([logits, self._fused_draft(batch, logits, feed)])
-        return logits, feed
-
-    def run_draft(
-        self, batch: ForwardBatch, states: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One pass of the two-pass draft over `states` (the rows of the previous pass's hidden
-        states its tokens read): its logits at the batch's rows, and its hidden states."""
-        hidden = self.draft(batch, states, self.draft_backend)
-        return self.draft.compute_logits(hidden[batch.logits_indices]), hidden
-
-    def _fused_draft(
-        self, batch: ForwardBatch, logits: torch.Tensor, feed: torch.Tensor
-    ) -> torch.Tensor:
-        """Naive speculation: the draft over the target's tokens, each reading the token after it
-        (the target's argmax where that is not known yet); its logits at the wanted rows."""
         fused = batch.fused_draft
-        argmax = (
-            logits.argmax(dim=-1)[fused.from_target.clamp(min=0)]
-            if logits.shape[0]
-            else fused.next_ids
-        )
+        if logits.shape[0]:
+            argmax = logits.argmax(dim=-1)[fused.from_target.clamp(min=0)]
+        else:
+            argmax = fused.next_ids
         ids = torch.where(fused.from_target >= 0, argmax, fused.next_ids)
-        draft_batch = replace(
-            batch, input_ids=ids, logits_indices=fused.logits_indices, fused_draft=None
-        )
-        hidden = self.draft(draft_batch, feed, self.draft_backend)
-        return self.draft.compute_logits(hidden[fused.logits_indices])
+        draft_batch = replace(batch, input_ids=ids, fused_draft=None)
+        return logits, self.draft(draft_batch, feed, self.draft_backend), feed
+
+    def run_model(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """One eager pass of the target (or, with `hidden_rows`, the draft): its logits at the
+        batch's rows (then the fused draft's), and the hidden states a draft pass reads next."""
+        batch = replace(batch, input_ids=self.read_pending(batch.input_ids))
+        if batch.hidden_rows is not None:  # a draft pass reads the last pass's hidden states
+            hidden = self.draft_layers(batch, self.last_hidden[batch.hidden_rows])
+            return self.draft.compute_logits(hidden[batch.logits_indices]), hidden
+        if batch.fused_draft is None:
+            hidden, feed = self.target_layers(batch)
+            return self.model.compute_logits(hidden[batch.logits_indices]), feed
+        logits, draft_hidden, feed = self.fused_layers(batch)
+        draft = self.draft.compute_logits(draft_hidden[batch.fused_draft.logits_indices])
+        return torch.cat([logits, draft]), feed

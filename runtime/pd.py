@@ -234,15 +234,11 @@ def _arrived(value) -> float:
 
 def _aux(req: Request) -> dict:
     aux = {"token": req.output_ids[0]}
-    if (
-        req.draft_tokens
-    ):  # speculative: the draft's proposals after the prompt, verified first by the decode
+    if req.draft_tokens:  # the draft's proposals after the prompt: the decode verifies them first
         aux["draft"] = list(req.draft_tokens)
         aux["draft_parents"] = list(req.draft_parents)
-    if (
-        req.generator is not None
-    ):  # seeded: the decode draws on from where the first token's draw left off
-        aux["rng"] = req.generator.get_state().numpy().tobytes()
+    if req.rng_state is not None:  # seeded: the decode draws on from where the prefill stopped
+        aux["rng"] = req.rng_state
     if req.params.return_logprob and req.token_logprobs:
         aux["logprob"] = req.token_logprobs[0]
         aux["top"] = [list(x) for x in req.top_logprobs[0]]

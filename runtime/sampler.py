@@ -1,9 +1,13 @@
-"""Turning the last position's logits into the next token, per request parameters, batched.
+"""Turning logits into tokens, batched, on the rank that computed them (its attention group's
+ranks all hold the full logits and sample alike).
 
 Order: penalties (repetition over prompt and output, frequency/presence over output), temperature,
-top-k, top-p, min-p, then a draw. Greedy rows take the argmax of the raw logits. Seeded requests
-draw from their own generator, so a seed gives the same tokens whatever else is in the batch.
-Logprobs are those of the model's own distribution (log-softmax of the raw logits).
+top-k, top-p, min-p, then a draw. Greedy rows take the argmax. A seeded request draws on the host
+from its own generator, so a seed gives the same tokens whatever else is in the batch and whatever
+the TP size; the other sampled rows draw on the device from the group's generator (seeded by
+`random_seed`) by the exponential race, which draws from the same distribution with no host sync.
+Logprobs are those of the model's own distribution (log-softmax of the raw logits). Results stay
+on the device (`Sampled`) until the step's result is copied to the host.
 """
 
 from __future__ import annotations
@@ -12,82 +16,122 @@ from dataclasses import dataclass
 
 import torch
 
-from dserve.scheduler.request import Request
+from dserve.scheduler.request import SamplingParams
 
 
-@dataclass
-class SampleOutput:
-    token_ids: list[int]
-    logprobs: list[float] | None  # of the chosen tokens, for requests that asked
-    top_logprobs: list[list[tuple[int, float]]] | None
+def device_ints(values: list[int], device: torch.device) -> torch.Tensor:
+    """Host ints on `device` without waiting for the device (through pinned memory on a GPU)."""
+    pinned = device.type == "cuda"
+    host = torch.tensor(values, dtype=torch.int64, pin_memory=pinned)
+    return host.to(device, non_blocking=True)
 
 
-def _penalise(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+def _penalise(logits: torch.Tensor, reqs) -> torch.Tensor:
+    """`reqs` carry `params`, `all_ids` and `output_ids` (the tokens the penalties count)."""
     for row, req in enumerate(reqs):
         p = req.params
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(req.all_ids)), device=logits.device)
             vals = logits[row, seen]
-            logits[row, seen] = torch.where(
+            penalised = torch.where(
                 vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
             )
+            logits[row, seen] = penalised
         if (p.frequency_penalty or p.presence_penalty) and req.output_ids:
-            ids, counts = torch.tensor(req.output_ids, device=logits.device).unique(
-                return_counts=True
-            )
-            logits[row, ids] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
+            outputs = torch.tensor(req.output_ids, device=logits.device)
+            ids, counts = outputs.unique(return_counts=True)
+            counts = counts.to(logits.dtype)
+            logits[row, ids] -= p.frequency_penalty * counts + p.presence_penalty
     return logits
 
 
-def processed_probs(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-    """Temperature, top-k, top-p and min-p applied row-wise; returns probabilities."""
-    temps = torch.tensor([max(r.params.temperature, 1e-6) for r in reqs], device=logits.device)
-    logits = logits / temps[:, None]
-    top_k = torch.tensor(
-        [r.params.top_k if r.params.top_k > 0 else logits.shape[1] for r in reqs],
-        device=logits.device,
+def has_penalties(params: SamplingParams) -> bool:
+    return (
+        params.repetition_penalty != 1.0
+        or bool(params.frequency_penalty)
+        or bool(params.presence_penalty)
     )
+
+
+def processed_probs(logits: torch.Tensor, reqs) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p applied row-wise; returns probabilities."""
+    device, vocab = logits.device, logits.shape[1]
+    params = [r.params for r in reqs]
+    temps = torch.tensor([max(p.temperature, 1e-6) for p in params], device=device)
+    logits = logits / temps[:, None]
+    top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
+    top_k = torch.tensor(top_k, device=device)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(logits.shape[1], device=logits.device)[None, :]
+    ranks = torch.arange(vocab, device=device)[None, :]
     sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
-    top_p = torch.tensor([r.params.top_p for r in reqs], device=logits.device)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
     before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
     probs = probs.masked_fill(before > top_p[:, None], 0.0)
-    min_p = torch.tensor([r.params.min_p for r in reqs], device=logits.device)
+    min_p = torch.tensor([p.min_p for p in params], device=device)
     probs = probs.masked_fill(probs < min_p[:, None] * probs[:, :1], 0.0)
     probs = probs / probs.sum(dim=-1, keepdim=True)
     return torch.zeros_like(probs).scatter_(1, order, probs)
 
 
-def sample(logits: torch.Tensor, reqs: list[Request]) -> SampleOutput:
-    """logits [N, vocab] float32, one row per request in `reqs`, on the rank's device or the CPU.
-    On a GPU only what is needed crosses to the host: the argmax ids, the sampled rows'
-    probabilities (drawn on the host, from each request's own generator), the logprobs asked for."""
-    raw = logits
-    if any(
-        r.params.repetition_penalty != 1.0
-        or r.params.frequency_penalty
-        or r.params.presence_penalty
-        for r in reqs
-    ):
-        logits = _penalise(logits.clone(), reqs)
-    token_ids = logits.argmax(dim=-1).tolist()
-    rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
-    if rows:
-        probs = processed_probs(logits[rows], [reqs[i] for i in rows]).cpu()
-        for j, i in enumerate(rows):
-            token_ids[i] = int(torch.multinomial(probs[j], 1, generator=reqs[i].generator)[0])
-    if not any(r.params.return_logprob for r in reqs):
-        return SampleOutput(token_ids, None, None)
-    logprobs = raw.log_softmax(dim=-1)
-    chosen = logprobs.gather(1, torch.tensor(token_ids, device=raw.device)[:, None])[:, 0].tolist()
-    tops = []
-    for i, req in enumerate(reqs):
-        n = req.params.top_logprobs_num
-        if n:
-            vals, ids = logprobs[i].topk(n)
-            tops.append(list(zip(ids.tolist(), vals.tolist())))
-        else:
-            tops.append([])
-    return SampleOutput(token_ids, chosen, tops)
+@dataclass
+class Sampled:
+    """A step's sampled tokens on the device, with the logprobs asked for."""
+
+    ids: torch.Tensor
+    """[N] int64."""
+    logprobs: torch.Tensor | None = None
+    """[N] of the chosen tokens, when a row asked."""
+    top_values: torch.Tensor | None = None
+    """[N, k], k the most top logprobs a row asked for."""
+    top_ids: torch.Tensor | None = None
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int):
+        self.device = device
+        self.device_generator = torch.Generator(device).manual_seed(seed)
+        self.host_generator = torch.Generator().manual_seed(seed)
+        """Unseeded requests' draws on the host (speculative verification)."""
+
+    def generator_of(self, req) -> torch.Generator:
+        return req.generator if req.generator is not None else self.host_generator
+
+    def sample(self, logits: torch.Tensor, reqs) -> Sampled:
+        """`logits` [N, vocab] float32, one row per request of `reqs` (`RankRequest`s)."""
+        raw = logits
+        if any(has_penalties(r.params) for r in reqs):
+            logits = _penalise(logits.clone(), reqs)
+        ids = logits.argmax(dim=-1)
+        drawn = [i for i, r in enumerate(reqs) if not r.params.greedy and r.generator is None]
+        if drawn:
+            ids[device_ints(drawn, self.device)] = self._race(logits, reqs, drawn)
+        seeded = [i for i, r in enumerate(reqs) if not r.params.greedy and r.generator is not None]
+        if seeded:
+            ids[device_ints(seeded, self.device)] = self._draw_on_host(logits, reqs, seeded)
+        if not any(r.params.return_logprob for r in reqs):
+            return Sampled(ids)
+        logprobs = raw.log_softmax(dim=-1)
+        chosen = logprobs.gather(1, ids[:, None])[:, 0]
+        k = max(r.params.top_logprobs_num for r in reqs)
+        if not k:
+            return Sampled(ids, chosen)
+        top = logprobs.topk(k, dim=-1)
+        return Sampled(ids, chosen, top.values, top.indices)
+
+    def _race(self, logits: torch.Tensor, reqs, rows: list[int]) -> torch.Tensor:
+        """Draws for `rows` on the device: argmax of p / E with E ~ Exp(1) is a draw from p."""
+        index = device_ints(rows, self.device)
+        probs = processed_probs(logits[index], [reqs[i] for i in rows])
+        noise = torch.empty_like(probs).exponential_(generator=self.device_generator)
+        return (probs / noise).argmax(dim=-1)
+
+    def _draw_on_host(self, logits: torch.Tensor, reqs, rows: list[int]) -> torch.Tensor:
+        """Draws for seeded `rows`, each from its request's own generator (waits for the step)."""
+        index = device_ints(rows, self.device)
+        probs = processed_probs(logits[index], [reqs[i] for i in rows]).cpu()
+        drawn = [
+            int(torch.multinomial(probs[j], 1, generator=reqs[i].generator)[0])
+            for j, i in enumerate(rows)
+        ]
+        return device_ints(drawn, self.device)

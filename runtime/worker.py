@@ -1,5 +1,5 @@
 """A rank process: joins the instance's torch.distributed groups, loads its shard, then runs every
-batch the front sends until told to stop. It blocks on its pipe between steps (no busy-wait).
+step the front plans until told to stop. It blocks on its pipe between steps (no busy-wait).
 
 Rank r of `tp_size` ranks is attention-TP rank `r % A` of DP group `r // A` (A = tp_size // dp_size).
 """
@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import pickle
 import traceback
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -60,44 +62,24 @@ def worker_main(rank: int, config: EngineConfig, store_port: int, conn, transfer
             torch.cuda.set_device(device)
         timeout = datetime.timedelta(seconds=config.collective_timeout_s)
         store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timeout)
-        dist.init_process_group(
-            "nccl" if device != "cpu" else "gloo",
-            store=store,
-            rank=rank,
-            world_size=config.world_size,
-            timeout=timeout,
-        )
+        backend = "nccl" if device != "cpu" else "gloo"
+        world = config.world_size
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         ctx = build_context(rank, config)
         from dserve.runtime.model_runner import ModelRunner
+        from dserve.runtime.step_runner import StepRunner
 
         runner = ModelRunner(config, ctx, device)
-        if (
-            transfer is not None
-        ):  # started before "ready", so the front finds every agent registered
+        if transfer is not None:  # before "ready": the front finds every agent registered
             from dserve.transfer.agent import start_agent
 
             start_agent(transfer, runner.transfer_pools, ctx.dp.rank, ctx.attn.rank, ctx.attn.size)
         shapes = {name: tuple(p.shape) for name, p in runner.model.named_parameters()}
-        conn.send(
-            (
-                "ready",
-                RankInfo(
-                    rank,
-                    ctx.dp.rank,
-                    ctx.attn.rank,
-                    runner.num_pages,
-                    runner.parameter_bytes,
-                    shapes,
-                ),
-            )
+        info = RankInfo(
+            rank, ctx.dp.rank, ctx.attn.rank, runner.num_pages, runner.parameter_bytes, shapes
         )
-        leader = ctx.attn.rank == 0
-        while True:
-            batch = conn.recv()
-            if batch is None:
-                break
-            logits = runner.forward(batch)  # every rank runs the LM head's collective
-            conn.send(("ok", logits.cpu() if leader else None))
+        conn.send(("ready", info))
+        run_steps(StepRunner(runner, ctx.dp.rank), conn, leader=ctx.attn.rank == 0)
     except (EOFError, KeyboardInterrupt):
         pass  # the front went away
     except BaseException:
@@ -107,3 +89,24 @@ def worker_main(rank: int, config: EngineConfig, store_port: int, conn, transfer
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def run_steps(steps, conn, leader: bool) -> None:
+    """Launch each plan as it arrives, then answer for the steps before it. After a plan that
+    overlaps, its own result waits until the next plan is launched (or a `Settle` asks for it),
+    so the device runs that plan while the front reads this one's tokens."""
+    from dserve.runtime.executor import result_digest
+    from dserve.runtime.plan import StepPlan
+
+    launched = deque()
+    while True:
+        message = pickle.loads(conn.recv_bytes())
+        if message is None:
+            return
+        keep = 0
+        if isinstance(message, StepPlan):
+            launched.append(steps.launch(message))
+            keep = 1 if message.overlaps else 0
+        while len(launched) > keep:
+            result = steps.finish(launched.popleft())
+            conn.send(("ok", result if leader else result_digest(result)))

@@ -74,6 +74,8 @@ class KVCacheManager:
         self.enable_prefix_cache = enable_prefix_cache
         self.tables: dict[str, list[int]] = {}
         self.hashes: dict[str, list[bytes]] = {}
+        self.cut: dict[str, int] = {}
+        """Per table, the fewest pages it kept since `changed_from` last looked (trims)."""
 
     @property
     def num_pages(self) -> int:
@@ -135,13 +137,21 @@ class KVCacheManager:
         for page in reversed(self.tables.pop(rid, [])):
             self.allocator.release(page)
         self.hashes.pop(rid, None)
+        self.cut.pop(rid, None)
 
     def trim(self, rid: str, num_tokens: int) -> None:
         """Give back the pages of `rid` past its first `num_tokens` tokens (rejected draft tokens)."""
         table = self.tables[rid]
         keep = -(-num_tokens // self.page_size)
+        if len(table) > keep:
+            self.cut[rid] = min(self.cut.get(rid, keep), keep)
         while len(table) > keep:
             self.allocator.release(table.pop())
+
+    def changed_from(self, rid: str, known: int) -> int:
+        """The first index of `rid`'s table that may differ from a copy of its first `known`
+        pages taken earlier (pages past a trim may have been given out again)."""
+        return min(known, self.cut.pop(rid, known))
 
     def hold(self, rid: str, key: str) -> list[int]:
         """Move `rid`'s pages to a holder `key` (pages in flight outlive their request); free(key) ends it."""
@@ -149,6 +159,7 @@ class KVCacheManager:
             raise ValueError(f"pages are already held under {key!r}")
         self.tables[key] = self.tables.pop(rid, [])
         self.hashes[key] = self.hashes.pop(rid, [])
+        self.cut.pop(rid, None)
         return self.tables[key]
 
     def slots(self, rid: str, start: int, end: int) -> list[int]:

@@ -11,8 +11,6 @@ import enum
 import time
 from dataclasses import dataclass, field, fields
 
-import torch
-
 
 @dataclass
 class SamplingParams:
@@ -123,37 +121,47 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
+    """A request as the front sees it. Tokens sampled by a step still in flight are counted in
+    `num_pending_tokens` until the step's result arrives (overlapped scheduling)."""
+
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    num_pending_tokens: int = 0
+    """Tokens that steps in flight sample for it, not yet known here."""
+    stop_length: int = 0
+    """The token count at which it ends whatever it samples (its max_new_tokens, the context;
+    on a prefill instance its first token); 0: not set."""
+    slot: int | None = None
+    """Its row in the ranks' per-request tables while it runs."""
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache at first admission."""
     num_preemptions: int = 0
     status: Status = Status.WAITING
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: str | None = None
+    """`stop`, `length` or `abort`."""
     matched_stop: int | str | None = None
     error: str | None = None
-    generator: torch.Generator | None = None
+    rng_state: bytes | None = None
+    """A seeded request's generator state as the ranks last reported it (a prefill sends it on
+    with the first token; a decode's ranks continue from it)."""
     token_logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
-    extra_meta: dict = field(
-        default_factory=dict
-    )  # e.g. KV transfer figures, merged into the result's meta
-    draft_tokens: list[int] = field(
-        default_factory=list
-    )  # speculative: proposals the next step verifies
-    draft_parents: list[int] = field(
-        default_factory=list
-    )  # their tree: each one's parent (-1: the newest token)
-    accepted_per_step: list[int] = field(
-        default_factory=list
-    )  # speculative: drafts accepted by each verify
+    extra_meta: dict = field(default_factory=dict)
+    """E.g. KV transfer figures, merged into the result's meta."""
+    draft_tokens: list[int] = field(default_factory=list)
+    """Speculative: proposals the next step verifies."""
+    draft_parents: list[int] = field(default_factory=list)
+    """Their tree: each one's parent (-1: the newest token)."""
+    accepted_per_step: list[int] = field(default_factory=list)
+    """Speculative: drafts accepted by each verify."""
 
     @property
     def all_ids(self) -> list[int]:
@@ -161,19 +169,24 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens known here: the prompt and the outputs whose results arrived."""
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_total_tokens(self) -> int:
+        """Tokens it will have once the steps in flight report: what scheduling counts."""
+        return self.num_tokens + self.num_pending_tokens
 
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
-    def finish(
-        self, reason: str, matched: int | str | None = None, error: str | None = None
-    ) -> None:
-        self.status, self.finish_reason, self.matched_stop, self.error = (
-            Status.FINISHED,
-            reason,
-            matched,
-            error,
-        )
+    @property
+    def ends_in_flight(self) -> bool:
+        """Its last token is being sampled by a step in flight: nothing more to schedule."""
+        return bool(self.stop_length) and self.num_total_tokens >= self.stop_length
+
+    def finish(self, reason: str, matched: int | str | None = None, error: str | None = None):
+        self.status, self.finish_reason = Status.FINISHED, reason
+        self.matched_stop, self.error = matched, error
         self.finish_time = time.perf_counter()

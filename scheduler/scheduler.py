@@ -5,6 +5,11 @@ of a long prompt, at most `chunked_prefill_size` tokens), then waiting requests 
 order while budget and pages last. When a running request cannot get a page, the most recently
 admitted running request is preempted: its pages go back and it returns to the front of the queue,
 to be recomputed later (with the prefix cache it mostly finds its own pages again).
+
+A running request holds a slot: its row in the ranks' per-request tables. Scheduling may run while
+a step is in flight (overlapped scheduling): `launched` counts the step's spans as computed at
+once and each span that samples as a token owed (`Request.num_pending_tokens`), so the next step
+continues where this one ends; a request whose last token is owed is not scheduled again.
 """
 
 from __future__ import annotations
@@ -27,8 +32,7 @@ class SchedulerConfig:
 class Span:
     """Compute tokens [start, start + length) of `req` in this step; with speculation the last
     `len(draft)` of them are draft tokens to verify (a tree: node i hangs from node `parents[i]`,
-    -1 being the token before them), of which `rejected` turn out wrong. `kept` lists, once
-    verified, the span's rows whose tokens stay: the first, then the accepted path's nodes."""
+    -1 being the token before them), of which `rejected` turn out wrong."""
 
     req: Request
     start: int
@@ -36,18 +40,11 @@ class Span:
     draft: tuple[int, ...] = ()
     parents: tuple[int, ...] = ()
     rejected: int = 0
-    kept: list[int] | None = None
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.req.all_ids[self.start : self.start + self.length - len(self.draft)] + list(
-            self.draft
-        )
 
     @property
     def completes(self) -> bool:
-        """True when the span reaches the request's last token, so a next token is sampled after it."""
-        return self.start + self.length - len(self.draft) == self.req.num_tokens
+        """The span reaches the request's last token, so a next token is sampled after it."""
+        return self.start + self.length - len(self.draft) == self.req.num_total_tokens
 
     @property
     def computed_end(self) -> int:
@@ -61,6 +58,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.preempted_total = 0
+        self.free_slots = list(range(config.max_running_requests - 1, -1, -1))
+        self.ended_slots: list[int] = []
+        """Slots given back since the planner last looked (their requests ended or left)."""
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -75,14 +75,14 @@ class Scheduler:
         for req in list(self.running):
             if budget == 0:
                 break
-            if req.status is not Status.RUNNING:  # preempted earlier in this loop
-                continue
+            if req.status is not Status.RUNNING or req.ends_in_flight:
+                continue  # preempted earlier in this loop, or its last token is owed
             span = self._next_span(req, budget)
             if not self._grow(req, span.length):
                 continue
             spans.append(span)
             budget -= span.length
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
+        while self._admits(budget):
             req = self.waiting[0]
             if req.num_computed_tokens == 0 and req.rid not in self.kv.tables:
                 cached = self.kv.match_prefix(req.rid, req.all_ids)
@@ -97,31 +97,40 @@ class Scheduler:
                 req.num_computed_tokens = 0
                 break
             self.waiting.popleft()
-            req.status = Status.RUNNING
+            req.status, req.slot = Status.RUNNING, self.free_slots.pop()
             self.running.append(req)
             spans.append(span)
             budget -= span.length
         return spans
 
+    def _admits(self, budget: int) -> bool:
+        """Whether the queue's head may join now. A preempted request whose token is still owed by
+        a step in flight waits for it (it recomputes with every token it has)."""
+        return (
+            bool(self.waiting)
+            and budget > 0
+            and len(self.running) < self.config.max_running_requests
+            and not self.waiting[0].num_pending_tokens
+        )
+
     def _next_span(self, req: Request, budget: int) -> Span:
         """The request's next chunk of prompt, or its newest token followed by its draft tokens."""
-        n = min(req.num_tokens - req.num_computed_tokens, self.config.chunked_prefill_size, budget)
+        left = req.num_total_tokens - req.num_computed_tokens
+        n = min(left, self.config.chunked_prefill_size, budget)
         if n == 1 and req.draft_tokens and budget > len(req.draft_tokens):
-            return Span(
-                req,
-                req.num_computed_tokens,
-                1 + len(req.draft_tokens),
-                tuple(req.draft_tokens),
-                tuple(req.draft_parents),
-            )
+            draft, parents = tuple(req.draft_tokens), tuple(req.draft_parents)
+            return Span(req, req.num_computed_tokens, 1 + len(draft), draft, parents)
         return Span(req, req.num_computed_tokens, n)
 
     def _grow(self, req: Request, n: int) -> bool:
         """Pages for `n` more tokens of a running request, preempting from the back when short.
-        A request alone that still cannot grow has outgrown the whole pool and is ended."""
+        A request alone that still cannot grow has outgrown the whole pool and is ended (once the
+        token a step in flight samples for it has arrived)."""
         while not self.kv.allocate_slots(req.rid, req.num_computed_tokens + n):
             victim = self.running[-1]
             if victim is req and len(self.running) == 1:
+                if req.num_pending_tokens:  # the token in flight is its own: take it first
+                    return False
                 self.finish(req, "abort", error="the KV cache is too small for this request")
                 return False
             self._preempt(victim)
@@ -130,7 +139,7 @@ class Scheduler:
         return True
 
     def _preempt(self, req: Request) -> None:
-        self.running.remove(req)
+        self._leave(req)
         self.kv.free(req.rid)
         req.draft_tokens, req.draft_parents = [], []  # the recomputed prompt drafts anew
         req.num_computed_tokens = 0
@@ -139,18 +148,41 @@ class Scheduler:
         self.waiting.appendleft(req)
         self.preempted_total += 1
 
-    def advance(self, spans: list[Span]) -> None:
-        """Record that the spans' tokens are computed (their KV is in the pages)."""
+    def _leave(self, req: Request) -> None:
+        """`req` stops running: its slot goes back."""
+        self.running.remove(req)
+        self.free_slots.append(req.slot)
+        self.ended_slots.append(req.slot)
+        req.slot = None
+
+    def launched(self, spans: list[Span]) -> None:
+        """The spans are in a step: their tokens count as computed (a verify's rejected ones are
+        taken back by `verified`), and each span that samples owes its request a token."""
         for span in spans:
-            span.req.num_computed_tokens = span.computed_end
-            if span.rejected:  # the pages of rejected draft tokens go back at once
-                self.kv.trim(span.req.rid, span.computed_end)
-            self.kv.commit(span.req.rid, span.req.all_ids, span.req.num_computed_tokens)
+            req = span.req
+            if span.completes:
+                req.num_pending_tokens += 1
+            req.num_computed_tokens = span.start + span.length
+            self.kv.commit(req.rid, req.all_ids, req.num_computed_tokens)
+
+    def verified(self, span: Span, rejected: int) -> None:
+        """A verify rejected the last `rejected` tokens of `span`: their pages go back at once."""
+        span.rejected = rejected
+        req = span.req
+        req.num_computed_tokens = span.computed_end
+        if rejected and req.status is Status.RUNNING:
+            self.kv.trim(req.rid, span.computed_end)
+
+    def received(self, req: Request) -> None:
+        """A step's result for `req` arrived: publish the pages whose token ids are now known
+        (unless it ended, or was preempted and holds no pages)."""
+        if req.status is Status.RUNNING:
+            self.kv.commit(req.rid, req.all_ids, req.num_computed_tokens)
 
     def finish(self, req: Request, reason: str, matched=None, error: str | None = None) -> None:
         """End a request wherever it is (running, waiting or not yet added) and free its pages."""
         if req in self.running:
-            self.running.remove(req)
+            self._leave(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req.rid)

@@ -64,12 +64,18 @@ def make_engine():
     gc.collect()  # free KV pools now: a GPU pool sized from free memory must not see the last test's
 
 
-def forward_spans(engine, spans, group: int = 0):
-    """Logits of one forward pass over `spans` (whose pages are allocated) in DP group `group`."""
-    from dserve.runtime.batch import build_step_batches
+def forward_spans(engine, spans):
+    """Logits of one forward pass over `spans` (whose pages are allocated) on a one-rank engine,
+    after the last token of each."""
+    from dserve.runtime.batch import Seq, assemble, table_rows
 
-    plans = [spans if g == group else [] for g in range(len(engine.groups))]
-    return engine.executor.execute(build_step_batches(plans, [g.kv for g in engine.groups]))[group]
+    kv = engine.groups[0].kv
+    seqs = []
+    for s in spans:
+        tokens = s.req.all_ids[s.start : s.start + s.length]
+        seqs.append(Seq(s.req.rid, s.start, tokens, [s.length - 1]))
+    rows = table_rows(kv.tables, [s.req.rid for s in spans])
+    return engine.executor.runner.forward(assemble(seqs, rows, kv.page_size))
 
 
 def count_calls(obj, name: str) -> list:

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from dserve.runtime import SamplingParams
-from dserve.runtime.sampler import _penalise, processed_probs, sample
+from dserve.runtime.rank_state import RankRequest
+from dserve.runtime.sampler import Sampler, _penalise, processed_probs
 from dserve.scheduler.request import Request
 from tests.conftest import random_prompts
 from tests.reference import hf_greedy, hf_last_logits
@@ -159,13 +160,16 @@ def test_logprobs_match_reference_distribution(tiny_dir, make_engine):
     assert len(result.meta["output_token_logprobs"]) == 3
 
 
-def test_sampler_draws_follow_the_filtered_distribution():
-    torch.manual_seed(0)
+@pytest.mark.parametrize("seed", [None, 5], ids=["device-race", "seeded-on-host"])
+def test_sampler_draws_follow_the_filtered_distribution(seed):
+    """Unseeded rows race on the device (argmax of p / Exp(1)), seeded ones draw from their own
+    generator on the host: both follow the filtered distribution."""
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(4000, 1)
-    reqs = [_req(temperature=1.0, top_k=3) for _ in range(4000)]
-    counts = (
-        torch.bincount(torch.tensor(sample(logits, reqs).token_ids), minlength=4).float() / 4000
-    )
+    params = SamplingParams(temperature=1.0, top_k=3, seed=seed)
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
+    reqs = [RankRequest(0, [1, 2, 3], 3, params, generator) for _ in range(4000)]
+    ids = Sampler(torch.device("cpu"), seed=0).sample(logits, reqs).ids
+    counts = torch.bincount(ids, minlength=4).float() / 4000
     assert counts[3] == 0
     assert torch.allclose(counts[:3], torch.tensor([0.5, 0.3, 0.15]) / 0.95, atol=0.03)
 

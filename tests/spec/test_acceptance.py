@@ -108,7 +108,7 @@ def test_speculative_sampling_keeps_the_target_distribution(topk, trained, make_
     assert [s[0] for s in spec] == [
         p[0] for p in plain
     ]  # the first token comes from the prefill alike
-    stats = engine.speculator
+    stats = engine.speculation
     assert 0 < sum(stats.accepted) < sum(stats.proposed), (stats.accepted, stats.proposed)
     for position in (1, 2, 3):
         ours, theirs = [s[position] for s in spec], [p[position] for p in plain]

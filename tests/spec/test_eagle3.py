@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dserve.runtime.batch import Seq, assemble, build_draft_batch
+from dserve.runtime.batch import Seq, assemble, assemble_draft, table_rows
 from dserve.scheduler.kv_manager import KVCacheManager
 from tests.reference import relative_error
 from tests.spec.test_mtp import GREEDY, checkpoint_tensors, prompts
@@ -45,9 +45,8 @@ def test_target_hands_over_the_configured_layer_outputs(arch, eagle3_dir, make_e
     ids = prompts(2)[1]
     kv = KVCacheManager(runner.num_pages, runner.pool.layout.page_size)
     assert kv.allocate_slots("r", len(ids))
-    runner.forward(
-        assemble([Seq("r", 0, ids, [len(ids) - 1])], kv)
-    )  # a target pass over the prompt
+    rows = table_rows(kv.tables, ["r"])
+    runner.forward(assemble([Seq("r", 0, ids, [len(ids) - 1])], rows, kv.page_size))  # a prompt
     transformers.logging.set_verbosity_error()
     hf = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -70,9 +69,8 @@ def test_draft_layer_matches_transformers(arch, eagle3_dir, make_engine):
     kv = KVCacheManager(runner.num_pages, runner.draft_pool.layout.page_size)
     assert kv.allocate_slots("r", T)
     runner.last_hidden = aux
-    ours = runner.forward(
-        build_draft_batch([Seq("r", 0, tokens.tolist(), list(range(T)), list(range(T)))], kv)
-    )
+    seq = Seq("r", 0, tokens.tolist(), list(range(T)), list(range(T)))
+    ours = runner.forward(assemble_draft([seq], table_rows(kv.tables, ["r"]), kv.page_size))
     embed = runner.model.embed_tokens.weight
     ref = reference_draft_logits(draft, embed, tokens, aux)
     hot = torch.arange(ref.shape[-1]) + checkpoint_tensors(draft, "")["d2t"]

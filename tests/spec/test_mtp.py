@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dserve.runtime.batch import Seq, build_draft_batch
+from dserve.runtime.batch import Seq, assemble_draft, table_rows
 from dserve.scheduler.kv_manager import KVCacheManager
 from tests.reference import relative_error
 
@@ -71,7 +71,8 @@ def test_draft_layer_matches_transformers(arch, tiny_dir, make_engine):
     kv = KVCacheManager(runner.num_pages, runner.draft_pool.layout.page_size)
     assert kv.allocate_slots("r", T)
     runner.last_hidden = hidden
-    batch = build_draft_batch([Seq("r", 0, tokens.tolist(), list(range(T)), list(range(T)))], kv)
+    seq = Seq("r", 0, tokens.tolist(), list(range(T)), list(range(T)))
+    batch = assemble_draft([seq], table_rows(kv.tables, ["r"]), kv.page_size)
     ours = runner.forward(batch)
     ref = reference_draft_logits(path, tokens, hidden)
     assert relative_error(ours, ref) < 1e-4
@@ -122,15 +123,23 @@ def oracle_drafts(engine, answer: list[int], steps: int = 3) -> None:
     then takes all `steps` drafts."""
     oracle = answer + [0] * 2 * steps
 
-    def propose(plans, kvs, pages_of):
-        for spans in plans:
-            for span in spans:
-                req = span.req
-                if not req.finished:
-                    req.draft_tokens = oracle[req.num_tokens : req.num_tokens + steps]
-                    req.draft_parents = list(range(-1, steps - 1))
+    def chain(req):
+        return oracle[req.num_tokens : req.num_tokens + steps], list(range(-1, steps - 1))
 
-    engine.speculator.propose = propose
+    replace_drafts(engine, chain)
+
+
+def replace_drafts(engine, drafts_for) -> None:
+    """The trees the front keeps for the next verify become `drafts_for(req)` -> (tokens,
+    parents) instead of the draft's proposals (which still run on the ranks)."""
+    settle = engine.speculation.settle
+
+    def settled(span, outcome):
+        settle(span, outcome)
+        if not span.req.finished:
+            span.req.draft_tokens, span.req.draft_parents = drafts_for(span.req)
+
+    engine.speculation.settle = settled
 
 
 def test_drafts_that_the_target_agrees_with_are_all_taken(tiny_dir, make_engine):

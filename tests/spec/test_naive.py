@@ -25,7 +25,10 @@ def test_naive_equals_two_passes(algorithm, arch, trained_dir, trained_eagle3, m
     plain = make_engine(path, **kwargs).generate(input_ids=ids, sampling_params=MIXED)
     two = make_engine(path, **kwargs, **spec).generate(input_ids=ids, sampling_params=MIXED)
     engine = make_engine(path, **kwargs, **spec, speculative_naive=True)
-    calls, steps = count_calls(engine.executor, "execute"), count_calls(engine, "step")
+    calls, steps = (
+        count_calls(engine.executor.runner, "forward"),
+        count_calls(engine.executor.steps, "launch"),
+    )
     naive = engine.generate(input_ids=ids, sampling_params=MIXED)
     assert len(calls) == len(steps) > 0  # one forward call per step
     for i in (0, 1, 2, 4):  # greedy: the target's tokens

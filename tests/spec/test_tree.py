@@ -17,7 +17,7 @@ from dserve.spec.tree import (
     select,
 )
 from tests.spec.test_acceptance import chi_square_same_distribution
-from tests.spec.test_mtp import GREEDY, prompts
+from tests.spec.test_mtp import GREEDY, prompts, replace_drafts
 
 #            0  1  2  3  4  5
 PARENTS = [-1, -1, 0, 1, 1, 4]  # root -> {0, 1}; 0 -> 2; 1 -> {3, 4}; 4 -> 5
@@ -111,20 +111,15 @@ def test_engine_verifies_a_tree_off_its_first_branch(arch, tiny_dir, make_engine
     )
     oracle = ids + expected + [0] * 8
 
-    def propose(
-        plans, kvs, pages_of
-    ):  # the draft passes replaced by a tree around the known answer
-        for spans in plans:
-            for span in spans:
-                req = span.req
-                if not req.finished:
-                    right = oracle[req.num_tokens : req.num_tokens + 3]
-                    wrong = [(t + 1) % 100 for t in right]
-                    # nodes: 0 wrong1, 1 right1, 2 wrong2 (under 1), 3 right2 (under 1), 4 wrong3, 5 right3 (under 3)
-                    req.draft_tokens = [wrong[0], right[0], wrong[1], right[1], wrong[2], right[2]]
-                    req.draft_parents = [-1, -1, 1, 1, 3, 3]
+    def tree(req):  # a tree around the known answer, its right path last at every level
+        right = oracle[req.num_tokens : req.num_tokens + 3]
+        wrong = [(t + 1) % 100 for t in right]
+        # nodes: 0 wrong1, 1 right1, 2 wrong2 (under 1), 3 right2 (under 1), 4 wrong3,
+        # 5 right3 (under 3)
+        tokens = [wrong[0], right[0], wrong[1], right[1], wrong[2], right[2]]
+        return tokens, [-1, -1, 1, 1, 3, 3]
 
-    engine.speculator.propose = propose
+    replace_drafts(engine, tree)
     got = engine.generate(input_ids=[ids], sampling_params=GREEDY)[0]
     assert got.output_ids == expected
     assert got.meta["spec_accepted_per_step"][:-1] == [3] * (

@@ -1,0 +1,99 @@
+"""The front's side of a step: each DP group's scheduled spans -> the `StepPlan` the ranks run.
+
+Per group the planner tells the ranks only what they cannot know: requests they meet for the first
+time (tokens and sampling parameters, once), the pages each request's table gained or lost since
+the last plan, the spans with their drafts to verify, and the slots whose requests ended. The
+speculation strategy marks which spans the draft follows and which propose a tree (and allocates
+the tree's pages). Then the spans count as launched (`Scheduler.launched`): the next plan may be
+made before this step's result arrives when nothing in it depends on that result (no drafts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dserve.runtime.plan import GroupPlan, NewRequest, PageUpdate, PlannedSpan, StepPlan
+from dserve.scheduler.request import Request
+from dserve.scheduler.scheduler import Scheduler, Span
+from dserve.spec.strategy import Speculation
+
+
+@dataclass
+class LaunchedStep:
+    """A plan on its way, with the spans it came from (per group), for reading its result."""
+
+    plan: StepPlan
+    spans: list[list[Span]]
+
+    @property
+    def overlaps(self) -> bool:
+        return self.plan.overlaps
+
+
+class Planner:
+    def __init__(
+        self,
+        schedulers: list[Scheduler],
+        speculation: Speculation,
+        overlap: bool,
+        reports_rng: Callable[[Request], bool],
+    ):
+        self.schedulers, self.speculation = schedulers, speculation
+        self.overlap, self.reports_rng = overlap, reports_rng
+        self.known_pages: list[dict[int, int]] = [{} for _ in schedulers]
+        """Per group, per slot: how many pages of its table the ranks have."""
+        self.steps = 0
+
+    def plan(self) -> LaunchedStep | None:
+        """Schedule every group and make the step's plan; None when no group has work."""
+        spans = [s.schedule() for s in self.schedulers]
+        if not any(spans):
+            return None
+        groups = [self._group(g, group_spans) for g, group_spans in enumerate(spans)]
+        for scheduler, group_spans in zip(self.schedulers, spans):
+            scheduler.launched(group_spans)
+        predictable = not any(p.draft or p.catch_up or p.proposes for g in groups for p in g.spans)
+        self.steps += 1
+        plan = StepPlan(self.steps, groups, overlaps=self.overlap and predictable)
+        return LaunchedStep(plan, spans)
+
+    def _group(self, g: int, spans: list[Span]) -> GroupPlan:
+        scheduler, known = self.schedulers[g], self.known_pages[g]
+        kv = scheduler.kv
+        plan = GroupPlan(ended=scheduler.ended_slots)
+        scheduler.ended_slots = []
+        for slot in plan.ended:
+            known.pop(slot, None)
+        for span in spans:
+            req = span.req
+            catch_up, proposes = self.speculation.flags(span, kv)
+            if req.slot not in known:
+                plan.new.append(self._new(req))
+                known[req.slot] = 0
+            table = kv.tables[req.rid]
+            first = kv.changed_from(req.rid, known[req.slot])
+            if first < len(table) or len(table) != known[req.slot]:
+                plan.pages.append(PageUpdate(req.slot, first, table[first:]))
+                known[req.slot] = len(table)
+            plan.spans.append(self._span(span, catch_up, proposes))
+        return plan
+
+    def _new(self, req: Request) -> NewRequest:
+        return NewRequest(
+            req.slot, req.all_ids, len(req.prompt_ids), req.params, rng_state=req.rng_state
+        )
+
+    def _span(self, span: Span, catch_up: bool, proposes: bool) -> PlannedSpan:
+        samples = span.completes
+        return PlannedSpan(
+            span.req.slot,
+            span.start,
+            span.length,
+            span.draft,
+            span.parents,
+            samples=samples,
+            catch_up=catch_up,
+            proposes=proposes,
+            report_rng=samples and self.reports_rng(span.req),
+        )

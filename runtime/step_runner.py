@@ -1,0 +1,231 @@
+"""A rank's side of every step: a `StepPlan` in, the step's tokens out.
+
+`launch(plan)` applies the plan to the rank's copy of its requests (`rank_state.py`), builds the
+target pass from the planned spans, runs it, samples on the device and, with speculation, verifies
+the drafts and runs the draft passes (`spec/`). A plain step leaves its sampled tokens on the
+device, writes each request's newest token where the next step reads it (`ModelRunner.last_token`)
+and starts copying them to the host; `finish` waits for that copy. So the next plan can be
+launched before this step's tokens reach the host (overlapped scheduling). A speculative step
+waits for its tokens inside `launch` (verification walks the tree on the host).
+
+Every rank of an attention group runs the same code on the same full logits (the LM head gathers
+the vocabulary), so all hold the same tokens and trees; the group's first rank answers the front.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from dserve.attention.backend import PassShape
+from dserve.runtime.batch import Seq, assemble
+from dserve.runtime.plan import GroupPlan, SpanOutcome, StepPlan, StepResult
+from dserve.runtime.rank_state import RankRequests, RankSpan
+from dserve.runtime.sampler import Sampled, Sampler, device_ints, has_penalties
+from dserve.spec.strategy import make_drafter
+from dserve.spec.tree import ancestor_mask, depths, is_chain
+from dserve.spec.verify import move_accepted, verify_spans
+
+
+def target_shape(group: GroupPlan) -> PassShape:
+    spans = group.spans
+    tree = any(s.draft and not is_chain(s.parents) for s in spans)
+    return PassShape(
+        group.num_tokens,
+        max((s.length for s in spans), default=0),
+        max((s.start + s.length for s in spans), default=0),
+        tree,
+    )
+
+
+class HostCopy:
+    """Tensors on their way to the host: pinned buffers and an event on a GPU."""
+
+    def __init__(self, tensors: list[torch.Tensor | None]):
+        self.event = None
+        self.host = list(tensors)
+        if any(t is not None and t.is_cuda for t in tensors):
+            self.host = [None if t is None else _pinned_copy(t) for t in tensors]
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def wait(self) -> list[torch.Tensor | None]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return out.copy_(t, non_blocking=True)
+
+
+@dataclass
+class PendingStep:
+    """A launched step whose sampled tokens may still be on their way to the host."""
+
+    step: int
+    spans: list[RankSpan]
+    sampling: list[RankSpan] = field(default_factory=list)
+    """The spans whose token was sampled (not verified), in the sampler's row order."""
+    copy: HostCopy | None = None
+    rng_states: dict[int, bytes] = field(default_factory=dict)
+    resolved: bool = False
+    sampled_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    top: tuple[list, list] | None = None
+
+    def resolve(self) -> None:
+        """Wait for the sampled tokens and give each request its token (idempotent)."""
+        if self.resolved:
+            return
+        self.resolved = True
+        if self.copy is None:
+            return
+        ids, logprobs, top_values, top_ids = self.copy.wait()
+        self.sampled_ids = ids.tolist()
+        self.logprobs = None if logprobs is None else logprobs.tolist()
+        if top_values is not None:
+            self.top = (top_values.tolist(), top_ids.tolist())
+        for span, token in zip(self.sampling, self.sampled_ids):
+            span.req.tokens.append(token)
+            span.req.awaiting -= 1
+
+    def outcomes(self) -> list[SpanOutcome | None]:
+        self.resolve()
+        out, row = [], {id(s): i for i, s in enumerate(self.sampling)}
+        for span in self.spans:
+            p = span.plan
+            if not p.samples:
+                out.append(None)
+                continue
+            draft, parents = span.draft_out or ([], [])
+            rng = self.rng_states.get(p.slot)
+            if span.emitted is not None:
+                out.append(SpanOutcome(span.emitted, None, None, draft, parents, rng))
+                continue
+            i = row[id(span)]
+            logprob, top = self._logprobs(span, i)
+            out.append(SpanOutcome([self.sampled_ids[i]], logprob, top, draft, parents, rng))
+        return out
+
+    def _logprobs(self, span: RankSpan, i: int):
+        params = span.req.params
+        if not params.return_logprob or self.logprobs is None:
+            return None, None
+        n = params.top_logprobs_num
+        top = []
+        if n and self.top is not None:
+            values, ids = self.top
+            top = [list(zip(ids[i][:n], values[i][:n]))]
+        return [self.logprobs[i]], [top[0] if top else []]
+
+
+class StepRunner:
+    """The steps of one rank, over its `ModelRunner`."""
+
+    def __init__(self, runner, dp_rank: int = 0):
+        config = runner.config
+        self.runner, self.dp_rank = runner, dp_rank
+        self.page_size = config.page_size
+        self.requests = RankRequests(config.max_running_requests, runner.max_pages)
+        self.sampler = Sampler(runner.device, config.random_seed)
+        self.drafter = make_drafter(config, self)
+        self.unresolved: deque[PendingStep] = deque()
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> PendingStep:
+        group = plan.groups[self.dp_rank]
+        self.requests.apply(group)
+        spans = self._spans(group)
+        batch = self._target_batch(spans)
+        if self.drafter is not None:
+            self.drafter.fuse(batch, spans)
+        shapes = [target_shape(g) for g in plan.groups]
+        logits = self.runner.forward(batch, shapes)
+        n = len(batch.logits_indices)
+        pending = PendingStep(plan.step, spans)
+        self._sample(pending, logits[:n])
+        if self.drafter is not None:
+            self._speculate(plan, pending, logits[:n], logits[n:])
+        return pending
+
+    def finish(self, pending: PendingStep) -> StepResult:
+        """The step's result (waits for its tokens to reach the host)."""
+        outcomes = pending.outcomes()
+        if pending in self.unresolved:
+            self.unresolved.remove(pending)
+        return StepResult(pending.step, outcomes)
+
+    def _spans(self, group: GroupPlan) -> list[RankSpan]:
+        spans, row, logits_row = [], 0, 0
+        for p in group.spans:
+            spans.append(RankSpan(p, self.requests[p.slot], row, logits_row))
+            row += p.length
+            logits_row += p.length if p.draft else int(p.samples)
+        return spans
+
+    def _target_batch(self, spans: list[RankSpan]):
+        seqs = [self._seq(span) for span in spans]
+        rows = self.requests.tables.rows([span.plan.slot for span in spans])
+        return assemble(seqs, rows, self.page_size)
+
+    @staticmethod
+    def _seq(span: RankSpan) -> Seq:
+        """A prompt chunk or decode token (logits after its last token when it samples), or a
+        token and its draft to verify (logits after every token; a tree's nodes at their depth
+        past the root, each seeing its ancestors)."""
+        p, req = span.plan, span.req
+        known = req.tokens_at(p.start, p.start + p.length - len(p.draft))
+        if not p.draft:
+            return Seq(p.slot, p.start, known, [p.length - 1] if p.samples else [])
+        seq = Seq(p.slot, p.start, known + list(p.draft), list(range(p.length)))
+        if not is_chain(p.parents):
+            seq.positions = [p.start] + [p.start + d for d in depths(p.parents)]
+            seq.mask = ancestor_mask(p.parents)
+        return seq
+
+    def _sample(self, pending: PendingStep, logits: torch.Tensor) -> None:
+        """Sample after every span that samples and has no draft; the tokens stay on the device
+        (and in `last_token`) while their copy to the host starts."""
+        sampling = [s for s in pending.spans if s.plan.samples and not s.plan.draft]
+        pending.sampling = sampling
+        if not sampling:
+            return
+        reqs = [s.req for s in sampling]
+        if any(has_penalties(r.params) for r in reqs):
+            self._resolve_all()  # penalties count every token, the ones in flight too
+        device = logits.device
+        rows = device_ints([s.logits_row for s in sampling], device)
+        sampled: Sampled = self.sampler.sample(logits[rows], reqs)
+        slots = device_ints([s.plan.slot for s in sampling], device)
+        self.runner.last_token.index_copy_(0, slots, sampled.ids)
+        for span in sampling:
+            span.req.awaiting += 1
+            if span.plan.report_rng and span.req.generator is not None:
+                state = span.req.generator.get_state().numpy().tobytes()
+                pending.rng_states[span.plan.slot] = state
+        fields = [sampled.ids, sampled.logprobs, sampled.top_values, sampled.top_ids]
+        pending.copy = HostCopy(fields)
+        self.unresolved.append(pending)
+
+    def _resolve_all(self) -> None:
+        while self.unresolved:
+            self.unresolved.popleft().resolve()
+
+    def _speculate(self, plan: StepPlan, pending: PendingStep, logits, draft_logits) -> None:
+        """Verify the drafts, move accepted tree paths into place, then draft the next trees;
+        the step's tokens are on the host by the end."""
+        self._resolve_all()
+        verifying = [s for s in pending.spans if s.plan.draft]
+        verify_spans(verifying, logits, self.sampler)
+        for span in verifying:
+            span.req.tokens.extend(span.emitted)
+            if span.plan.report_rng and span.req.generator is not None:
+                state = span.req.generator.get_state().numpy().tobytes()
+                pending.rng_states[span.plan.slot] = state
+        tables, pool = self.requests.tables, self.runner.pool
+        move_accepted(verifying, tables, self.page_size, pool)
+        self.drafter.propose(plan, pending.spans, draft_logits)

@@ -1,0 +1,50 @@
+"""Verifying draft trees on the rank that computed the target's logits (`spec/tree.py` walks).
+
+A verified span keeps the longest path of drafts the target agrees with and yields the target's
+own token after it: 1..depth+1 tokens, each the target's own (greedy) or distributed exactly as the
+target's draw (sampling, from the request's generator). The KV of the nodes off the path is
+dropped by the front (their pages go back); the path's nodes, computed at their tree rows, are
+moved here to consecutive positions before any later pass reads the pool.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dserve.runtime.rank_state import PageTables, RankSpan
+from dserve.runtime.sampler import Sampler, device_ints, processed_probs
+from dserve.spec.tree import accept_greedy, accept_sampled
+
+
+def verify_spans(spans: list[RankSpan], logits: torch.Tensor, sampler: Sampler) -> None:
+    """Sets each span's `path` and `emitted`. The target's logits after the span's token and
+    after each of its nodes are rows `logits_row` .. `logits_row + length` of `logits`."""
+    argmax = logits.argmax(dim=-1).tolist() if spans else []  # one small copy, not the logits
+    for span in spans:
+        p, req = span.plan, span.req
+        first, end = span.logits_row, span.logits_row + p.length
+        if req.params.greedy:
+            path, tokens = accept_greedy(p.draft, p.parents, argmax[first:end])
+        else:  # the walk draws on the host, from the request's generator
+            probs = processed_probs(logits[first:end], [req] * p.length).cpu()
+            generator = sampler.generator_of(req)
+            path, tokens = accept_sampled(p.draft, p.parents, probs, generator)
+        span.path, span.emitted = path, tokens
+
+
+def move_accepted(spans: list[RankSpan], tables: PageTables, page_size: int, pool) -> None:
+    """Copy the KV of each accepted path's nodes, computed at their tree rows, to the positions
+    right after the span's first token (a chain's are there already)."""
+    src, dst = [], []
+    for span in spans:
+        p = span.plan
+        pages = tables.pages[p.slot]
+        for i, node in enumerate(span.path):
+            if node != i:
+                for positions, out in ((p.start + 1 + node, src), (p.start + 1 + i, dst)):
+                    out.append(
+                        int(pages[positions // page_size]) * page_size + positions % page_size
+                    )
+    if src:
+        device = pool.device
+        pool.move(device_ints(src, device), device_ints(dst, device))
