@@ -84,7 +84,6 @@ class Engine:
             [g.scheduler for g in self.groups],
             self.speculation,
             overlap=not c.disable_overlap_schedule,
-            reports_rng=lambda req: req.rid in self.keep_pages and req.params.seed is not None,
         )
         self.in_flight: deque[LaunchedStep] = deque()
 
@@ -181,8 +180,6 @@ class Engine:
         scheduler = self.groups[g].scheduler
         if span.draft:
             scheduler.verified(span, len(span.draft) - (len(outcome.tokens) - 1))
-        if outcome.rng_state is not None:
-            req.rng_state = outcome.rng_state
         for i, token in enumerate(outcome.tokens):
             if outcome.logprobs is not None and req.params.return_logprob:
                 req.token_logprobs.append(outcome.logprobs[i])
@@ -265,15 +262,13 @@ class Engine:
         logprob: float | None = None,
         top_logprobs: list | None = None,
         draft_tokens: list[int] | None = None,
-        rng_state: bytes | None = None,
         draft_parents: list[int] | None = None,
     ) -> None:
         """Decode: the prompt's KV (and the draft's, with speculation) is in the pages; the
         prefill's first token joins and decoding starts, verifying the prefill's draft tokens
-        first. A seeded request's generator continues on the ranks from the prefill's state, so
-        its draws are the colocated ones."""
+        first. A seeded request's draws depend on its seed and each token's position only, so the
+        decode draws what a colocated instance would."""
         req = self.requests[rid]
-        req.rng_state = rng_state if req.params.seed is not None else None
         if draft_parents is None:
             draft_parents = list(range(-1, len(draft_tokens or []) - 1))
         spec, vocab = self.speculation, self.model_config.vocab_size

@@ -237,8 +237,6 @@ def _aux(req: Request) -> dict:
     if req.draft_tokens:  # the draft's proposals after the prompt: the decode verifies them first
         aux["draft"] = list(req.draft_tokens)
         aux["draft_parents"] = list(req.draft_parents)
-    if req.rng_state is not None:  # seeded: the decode draws on from where the prefill stopped
-        aux["rng"] = req.rng_state
     if req.params.return_logprob and req.token_logprobs:
         aux["logprob"] = req.token_logprobs[0]
         aux["top"] = [list(x) for x in req.top_logprobs[0]]
@@ -367,7 +365,6 @@ class DecodeSide:
                     aux.get("logprob"),
                     aux.get("top"),
                     aux.get("draft"),
-                    aux.get("rng"),
                     aux.get("draft_parents"),
                 )
                 return

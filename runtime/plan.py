@@ -3,7 +3,7 @@
 The front sends a `StepPlan`: per DP group the requests the ranks meet for the first time (their
 tokens so far and how they sample, once), the changes to their page tables, the spans to compute
 and the requests that ended. The ranks hold everything else themselves: each request's tokens (they
-sampled them), page table, sampling parameters and generator. A rank's attention-group leader
+sampled them), page table and sampling parameters. A rank's attention-group leader
 answers with a `StepResult`: per span, the tokens it yields, the next draft tree and the logprobs
 asked for. No logits cross a process boundary.
 """
@@ -25,8 +25,6 @@ class NewRequest:
     """Its prompt and the tokens generated so far."""
     prompt_len: int
     params: SamplingParams
-    rng_state: bytes | None = None
-    """A seeded request's generator state to continue from (a decode after its prefill)."""
 
 
 @dataclass(frozen=True)
@@ -55,8 +53,6 @@ class PlannedSpan:
     """Speculation: the draft runs over the span's kept tokens."""
     proposes: bool = False
     """Speculation: the draft proposes the next tree after the span (pages are allocated)."""
-    report_rng: bool = False
-    """Answer with the request's generator state after the step (a prefill's seeded request)."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +95,6 @@ class SpanOutcome:
     draft: list[int] = field(default_factory=list)
     """The next draft tree's tokens (speculation), in tree order."""
     draft_parents: list[int] = field(default_factory=list)
-    rng_state: bytes | None = None
 
 
 @dataclass(frozen=True)

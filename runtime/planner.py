@@ -10,7 +10,6 @@ made before this step's result arrives when nothing in it depends on that result
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from dserve.runtime.plan import GroupPlan, NewRequest, PageUpdate, PlannedSpan, StepPlan
@@ -37,10 +36,9 @@ class Planner:
         schedulers: list[Scheduler],
         speculation: Speculation,
         overlap: bool,
-        reports_rng: Callable[[Request], bool],
     ):
         self.schedulers, self.speculation = schedulers, speculation
-        self.overlap, self.reports_rng = overlap, reports_rng
+        self.overlap = overlap
         self.known_pages: list[dict[int, int]] = [{} for _ in schedulers]
         """Per group, per slot: how many pages of its table the ranks have."""
         self.steps = 0
@@ -80,20 +78,16 @@ class Planner:
         return plan
 
     def _new(self, req: Request) -> NewRequest:
-        return NewRequest(
-            req.slot, req.all_ids, len(req.prompt_ids), req.params, rng_state=req.rng_state
-        )
+        return NewRequest(req.slot, req.all_ids, len(req.prompt_ids), req.params)
 
     def _span(self, span: Span, catch_up: bool, proposes: bool) -> PlannedSpan:
-        samples = span.completes
         return PlannedSpan(
             span.req.slot,
             span.start,
             span.length,
             span.draft,
             span.parents,
-            samples=samples,
+            samples=span.completes,
             catch_up=catch_up,
             proposes=proposes,
-            report_rng=samples and self.reports_rng(span.req),
         )

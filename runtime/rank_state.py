@@ -1,5 +1,5 @@
-"""What a rank keeps of the requests it runs: their tokens, sampling parameters, generators and
-page tables, by slot (the row the front gave each running request).
+"""What a rank keeps of the requests it runs: their tokens, sampling parameters and page tables,
+by slot (the row the front gave each running request).
 
 A rank learns a request once (`NewRequest`) and from then on appends the tokens it samples itself,
 so the front never sends a token back. The newest token of a request may still be on the device
@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from dserve.runtime.batch import pending_token
 from dserve.runtime.plan import GroupPlan, NewRequest, PageUpdate, PlannedSpan
@@ -26,8 +25,6 @@ class RankRequest:
     """The prompt and every output token this rank has on the host."""
     prompt_len: int
     params: SamplingParams
-    generator: torch.Generator | None
-    """A seeded request's own generator (on the host): its draws ignore the rest of the batch."""
     awaiting: int = 0
     """Tokens that steps in flight sampled for it, on the device only so far."""
 
@@ -59,14 +56,7 @@ class RankRequest:
 
     @classmethod
     def create(cls, new: NewRequest) -> RankRequest:
-        generator = None
-        if new.rng_state is not None:
-            generator = torch.Generator()
-            state = torch.frombuffer(bytearray(new.rng_state), dtype=torch.uint8)
-            generator.set_state(state)
-        elif new.params.seed is not None:
-            generator = torch.Generator().manual_seed(new.params.seed)
-        return cls(new.slot, list(new.token_ids), new.prompt_len, new.params, generator)
+        return cls(new.slot, list(new.token_ids), new.prompt_len, new.params)
 
 
 class PageTables:

@@ -2,10 +2,12 @@
 ranks all hold the full logits and sample alike).
 
 Order: penalties (repetition over prompt and output, frequency/presence over output), temperature,
-top-k, top-p, min-p, then a draw. Greedy rows take the argmax. A seeded request draws on the host
-from its own generator, so a seed gives the same tokens whatever else is in the batch and whatever
-the TP size; the other sampled rows draw on the device from the group's generator (seeded by
-`random_seed`) by the exponential race, which draws from the same distribution with no host sync.
+top-k, top-p, min-p, then a draw. Greedy rows take the argmax. A seeded request draws on the host,
+its draw for the token at position p from a generator seeded by (seed, p): the same token whatever
+else is in the batch, whatever the TP size, after a preemption, and on a decode instance that goes
+on where its prefill stopped. The other sampled rows draw on the device from the group's generator
+(seeded by `random_seed`) by the exponential race, which draws from the same distribution with no
+host sync.
 Logprobs are those of the model's own distribution (log-softmax of the raw logits). Results stay
 on the device (`Sampled`) until the step's result is copied to the host.
 """
@@ -17,6 +19,11 @@ from dataclasses import dataclass
 import torch
 
 from dserve.scheduler.request import SamplingParams
+
+
+def seeded_generator(seed: int, position: int) -> torch.Generator:
+    """The generator a request seeded with `seed` draws the token at `position` from."""
+    return torch.Generator().manual_seed((seed * 0x9E3779B1 + position) % 2**63)
 
 
 def device_ints(values: list[int], device: torch.device) -> torch.Tensor:
@@ -94,21 +101,26 @@ class Sampler:
         self.host_generator = torch.Generator().manual_seed(seed)
         """Unseeded requests' draws on the host (speculative verification)."""
 
-    def generator_of(self, req) -> torch.Generator:
-        return req.generator if req.generator is not None else self.host_generator
+    def generator_of(self, req, position: int) -> torch.Generator:
+        """Where a draw on the host for `req`'s token at `position` comes from."""
+        seed = req.params.seed
+        return self.host_generator if seed is None else seeded_generator(seed, position)
 
-    def sample(self, logits: torch.Tensor, reqs) -> Sampled:
-        """`logits` [N, vocab] float32, one row per request of `reqs` (`RankRequest`s)."""
+    def sample(self, logits: torch.Tensor, reqs, positions: list[int]) -> Sampled:
+        """`logits` [N, vocab] float32, one row per request of `reqs` (`RankRequest`s), whose
+        next tokens are at `positions`."""
         raw = logits
         if any(has_penalties(r.params) for r in reqs):
             logits = _penalise(logits.clone(), reqs)
         ids = logits.argmax(dim=-1)
-        drawn = [i for i, r in enumerate(reqs) if not r.params.greedy and r.generator is None]
+        sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        drawn = [i for i in sampled if reqs[i].params.seed is None]
         if drawn:
             ids[device_ints(drawn, self.device)] = self._race(logits, reqs, drawn)
-        seeded = [i for i, r in enumerate(reqs) if not r.params.greedy and r.generator is not None]
+        seeded = [i for i in sampled if reqs[i].params.seed is not None]
         if seeded:
-            ids[device_ints(seeded, self.device)] = self._draw_on_host(logits, reqs, seeded)
+            draws = self._draw_on_host(logits, reqs, seeded, positions)
+            ids[device_ints(seeded, self.device)] = draws
         if not any(r.params.return_logprob for r in reqs):
             return Sampled(ids)
         logprobs = raw.log_softmax(dim=-1)
@@ -126,12 +138,12 @@ class Sampler:
         noise = torch.empty_like(probs).exponential_(generator=self.device_generator)
         return (probs / noise).argmax(dim=-1)
 
-    def _draw_on_host(self, logits: torch.Tensor, reqs, rows: list[int]) -> torch.Tensor:
-        """Draws for seeded `rows`, each from its request's own generator (waits for the step)."""
+    def _draw_on_host(self, logits, reqs, rows: list[int], positions: list[int]) -> torch.Tensor:
+        """Draws for seeded `rows`, each from its own generator (waits for the step)."""
         index = device_ints(rows, self.device)
         probs = processed_probs(logits[index], [reqs[i] for i in rows]).cpu()
-        drawn = [
-            int(torch.multinomial(probs[j], 1, generator=reqs[i].generator)[0])
-            for j, i in enumerate(rows)
-        ]
+        drawn = []
+        for j, i in enumerate(rows):
+            generator = self.generator_of(reqs[i], positions[i])
+            drawn.append(int(torch.multinomial(probs[j], 1, generator=generator)[0]))
         return device_ints(drawn, self.device)

@@ -71,7 +71,6 @@ class PendingStep:
     sampling: list[RankSpan] = field(default_factory=list)
     """The spans whose token was sampled (not verified), in the sampler's row order."""
     copy: HostCopy | None = None
-    rng_states: dict[int, bytes] = field(default_factory=dict)
     resolved: bool = False
     sampled_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
@@ -102,13 +101,12 @@ class PendingStep:
                 out.append(None)
                 continue
             draft, parents = span.draft_out or ([], [])
-            rng = self.rng_states.get(p.slot)
             if span.emitted is not None:
-                out.append(SpanOutcome(span.emitted, None, None, draft, parents, rng))
+                out.append(SpanOutcome(span.emitted, None, None, draft, parents))
                 continue
             i = row[id(span)]
             logprob, top = self._logprobs(span, i)
-            out.append(SpanOutcome([self.sampled_ids[i]], logprob, top, draft, parents, rng))
+            out.append(SpanOutcome([self.sampled_ids[i]], logprob, top, draft, parents))
         return out
 
     def _logprobs(self, span: RankSpan, i: int):
@@ -199,14 +197,12 @@ class StepRunner:
             self._resolve_all()  # penalties count every token, the ones in flight too
         device = logits.device
         rows = device_ints([s.logits_row for s in sampling], device)
-        sampled: Sampled = self.sampler.sample(logits[rows], reqs)
+        positions = [s.plan.start + s.plan.length for s in sampling]
+        sampled: Sampled = self.sampler.sample(logits[rows], reqs, positions)
         slots = device_ints([s.plan.slot for s in sampling], device)
         self.runner.last_token.index_copy_(0, slots, sampled.ids)
         for span in sampling:
             span.req.awaiting += 1
-            if span.plan.report_rng and span.req.generator is not None:
-                state = span.req.generator.get_state().numpy().tobytes()
-                pending.rng_states[span.plan.slot] = state
         fields = [sampled.ids, sampled.logprobs, sampled.top_values, sampled.top_ids]
         pending.copy = HostCopy(fields)
         self.unresolved.append(pending)
@@ -223,9 +219,6 @@ class StepRunner:
         verify_spans(verifying, logits, self.sampler)
         for span in verifying:
             span.req.tokens.extend(span.emitted)
-            if span.plan.report_rng and span.req.generator is not None:
-                state = span.req.generator.get_state().numpy().tobytes()
-                pending.rng_states[span.plan.slot] = state
         tables, pool = self.requests.tables, self.runner.pool
         move_accepted(verifying, tables, self.page_size, pool)
         self.drafter.propose(plan, pending.spans, draft_logits)

@@ -146,9 +146,6 @@ class Request:
     """`stop`, `length` or `abort`."""
     matched_stop: int | str | None = None
     error: str | None = None
-    rng_state: bytes | None = None
-    """A seeded request's generator state as the ranks last reported it (a prefill sends it on
-    with the first token; a decode's ranks continue from it)."""
     token_logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.perf_counter)

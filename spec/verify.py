@@ -2,7 +2,8 @@
 
 A verified span keeps the longest path of drafts the target agrees with and yields the target's
 own token after it: 1..depth+1 tokens, each the target's own (greedy) or distributed exactly as the
-target's draw (sampling, from the request's generator). The KV of the nodes off the path is
+target's draw (sampling; a seeded request's walk draws from a generator of its seed and the
+position of the first token it yields). The KV of the nodes off the path is
 dropped by the front (their pages go back); the path's nodes, computed at their tree rows, are
 moved here to consecutive positions before any later pass reads the pool.
 """
@@ -27,7 +28,7 @@ def verify_spans(spans: list[RankSpan], logits: torch.Tensor, sampler: Sampler) 
             path, tokens = accept_greedy(p.draft, p.parents, argmax[first:end])
         else:  # the walk draws on the host, from the request's generator
             probs = processed_probs(logits[first:end], [req] * p.length).cpu()
-            generator = sampler.generator_of(req)
+            generator = sampler.generator_of(req, p.start + 1)
             path, tokens = accept_sampled(p.draft, p.parents, probs, generator)
         span.path, span.emitted = path, tokens
 

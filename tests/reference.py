@@ -40,4 +40,7 @@ def hf_greedy(path: str, ids: list[int], max_new_tokens: int, processor=None) ->
 
 
 def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest absolute difference over the reference's largest magnitude, on the host (ours may
+    be on a GPU)."""
+    ours, ref = ours.detach().float().cpu(), ref.detach().float().cpu()
     return float((ours - ref).abs().max() / ref.abs().max())

@@ -162,13 +162,13 @@ def test_logprobs_match_reference_distribution(tiny_dir, make_engine):
 
 @pytest.mark.parametrize("seed", [None, 5], ids=["device-race", "seeded-on-host"])
 def test_sampler_draws_follow_the_filtered_distribution(seed):
-    """Unseeded rows race on the device (argmax of p / Exp(1)), seeded ones draw from their own
-    generator on the host: both follow the filtered distribution."""
+    """Unseeded rows race on the device (argmax of p / Exp(1)), seeded ones draw on the host from a
+    generator of their seed and position: both follow the filtered distribution (here over the
+    positions of one request, as a seeded request's tokens do)."""
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(4000, 1)
     params = SamplingParams(temperature=1.0, top_k=3, seed=seed)
-    generator = None if seed is None else torch.Generator().manual_seed(seed)
-    reqs = [RankRequest(0, [1, 2, 3], 3, params, generator) for _ in range(4000)]
-    ids = Sampler(torch.device("cpu"), seed=0).sample(logits, reqs).ids
+    reqs = [RankRequest(0, [1, 2, 3], 3, params) for _ in range(4000)]
+    ids = Sampler(torch.device("cpu"), seed=0).sample(logits, reqs, list(range(4000))).ids
     counts = torch.bincount(ids, minlength=4).float() / 4000
     assert counts[3] == 0
     assert torch.allclose(counts[:3], torch.tensor([0.5, 0.3, 0.15]) / 0.95, atol=0.03)

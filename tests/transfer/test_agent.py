@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from dserve.scheduler.kv_pool import KVLayout
-from dserve.transfer.manager import TransferManager
 from dserve.transfer.mapping import held_heads
 
-pytest.importorskip("ucxx")
+pytest.importorskip("ucxx")  # the transfer stack (ucxx, pyzmq) is not on every GPU host
+pytest.importorskip("zmq")
+from dserve.transfer.manager import TransferManager  # noqa: E402
 
 HEADS, LAYERS, PAGE, DIM, PAGES = 4, 3, 4, 8, 64
 

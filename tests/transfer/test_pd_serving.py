@@ -62,8 +62,8 @@ def test_generate_stream_matches(cluster, prompts, make_engine):
 
 
 def test_seeded_sampling_matches_colocated(cluster, prompts, make_engine):
-    """The decode continues the seeded generator from the prefill's state (sent with the first
-    token): the pair draws exactly the colocated engine's tokens."""
+    """A seeded draw depends on the seed and the token's position only: the decode goes on where
+    the prefill's first token left off, and the pair draws exactly the colocated engine's tokens."""
     params = {
         "temperature": 0.9,
         "top_k": 40,

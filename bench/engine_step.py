@@ -1,0 +1,160 @@
+"""Whole engine decode steps, as the host sees them, next to the forward pass alone and the step's
+roofline, on a DeepSeek-V3-shaped model with random weights (GPU):
+
+    python -m bench.engine_step [--batches 1,8,32,128,256] [--layers 4 --experts 32]
+                                [--context 1024] [--output-len 64]
+
+For each batch size three runs, each in its own process (so each has the GPU's memory to itself):
+- forward: `ModelRunner.forward` over one decode token per request (`bench.decode_step`: CUDA
+  graphs, CUDA events, median), and the step's roofline: the bytes it must read (weights
+  touched, routed experts actually selected, KV) over the device copy bandwidth of the same run;
+- engine: `Engine.step` once every request decodes, wall time per step from the host (planning,
+  launching, sampling on the device, processing the tokens, all of it), greedy, overlapped
+  scheduling on;
+- engine without overlap (`disable_overlap_schedule`): the front's work between the steps.
+
+Prints a table, writes JSON and, with matplotlib, a PNG of the three against the roofline.
+The issue's goal: the engine step within 1.10x of the forward alone and within 1.5x of the
+roofline at batch 1, 32 and 128 on an H100.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import random
+import time
+
+import torch
+
+from bench.cuda_timing import copy_bandwidth, median_seconds
+from bench.decode_step import step_bytes
+from bench.spec_verify import deepseek_v3_config_dir, dummy_runner, model_args, step_batch
+
+
+def forward_row(path: str, batch: int, args) -> dict:
+    """The forward alone and the roofline of a decode step of `batch` requests."""
+    copy = copy_bandwidth()
+    runner, kv = dummy_runner(path, batch, args.context, "triton", graph_tokens=batch)
+    decode = step_batch(kv, batch, args.context, 1)
+    nbytes = step_bytes(runner, decode)
+    seconds = median_seconds(lambda: runner.forward(decode), args.repeats)
+    return {"forward_ms": 1e3 * seconds, "roofline_ms": 1e3 * nbytes / copy, "bytes": nbytes}
+
+
+def engine_ms(path: str, batch: int, args, overlap: bool) -> float:
+    """Host wall time of one `Engine.step` once all `batch` requests decode."""
+    from dserve.runtime import Engine, SamplingParams
+
+    kwargs = dict(
+        device="cuda",
+        load_format="dummy",
+        load_progress=False,
+        attention_backend="triton",
+        cuda_graph_max_bs=batch,
+        max_running_requests=batch,
+        max_total_tokens=batch * (args.context + args.output_len + 64),
+        disable_overlap_schedule=not overlap,
+    )
+    rng = random.Random(0)
+    with Engine(path, **kwargs) as engine:
+        vocab = engine.model_config.vocab_size
+        prompts = [[rng.randrange(vocab) for _ in range(args.context)] for _ in range(batch)]
+        warm = SamplingParams(max_new_tokens=8, ignore_eos=True)
+        engine.generate(input_ids=prompts, sampling_params=warm)  # compile, settle
+        params = SamplingParams(max_new_tokens=args.output_len, temperature=0, ignore_eos=True)
+        reqs = [
+            engine.requests[engine.add_request(input_ids=p, sampling_params=params)]
+            for p in prompts
+        ]
+        while not all(len(r.output_ids) > 2 for r in reqs):  # prompts, then a few decodes
+            engine.step()
+        steps = args.output_len // 2
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        elapsed = time.perf_counter() - start
+        while not all(r.finished for r in reqs):
+            engine.step()
+        for r in reqs:
+            engine.pop_result(r.rid)
+    return 1e3 * elapsed / steps
+
+
+def in_process(fn, *args):
+    """`fn(*args)` in a fresh process: each run's GPU memory goes with it."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(fn, args)
+
+
+def plot(rows: list[dict], out: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    batches = [r["batch"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in [
+        ("engine_ms", "engine step (overlap)"),
+        ("engine_sync_ms", "engine step (no overlap)"),
+        ("forward_ms", "forward alone"),
+        ("roofline_ms", "roofline"),
+    ]:
+        ax.plot(batches, [r[key] for r in rows], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch (requests decoding)")
+    ax.set_ylabel("ms per step")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out.replace(".json", ".png"), dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    model_args(parser)
+    parser.add_argument(
+        "--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 128, 256]
+    )
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--out", default="bench/results/engine_step.json")
+    args = parser.parse_args()
+    path = deepseek_v3_config_dir(args.layers, args.experts)
+    rows = []
+    header = ("batch", "forward", "engine", "no overlap", "roofline", "eng/fwd", "eng/roof")
+    print("{:>5} {:>8} {:>8} {:>10} {:>8} {:>7} {:>8}   (ms per step)".format(*header))
+    for batch in args.batches:
+        row = {"batch": batch, **in_process(forward_row, path, batch, args)}
+        row["engine_ms"] = in_process(engine_ms, path, batch, args, True)
+        row["engine_sync_ms"] = in_process(engine_ms, path, batch, args, False)
+        row["over_forward"] = row["engine_ms"] / row["forward_ms"]
+        row["over_roofline"] = row["engine_ms"] / row["roofline_ms"]
+        rows.append(row)
+        print(
+            f"{batch:>5} {row['forward_ms']:>8.2f} {row['engine_ms']:>8.2f} "
+            f"{row['engine_sync_ms']:>10.2f} {row['roofline_ms']:>8.2f} "
+            f"{row['over_forward']:>7.2f} {row['over_roofline']:>8.2f}",
+            flush=True,
+        )
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        meta = {
+            "device": torch.cuda.get_device_name(),
+            "layers": args.layers,
+            "experts": args.experts,
+            "context": args.context,
+        }
+        json.dump({**meta, "rows": rows}, f, indent=2)
+    plot(rows, args.out)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
