@@ -107,8 +107,8 @@ class TritonBackend(AttentionBackend):
             from dserve.attention.triton_mla import mla_decode
 
             return mla_decode(
-                q_latent.contiguous(),
-                q_rope.contiguous(),
+                _unit_stride(q_latent),
+                _unit_stride(q_rope),
                 cache,
                 b.page_table,
                 b.token_ctx_lens,
@@ -133,3 +133,8 @@ class TritonBackend(AttentionBackend):
             num_warps=tune["num_warps"],
             num_stages=tune["num_stages"],
         )
+
+
+def _unit_stride(x):
+    """`x` as the decode kernels take it: any row strides, consecutive columns."""
+    return x if x.stride(-1) == 1 else x.contiguous()

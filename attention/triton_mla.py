@@ -198,19 +198,27 @@ def _combine_kernel(
 
 
 def default_splits(
-    batch: int, heads: int, max_len: int, block_n: int, device: torch.device, block_h: int = 16
+    batch: int,
+    heads: int,
+    max_len: int,
+    block_n: int,
+    device: torch.device,
+    block_h: int = 16,
+    value_blocks: int = 1,
 ) -> int:
-    """Enough programs to fill the GPU twice over, no split shorter than four blocks, at most 256; a
-    power of two. (H100, 16 heads, batch 1, 32k context: 256 splits read at 32% of the copy
-    bandwidth, 64 splits at 23%: bench/notes/flashinfer-2026-11-23.md.)"""
-    sms = (
-        torch.cuda.get_device_properties(device).multi_processor_count
-        if device.type == "cuda"
-        else 8
-    )
-    want = max(
-        1, min(256, -(-2 * sms // (batch * triton.cdiv(heads, block_h))), max_len // (4 * block_n))
-    )
+    """Enough programs to fill the GPU, no split shorter than four blocks, at most 256; a power of
+    two. Programs of few heads are memory-bound and fill it twice over; programs of many heads
+    (128 heads on one rank) are bound by their tensor-core work, and every split more costs its
+    share of the merge: they fill it once. (H100, 16 heads, batch 1, 32k context: 256 splits read at
+    32% of the copy bandwidth, 64 splits at 23%: bench/notes/flashinfer-2026-11-23.md; 128 heads,
+    1k context: 1 split at batch 128 takes 0.22 ms a layer where 4 took 0.35, 2 splits at batch 32
+    0.07 ms where 16 took 0.12: bench/notes/rank-steps-2026-11-23.md.)"""
+    sms = 8
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    waves = 2 if block_h <= 16 else 1
+    programs = batch * triton.cdiv(heads, block_h) * value_blocks
+    want = max(1, min(256, -(-waves * sms // programs), max_len // (4 * block_n)))
     return 1 << (want - 1).bit_length()
 
 
@@ -270,10 +278,11 @@ def mla_decode(
         num_warps or tune["num_warps"],
     )
     tma = tune.get("tma", False) if tma is None else tma
+    block_v = block_v or (rank // 2 if tma else rank)
     if num_splits is None:
-        num_splits = default_splits(
-            batch, heads, max_len or 1 << 16, block_n, q_latent.device, block_h
-        )
+        longest, device = max_len or 1 << 16, q_latent.device
+        value_blocks = rank // block_v
+        num_splits = default_splits(batch, heads, longest, block_n, device, block_h, value_blocks)
     if row_seqs is None:
         row_seqs = torch.arange(batch, device=q_latent.device)
     rope = q_rope.shape[-1]
@@ -285,7 +294,6 @@ def mla_decode(
         batch, heads, num_splits, rank, dtype=torch.float32, device=q_latent.device
     )
     mid_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q_latent.device)
-    block_v = block_v or (rank // 2 if tma else rank)
     assert block_v in (rank, rank // 2), "a program accumulates all value columns or half of them"
     halves = ropes = None
     if tma:

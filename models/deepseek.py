@@ -91,9 +91,10 @@ class MLAttention(nn.Module):
         k_rope = rotary.apply(k_rope.unsqueeze(1), cos, sin).squeeze(1)
         latent = torch.cat([self.kv_a_layernorm(c_kv), k_rope], dim=-1)
         w_uk, w_uv = self._absorbed_weights()
-        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+        # per head [T, N] @ [N, R], read and written in place through strides (no copies of q)
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
         o_latent = backend.forward_mla(self.layer_id, q_latent, q_rope, latent, self.scale)
-        out = torch.einsum("thr,hvr->thv", o_latent, w_uv)
+        out = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
         return self.o_proj(out.flatten(1))
 
     def map_key(self, suffix: str) -> tuple[str, object] | None:

@@ -159,7 +159,7 @@ class StaticSteps:
         fits = all(
             shape.tokens <= self.buckets[-1]
             and shape.max_seq_len <= self.max_context
-            and self.backends[0].runs_static(shape)
+            and all(backend.runs_static(shape) for backend in self.backends)
             for shape in shapes
         )
         if not fits or most == 0:
@@ -245,7 +245,7 @@ class StaticSteps:
         self.flat[:end].copy_(self.host[:end], non_blocking=True)
         if self.copied is not None:
             self.copied.record()
-        if self.hidden_width is not None:
+        if self.hidden_width is not None and batch.num_tokens:  # padding only: nothing to read
             rows = self.ints[ROW["hidden_rows"], :n]
             torch.index_select(self.runner.last_hidden, 0, rows, out=self.hidden[:n])
         if n in self.graphs:

@@ -4,6 +4,9 @@ prefill, stops, penalties, seeded sampling, preemption and aborts; no page is he
 
 from __future__ import annotations
 
+import pytest
+import torch
+
 from dserve.runtime import SamplingParams
 from tests.conftest import random_prompts
 
@@ -84,3 +87,36 @@ def test_seeded_sampling_survives_preemption(tiny_dir, make_engine):
     crowd = small.generate(input_ids=prompts, sampling_params=[seeded, greedy, greedy])
     assert small.preempted_total > 0
     assert crowd[0].output_ids == alone.output_ids
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_decode_steps_launch_without_waiting_for_the_device(tiny_dir, make_engine):
+    """On a GPU a plain decode step is launched with no host sync (torch's sync detector set to
+    error): the newest tokens come from the device, the result's copy is only started. Greedy
+    tokens equal the eager engine's without overlap."""
+    path = tiny_dir("deepseek_v3")
+    cuda = dict(device="cuda", dtype="float32", max_total_tokens=4096)
+    params = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+    prompts = random_prompts(3, 512, [9, 30, 5], seed=14)
+    want = make_engine(path, disable_cuda_graph=True, disable_overlap_schedule=True, **cuda)
+    want = want.generate(input_ids=prompts, sampling_params=params)
+    engine = make_engine(path, cuda_graph_max_bs=8, **cuda)
+    steps, launch, checked = engine.executor.steps, engine.executor.steps.launch, []
+
+    def watched(plan):
+        decoding = all(s.length == 1 and not s.draft for g in plan.groups for s in g.spans)
+        if not (decoding and plan.overlaps and plan.step > 4):
+            return launch(plan)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            pending = launch(plan)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        checked.append(plan.step)
+        return pending
+
+    steps.launch = watched
+    got = engine.generate(input_ids=prompts, sampling_params=params)
+    assert [g.output_ids for g in got] == [w.output_ids for w in want]
+    assert len(checked) >= 8
