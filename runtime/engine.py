@@ -207,7 +207,7 @@ class Engine:
 
     def _check_finish(self, req: Request, token: int) -> None:
         p = req.params
-        matched = self.trackers[req.rid].update()
+        matched = self.trackers[req.rid].update() if p.stop else None
         scheduler = self._scheduler(req)
         if req.rid in self.keep_pages:  # prefill: the first token ends it; its pages wait
             self.keep_pages.discard(req.rid)

@@ -34,7 +34,9 @@ class TextTracker:
     complete character, with the previous update's tokens before them for context (as vLLM and
     SGLang do: a tokenizer may render a token differently at the start of a text), so a long output
     costs the same per token as a short one. Text that ends in half a multi-byte character waits
-    for the next token."""
+    for the next token. A request with stop strings is decoded at every token (`update`, which
+    looks for them); the others only when their text is read (a stream's `delta`, the result), so
+    a step's tokens cost no tokenizer call where nobody reads them yet."""
 
     def __init__(self, tokenizer, req: Request):
         self.tokenizer, self.req = tokenizer, req
@@ -52,8 +54,8 @@ class TextTracker:
     @property
     def text(self) -> str:
         """The text so far; once the request ended, with any half character it ended on."""
-        if self.req.finished and not self.stopped and self.read < len(self.req.output_ids):
-            self._decode_new(complete_only=False)
+        if not self.stopped and self.read < len(self.req.output_ids):
+            self._decode_new(complete_only=not self.req.finished)
         return self.decoded
 
     def _decode_new(self, complete_only: bool) -> None:
