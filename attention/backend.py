@@ -41,35 +41,39 @@ class FusedDraft:
 
 @dataclass
 class ForwardBatch:
-    input_ids: torch.Tensor  # [T] new tokens of all spans, span after span
-    positions: torch.Tensor  # [T] their rotary positions in their sequences
-    q_lens: list[int]  # new tokens per span
-    seq_lens: list[int]  # context length per span after this step (cached + new)
-    page_table: torch.Tensor  # [B, max_pages] page ids of each sequence (padding beyond its pages)
-    out_slots: (
-        torch.Tensor
-    )  # [T] slot (page * page_size + offset) each new token's KV is written to
-    logits_indices: torch.Tensor  # [N] rows of the flattened tokens whose logits are wanted
-    dp_num_tokens: list[int] | None = (
-        None  # with DP attention: every DP group's token count this step
-    )
-    hidden_rows: torch.Tensor | None = (
-        None  # a draft pass: per token, the row of the previous pass's
-    )
-    #                                          hidden states it reads (the target's or the draft's own)
-    tree_masks: list[torch.Tensor | None] | None = None  # per span, None (causal) or a draft tree's
-    #   bool [q_len, tail]: which of the context's last `tail` positions each new token sees (all
-    #   positions before those are seen by every token of the span)
-    fused_draft: FusedDraft | None = (
-        None  # naive speculation: the draft's pass over these tokens too;
-    )
-    #                                        the logits returned are the target's rows, then the draft's
-    real_tokens: torch.Tensor | None = None  # a padded static step: [T], nonzero on the real tokens
-    token_seqs: torch.Tensor | None = (
-        None  # [T] per token, its span's index (derived when not given)
-    )
-    token_ctx_lens: torch.Tensor | None = None  # [T] per token, how many context positions it sees
-    #   causally (its position in the span's cache indices + 1; derived when not given)
+    input_ids: torch.Tensor
+    """[T] new tokens of all spans, span after span."""
+    positions: torch.Tensor
+    """[T] their rotary positions in their sequences."""
+    q_lens: list[int]
+    """New tokens per span."""
+    seq_lens: list[int]
+    """Context length per span after this step (cached + new)."""
+    page_table: torch.Tensor
+    """[B, max_pages] page ids of each sequence (padding beyond its pages)."""
+    out_slots: torch.Tensor
+    """[T] slot (page * page_size + offset) each new token's KV is written to."""
+    logits_indices: torch.Tensor
+    """[N] rows of the flattened tokens whose logits are wanted."""
+    dp_num_tokens: list[int] | None = None
+    """With DP attention: every DP group's token count this pass."""
+    hidden_rows: torch.Tensor | None = None
+    """A draft pass: per token, the row of the previous pass's hidden states it reads (the
+    target's or the draft's own)."""
+    tree_masks: list[torch.Tensor | None] | None = None
+    """Per span, None (causal) or a draft tree's bool [q_len, tail]: which of the context's last
+    `tail` positions each new token sees (all positions before those are seen by every token of
+    the span)."""
+    fused_draft: FusedDraft | None = None
+    """Naive speculation: the draft's pass over these tokens too; the logits returned are the
+    target's rows, then the draft's."""
+    real_tokens: torch.Tensor | None = None
+    """A padded static pass: [T], nonzero on the real tokens."""
+    token_seqs: torch.Tensor | None = None
+    """[T] per token, its span's index (derived when not given)."""
+    token_ctx_lens: torch.Tensor | None = None
+    """[T] per token, how many context positions it sees causally (its position in the span's
+    cache indices + 1; derived when not given)."""
 
     def __post_init__(self) -> None:
         if self.token_seqs is None or self.token_ctx_lens is None:

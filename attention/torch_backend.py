@@ -36,9 +36,8 @@ class TorchBackend(AttentionBackend):
         out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
         group = q.shape[1] // k.shape[1]
         for rows, slots, mask in self._spans():
-            keys = (
-                self.pool.read(layer, 0, slots).to(q.dtype).repeat_interleave(group, dim=1)
-            )  # [S, Hq, D]
+            # [S, Hq, D]
+            keys = self.pool.read(layer, 0, slots).to(q.dtype).repeat_interleave(group, dim=1)
             values = self.pool.read(layer, 1, slots).to(q.dtype).repeat_interleave(group, dim=1)
             scores = torch.einsum("qhd,khd->hqk", q[rows], keys) * scale
             probs = (

@@ -38,9 +38,8 @@ def plan_extend(
     """Per-token metadata and the work blocks (at most `block_m` tokens of one span each)."""
     blocks, ctx, tails = [], [], []
     longest = max([m.shape[1] for m in tree_masks or [] if m is not None], default=1)
-    tree = torch.zeros(
-        sum(q_lens), longest, dtype=torch.int8, device=device
-    )  # masks copied on the device
+    # masks copied on the device
+    tree = torch.zeros(sum(q_lens), longest, dtype=torch.int8, device=device)
     row = 0
     for i, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
         blocks += [(i, s, min(s + block_m, row + q_len)) for s in range(row, row + q_len, block_m)]

@@ -82,9 +82,8 @@ def _split_kernel(
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
-    if (
-        TMA
-    ):  # whole blocks (one page each) through Hopper's tensor memory accelerator; the tail below
+    # whole blocks (one page each) through Hopper's tensor memory accelerator; the tail below
+    if TMA:
         whole_end = start + (end - start) // BLOCK_N * BLOCK_N
         for n0 in range(start, whole_end, BLOCK_N):
             page, off = tl.load(table + n0 // page_size).to(tl.int32), (n0 % page_size).to(tl.int32)

@@ -87,9 +87,8 @@ def sort_pairs(
     capacity = -(-(n + num_local * (block_m - 1)) // block_m) * block_m
     order = torch.argsort(flat, stable=True)
     expert = flat[order]
-    counts = torch.zeros(
-        num_local + 1, dtype=torch.int64, device=ids.device
-    )  # not bincount: it syncs on CUDA
+    # not bincount: it syncs on CUDA
+    counts = torch.zeros(num_local + 1, dtype=torch.int64, device=ids.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts[:num_local] + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
@@ -99,9 +98,8 @@ def sort_pairs(
     position = (
         padded_end[clamped] - padded[clamped] + torch.arange(n, device=ids.device) - start[expert]
     )
-    position = torch.where(
-        here, position, capacity
-    )  # the pairs not here all land in one dropped slot
+    # the pairs not here all land in one dropped slot
+    position = torch.where(here, position, capacity)
     pairs = torch.full((capacity + 1,), n, dtype=torch.int64, device=ids.device)
     pairs.scatter_(0, position, order)
     block_start = torch.arange(0, capacity, block_m, device=ids.device)

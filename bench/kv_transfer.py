@@ -98,9 +98,8 @@ def one_room(
         t = time.perf_counter()
     sender.push(room, 0, recv_desc, 0, pages, pages, {"token": 0}, timeout)
     outcomes = {}
-    poller = (
-        zmq.Poller()
-    )  # wake on either side's event; polling them in turn would add up to a ms each
+    # wake on either side's event; polling them in turn would add up to a ms each
+    poller = zmq.Poller()
     poller.register(sender.sock, zmq.POLLIN)
     poller.register(receiver.sock, zmq.POLLIN)
     while len(outcomes) < 2:

@@ -30,9 +30,8 @@ def run(args: argparse.Namespace) -> dict:
             [rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(args.num_prompts)
         ]
         params = SamplingParams(max_new_tokens=args.output_len, temperature=0, ignore_eos=True)
-        engine.generate(
-            input_ids=prompts[0][:8], sampling_params=SamplingParams(max_new_tokens=2)
-        )  # warm-up
+        # warm-up
+        engine.generate(input_ids=prompts[0][:8], sampling_params=SamplingParams(max_new_tokens=2))
         start = time.perf_counter()
         results = engine.generate(input_ids=prompts, sampling_params=params)
         elapsed = time.perf_counter() - start

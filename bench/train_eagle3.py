@@ -116,9 +116,8 @@ def train_eagle3(
         [hot, torch.tensor([t for t in range(cfg["vocab_size"]) if t not in set(hot.tolist())])]
     )
     hot = hot[:draft_vocab].sort().values
-    to_draft = torch.full(
-        (cfg["vocab_size"],), -100, dtype=torch.long
-    )  # -100: not in the draft vocabulary
+    # -100: not in the draft vocabulary
+    to_draft = torch.full((cfg["vocab_size"],), -100, dtype=torch.long)
     to_draft[hot] = torch.arange(draft_vocab)
     head = Eagle3Head(cfg)
     opt = torch.optim.AdamW(head.parameters(), lr=3e-3)

@@ -69,9 +69,8 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, self.attention_cls, ctx) for i in range(cfg.num_hidden_layers)
         )
-        for layer in (
-            self.layers
-        ):  # one rotary table shared by every attention layer, not a submodule of each
+        # one rotary table shared by every attention layer, not a submodule of each
+        for layer in self.layers:
             object.__setattr__(layer.self_attn, "_rotary", self.rotary)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.tie_word_embeddings:

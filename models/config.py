@@ -20,9 +20,8 @@ class RopeConfig:
     theta: float = 10000.0
     rope_type: str = "default"
     rotary_dim: int = 64
-    interleaved: bool = (
-        False  # DeepSeek: pairs (x0,x1),(x2,x3)...; GLM: rotate-half over the first rotary_dim
-    )
+    # DeepSeek: pairs (x0,x1),(x2,x3)...; GLM: rotate-half over the first rotary_dim
+    interleaved: bool = False
     factor: float = 1.0
     original_max_position_embeddings: int = 4096
     beta_fast: float = 32.0
@@ -72,9 +71,8 @@ class ModelConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     norm_topk_prob: bool = False
-    scoring_func: str = (
-        "sigmoid"  # "sigmoid" (V3, GLM) with e_score_correction_bias, "softmax" (V2)
-    )
+    # "sigmoid" (V3, GLM) with e_score_correction_bias, "softmax" (V2)
+    scoring_func: str = "sigmoid"
     topk_method: str = "noaux_tc"  # "noaux_tc" (V3, GLM), "greedy" / "group_limited_greedy" (V2)
     num_nextn_predict_layers: int = 0
     bos_token_id: int | None = None

@@ -161,9 +161,8 @@ def make_tiny(
     tokenizer = train_tokenizer(vocab_size)
     cfg = _hf_config(arch, vocab_size, tokenizer.bos_token_id, tokenizer.eos_token_id, num_layers)
     model = _model_class(arch)(cfg).eval()
-    with (
-        torch.no_grad()
-    ):  # make the routing bias matter: the published checkpoints' is far from zero
+    # make the routing bias matter: the published checkpoints' is far from zero
+    with torch.no_grad():
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(torch.rand_like(buf) * 0.1)
@@ -209,9 +208,8 @@ def append_mtp_layer(
     n = deeper.config.num_hidden_layers - 1
     prefix = f"model.layers.{n}."
     tensors = {}
-    with (
-        tempfile.TemporaryDirectory() as tmp
-    ):  # save_pretrained writes the published per-expert layout
+    # save_pretrained writes the published per-expert layout
+    with tempfile.TemporaryDirectory() as tmp:
         deeper.save_pretrained(tmp)
         for name in sorted(os.listdir(tmp)):
             if name.endswith(".safetensors"):
@@ -315,9 +313,8 @@ def make_tiny_eagle3(
         cfg["intermediate_size"],
     )
     d = h // heads
-    hot = (
-        torch.randperm(cfg["vocab_size"])[:draft_vocab].sort().values
-    )  # the target ids of the draft vocabulary
+    # the target ids of the draft vocabulary
+    hot = torch.randperm(cfg["vocab_size"])[:draft_vocab].sort().values
     rand = lambda *shape: 0.1 * torch.randn(*shape)  # noqa: E731
     norm = lambda: 1 + 0.1 * torch.randn(h)  # noqa: E731
     return save_eagle3(

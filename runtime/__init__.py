@@ -1,12 +1,12 @@
-"""Runtime: the `Engine` API, its configuration, the sampler, the CLI and (later) the HTTP servers."""
+"""Runtime: the `Engine` API and its configuration, the step pipeline between the front and the
+ranks, the CLI, the HTTP servers and the router (docs/architecture.md maps it)."""
 
 from dserve.runtime.output import GenerateResult, StreamChunk
 from dserve.scheduler.request import SamplingParams
 
 
-def __getattr__(
-    name,
-):  # keep `import dserve.runtime` light: the engine pulls in torch and the models
+# keep `import dserve.runtime` light: the engine pulls in torch and the models
+def __getattr__(name):
     if name == "Engine":
         from dserve.runtime.engine import Engine
 

@@ -138,9 +138,8 @@ class EngineConfig:
             raise ValueError(f"speculative_eagle_topk must be >= 1, got {topk}")
         if self.speculative_num_draft_tokens is None:
             self.speculative_num_draft_tokens = steps * topk + 1
-        most = (
-            topk + (steps - 1) * topk * topk + 1
-        )  # the root and every node the draft passes propose
+        # the root and every node the draft passes propose
+        most = topk + (steps - 1) * topk * topk + 1
         if topk == 1 and self.speculative_num_draft_tokens != steps + 1:
             raise ValueError(
                 f"with speculative_eagle_topk=1 a verify checks speculative_num_steps + 1 = "

@@ -43,9 +43,8 @@ class TextTracker:
         self.stops = req.params.stop_strings
         self.longest_stop = max(map(len, self.stops), default=0)
         self.decoded = ""
-        self.context = (
-            0  # output_ids[context:read] give the decoder the context of the tokens after
-        )
+        # output_ids[context:read] give the decoder the context of the tokens after
+        self.context = 0
         self.read = 0  # output_ids[:read] are in self.decoded
         self.stopped = False  # cut at a stop string: later tokens add no text
         self.sent_chars = 0

@@ -373,9 +373,8 @@ class DecodeSide:
                 error=f"KV transfer failed: {outcome.error or 'no first token from the prefill'}",
             )
             room.key = self.engine.hold(rid, "recv")
-        if (
-            outcome.settled
-        ):  # quarantined or failed: the pages go back only once no receive can land
+        # quarantined or failed: the pages go back only once no receive can land
+        if outcome.settled:
             self.engine.release(room.key)
         else:
             log.error("room %d: receives never settled; its pages stay out of use", room.room)

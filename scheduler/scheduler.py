@@ -89,9 +89,8 @@ class Scheduler:
                 req.num_computed_tokens = cached
                 if req.num_preemptions == 0:
                     req.num_cached_tokens = cached
-            span = self._next_span(
-                req, budget
-            )  # a decode joining from its prefill may bring drafts
+            # a decode joining from its prefill may bring drafts
+            span = self._next_span(req, budget)
             if not self.kv.allocate_slots(req.rid, req.num_computed_tokens + span.length):
                 self.kv.free(req.rid)  # hold nothing while waiting
                 req.num_computed_tokens = 0

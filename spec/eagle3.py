@@ -58,9 +58,8 @@ class Eagle3Config:
     model: ModelConfig
     draft_vocab_size: int
     target_hidden_size: int
-    aux_layer_ids: (
-        tuple[int, ...] | None
-    )  # target layers whose outputs feed `fc` (-1: the embedding)
+    # target layers whose outputs feed `fc` (-1: the embedding)
+    aux_layer_ids: tuple[int, ...] | None
 
 
 def parse_eagle3_config(raw: dict) -> Eagle3Config:
@@ -116,9 +115,8 @@ class Eagle3Draft(nn.Module):
         self.rotary = RotaryEmbedding(m.rope)
         object.__setattr__(self.self_attn, "_rotary", self.rotary)
         self.post_attention_layernorm = RMSNorm(h, m.rms_norm_eps)
-        self.mlp = GatedMLP(
-            h, m.intermediate_size, ctx.attn
-        )  # small and dense: split like attention
+        # small and dense: split like attention
+        self.mlp = GatedMLP(h, m.intermediate_size, ctx.attn)
         self.norm = RMSNorm(h, m.rms_norm_eps)
         self.lm_head = ParallelLMHead(cfg.draft_vocab_size, h, ctx.attn)
         self.target_vocab = target.cfg.vocab_size

@@ -97,7 +97,6 @@ def random_prompts(n: int, vocab: int, lengths: list[int], seed: int = 0) -> lis
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-if (
-    not torch.cuda.is_available()
-):  # Triton kernels run in its interpreter on a CPU host (read at import)
+# Triton kernels run in its interpreter on a CPU host (read at import)
+if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -57,9 +57,8 @@ class AgentConfig:
     front_address: str
     host: str = "127.0.0.1"
     fail_rate: float = 0.0
-    message_mib: int = (
-        0  # the most MiB one UCX message brings into this rank's pages (0: a whole page run)
-    )
+    # the most MiB one UCX message brings into this rank's pages (0: a whole page run)
+    message_mib: int = 0
 
 
 def start_agent(
@@ -156,9 +155,8 @@ class TransferAgent:
             cuda, self.host
         ).items():  # read when the context is made, below
             os.environ.setdefault(key, value)  # a user's setting wins
-        self.address = (
-            ucxx.get_worker_address().tobytes().hex()
-        )  # makes the context; progress on this loop
+        # makes the context; progress on this loop
+        self.address = ucxx.get_worker_address().tobytes().hex()
         self.zctx = zmq.asyncio.Context()
         self.sock = self.zctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -172,9 +170,8 @@ class TransferAgent:
         tasks = set()
         while True:
             cmd = msgpack.unpackb(await self.sock.recv())
-            cmd["arrived"] = (
-                time.perf_counter()
-            )  # monotonic, comparable across processes: timelines in debug logs
+            # monotonic, comparable across processes: timelines in debug logs
+            cmd["arrived"] = time.perf_counter()
             if cmd["kind"] == "stop":
                 break
             task = asyncio.ensure_future(self._dispatch(cmd))
@@ -384,14 +381,12 @@ class TransferAgent:
                     for r in self._pair_routes(cmd, me, d)
                     for msg in self._messages(cmd, r, cmd["src_pages"])
                 ]
-                if all(
-                    self._in_place(msg) for msg in msgs
-                ):  # views of whole page runs: nothing to copy
+                # views of whole page runs: nothing to copy
+                if all(self._in_place(msg) for msg in msgs):
                     data = [(msg, self._source(msg)) for msg in msgs]
                 else:
-                    with (
-                        self._own_stream()
-                    ):  # gathers of scattered pages or head slices, done before sending
+                    # gathers of scattered pages or head slices, done before sending
+                    with self._own_stream():
                         data = [(msg, self._source(msg)) for msg in msgs]
                     self._own_stream_done()
             ctrl = np.frombuffer(
@@ -423,10 +418,11 @@ class TransferAgent:
         import ucxx
 
         room, me = cmd["room"], self.attn_rank
+        # (sending prefill rank for a control message else None, tag, buffer)
         recvs, scatters = (
             [],
             [],
-        )  # (sending prefill rank for a control message else None, tag, buffer)
+        )
         for p in range(cmd["prefill_tp"]):
             for r in self._pair_routes(cmd, p, me):
                 for msg in self._messages(cmd, r, None):
@@ -435,9 +431,8 @@ class TransferAgent:
                         if msg.dst_heads is not None
                         else contextlib.nullcontext()
                     ):
-                        target, scatter_to = self._destination(
-                            msg
-                        )  # staging: never memory of an in-flight step
+                        # staging: never memory of an in-flight step
+                        target, scatter_to = self._destination(msg)
                     recvs.append((None, msg.tag, target))
                     if scatter_to is not None:
                         scatters.append((target, scatter_to))
@@ -462,9 +457,8 @@ class TransferAgent:
                 return  # completed empty by a cancel
             msg = unpack_ctrl(buffer.tobytes())
             state["aux"] = state["aux"] or msg.get("aux")
-            if (
-                not msg["ok"] and state["sender_error"] is None
-            ):  # its data will not come: stop waiting
+            # its data will not come: stop waiting
+            if not msg["ok"] and state["sender_error"] is None:
                 state["sender_error"] = f"prefill rank {p}: {msg['error']}"
                 await self._cancel(room)
 

@@ -32,9 +32,8 @@ class RoomOutcome:
     bytes: int
     seconds: float
     settled: bool = True  # decode: False when a receive could still land in the room's pages
-    started: float = (
-        0.0  # perf_counter (one clock per host) when the first rank's agent took the command
-    )
+    # perf_counter (one clock per host) when the first rank's agent took the command
+    started: float = 0.0
     finished: float = 0.0  # ... and when the last rank's agent had sent / received everything
 
 
@@ -57,9 +56,8 @@ class TransferManager:
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(
-            zmq.ROUTER_MANDATORY, 1
-        )  # an unknown rank is an error, not a silent drop
+        # an unknown rank is an error, not a silent drop
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.ipc_dir = tempfile.TemporaryDirectory(prefix="dserve-transfer-")
         self.address = f"ipc://{self.ipc_dir.name}/front"
         self.sock.bind(self.address)

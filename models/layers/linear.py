@@ -122,9 +122,8 @@ class RowParallelLinear(nn.Module):
     ):
         super().__init__()
         self.tp = tp
-        self.reduce = (
-            reduce  # False: the caller sums this partial product with others, then reduces once
-        )
+        # False: the caller sums this partial product with others, then reduces once
+        self.reduce = reduce
         self.in_start, self.in_end = tp.shard_range(in_features, "input features")
         self.weight = attach_loader(_param(out_features, self.in_end - self.in_start), self._load)
         self.bias = attach_loader(_param(out_features), replicated_loader) if bias else None

@@ -37,9 +37,8 @@ def case(heads, rank, rope, page_size, seq_lens, dtype, device, seed=0):
         device,
     )
     pool.pages.copy_(torch.randn(pool.pages.shape, generator=gen).to(dtype))
-    order = torch.randperm(
-        num_pages, generator=gen
-    )  # each sequence's pages scattered over the pool
+    # each sequence's pages scattered over the pool
+    order = torch.randperm(num_pages, generator=gen)
     table = torch.zeros(len(seq_lens), max(pages_per_seq), dtype=torch.int32)
     used = 0
     for b, n in enumerate(pages_per_seq):
@@ -161,9 +160,8 @@ def test_engine_with_the_triton_backend_matches_the_reference(tp, tiny_dir, make
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter runs it on a CPU host
     if device == "cuda" and torch.cuda.device_count() < tp:
         pytest.skip(f"tp={tp} needs {tp} GPUs")
-    kwargs = dict(
-        page_size=4, dtype="float32", device=device, max_total_tokens=4096
-    )  # float32: exact parity
+    # float32: exact parity
+    kwargs = dict(page_size=4, dtype="float32", device=device, max_total_tokens=4096)
     expected = make_engine(path, **kwargs).generate(input_ids=prompts, sampling_params=params)
     got = make_engine(path, tp_size=tp, attention_backend="triton", **kwargs).generate(
         input_ids=prompts, sampling_params=params

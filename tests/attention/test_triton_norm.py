@@ -27,15 +27,13 @@ def check(rows: int, hidden: int, dtype: torch.dtype, device: str, residual: boo
     want_total = r + x if residual else x
     want = norm(want_total)
     assert out.dtype == want.dtype and out.shape == want.shape
-    tol = (
-        dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1.6e-2)
-    )  # a bf16 ulp
+    # a bf16 ulp
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1.6e-2)
     torch.testing.assert_close(out, want, **tol)
     if residual and (device == "cuda" or dtype == torch.float32):
         assert torch.equal(total, want_total)  # the sum is rounded exactly as torch rounds it
-    elif (
-        residual
-    ):  # Triton's interpreter rounds float32 -> bfloat16 towards zero: one ulp apart at most
+    # Triton's interpreter rounds float32 -> bfloat16 towards zero: one ulp apart at most
+    elif residual:
         torch.testing.assert_close(total, want_total, **tol)
 
 

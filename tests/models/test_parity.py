@@ -136,7 +136,7 @@ def test_greedy_tokens_match_on_gpu(tiny_dir, arch, make_engine):
     results = engine.generate(input_ids=prompts, sampling_params=GREEDY32)
     for prompt, result in zip(prompts, results):
         assert result.output_ids == hf_greedy(path, prompt, 32)
-    bf16 = make_engine(path, device="cuda")
+    bf16 = make_engine(path, device="cuda", max_total_tokens=4096)  # workers share the GPU
     assert bf16.config.dtype == "bfloat16" and bf16.config.page_size == 64
     req = bf16.make_request(input_ids=prompts[1], sampling_params=GREEDY32)
     bf16.groups[0].kv.allocate_slots(req.rid, req.num_tokens)

@@ -11,9 +11,8 @@ from dserve.runtime.cuda_graphs import token_buckets
 from tests.conftest import count_calls, random_prompts
 
 pytest.importorskip("triton")
-DEVICE = (
-    "cuda" if torch.cuda.is_available() else "cpu"
-)  # the interpreter runs the kernels on a CPU host
+# the interpreter runs the kernels on a CPU host
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EXACT = dict(page_size=4, dtype="float32", device=DEVICE, max_total_tokens=4096)
 LENGTHS = [6, 11, 17]  # requests end at different steps: batches of 3, 2 and 1 sequences
 
@@ -52,9 +51,8 @@ def test_static_steps_give_the_reference_tokens(arch, spec, tiny_dir, make_engin
     got = engine.generate(input_ids=prompts, sampling_params=params)
     assert [g.output_ids for g in got] == [e.output_ids for e in expected]
     for static, calls in zip(statics, runs):
-        assert (
-            len(calls) >= LENGTHS[-1] - LENGTHS[1] - 1
-        )  # at least the steps where one request is left
+        # at least the steps where one request is left
+        assert len(calls) >= LENGTHS[-1] - LENGTHS[1] - 1
         if DEVICE == "cuda":
             assert sorted(static.graphs) == static.buckets
 
@@ -81,16 +79,15 @@ def test_graph_replay_has_no_host_sync(tiny_dir):
     path = tiny_dir("deepseek_v3")
     config = lambda **kw: EngineConfig(
         path, load_progress=False, attention_backend="triton", **EXACT, **kw
-    )  # noqa
+    )
     graphed, eager = (
         ModelRunner(config(cuda_graph_max_bs=8)),
         ModelRunner(config(disable_cuda_graph=True)),
     )
     kv = KVCacheManager(graphed.num_pages, 4, False)
     context = torch.randn(eager.pool.pages.shape, generator=torch.Generator().manual_seed(0))
-    eager.pool.pages.copy_(
-        context
-    )  # the same random context in both pools (the graphed one has a scratch page)
+    # the same random context in both pools (the graphed one has a scratch page)
+    eager.pool.pages.copy_(context)
     graphed.pool.pages[: graphed.num_pages].copy_(context)
     batch = step_batch(kv, 5, 30, 1)
     want = eager.forward(batch)
@@ -101,6 +98,5 @@ def test_graph_replay_has_no_host_sync(tiny_dir):
         got = graphed.forward(batch)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert torch.allclose(
-        got, want, atol=1e-4, rtol=1e-4
-    )  # GEMMs of 8 padded rows may round differently
+    # GEMMs of 8 padded rows may round differently
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)

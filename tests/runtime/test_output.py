@@ -41,9 +41,8 @@ def test_text_grows_by_whole_characters_and_ends_as_the_full_decode(tokenizer):
     held = 0
     for i, text in enumerate(texts):
         assert full.startswith(text) and "\ufffd" not in text
-        held += text != tokenizer.decode(
-            ids[: i + 1]
-        )  # mid-character: the partial decode shows U+FFFD
+        # mid-character: the partial decode shows U+FFFD
+        held += text != tokenizer.decode(ids[: i + 1])
     assert held > 0
 
 

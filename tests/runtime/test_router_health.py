@@ -48,9 +48,8 @@ def test_slow_gone_and_unhealthy_instances():
         prefill, decode = Instance(), Instance()
         for inst in (prefill, decode):
             await inst.start()
-        router = Router(
-            [prefill.url], [decode.url], health_interval_s=0.2
-        )  # probes time out after 1 s
+        # probes time out after 1 s
+        router = Router([prefill.url], [decode.url], health_interval_s=0.2)
         router.session = aiohttp.ClientSession()
         try:
             await router.check_all()

@@ -152,9 +152,8 @@ def test_drafts_that_the_target_agrees_with_are_all_taken(tiny_dir, make_engine)
     oracle_drafts(engine, ids + expected)
     got = engine.generate(input_ids=[ids], sampling_params=GREEDY)[0]
     assert got.output_ids == expected
-    assert (
-        got.meta["spec_accept_length"] > 3.5
-    )  # 4 tokens per verify, bar the last one's cut at max_new_tokens
+    # 4 tokens per verify, bar the last one's cut at max_new_tokens
+    assert got.meta["spec_accept_length"] > 3.5
     assert got.meta["spec_verify_ct"] == 6  # 1 + 6 * 4 >= 24 tokens
 
 
@@ -175,9 +174,8 @@ def test_verified_tokens_reach_the_prefix_cache(tiny_dir, make_engine):
     cached.append(
         engine.generate(input_ids=[again], sampling_params=one_more)[0].meta["cached_tokens"]
     )
-    assert (
-        cached[0] == (len(again) - 1) // 4 * 4
-    )  # every full page but the one of the last prompt token
+    # every full page but the one of the last prompt token
+    assert cached[0] == (len(again) - 1) // 4 * 4
     assert cached[1] == cached[0]
 
 
@@ -191,9 +189,8 @@ def test_bad_speculative_settings_are_refused(tiny_dir, make_engine):
             speculative_num_steps=2,
             speculative_num_draft_tokens=5,
         )
-    with pytest.raises(
-        ValueError, match=r"num_draft_tokens must be in \[2, 5\]"
-    ):  # 4 root children at most
+    # 4 root children at most
+    with pytest.raises(ValueError, match=r"num_draft_tokens must be in \[2, 5\]"):
         EngineConfig(
             "x",
             speculative_algorithm="mtp",

@@ -37,9 +37,8 @@ def test_naive_equals_two_passes(algorithm, arch, trained_dir, trained_eagle3, m
         assert naive[i].meta["spec_accepted_per_step"] == two[i].meta["spec_accepted_per_step"]
         assert naive[i].meta["spec_accept_length"] > 1.5
     assert "spec_verify_ct" not in naive[4].meta  # logprobs: no drafts
-    assert (
-        len(naive[3].output_ids) == 24 and naive[3].meta["spec_verify_ct"] >= 1
-    )  # sampled: drafts verified
+    # sampled: drafts verified
+    assert len(naive[3].output_ids) == 24 and naive[3].meta["spec_verify_ct"] >= 1
     engine.check_invariants()
     assert all(not g.kv.tables for g in engine.groups)
 

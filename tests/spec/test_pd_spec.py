@@ -39,9 +39,8 @@ def check_pair(
     ]  # one at a time, as posted
     flags = []
     for k, v in spec_kwargs.items():
-        flags += ["--" + k.replace("_", "-")] + (
-            [] if v is True else [str(v)]
-        )  # a switch takes no value
+        # a switch takes no value
+        flags += ["--" + k.replace("_", "-")] + ([] if v is True else [str(v)])
     cluster = start_cluster(
         path, tmp_path, flags + ["--tp", str(prefill_tp)], flags + ["--tp", str(decode_tp)]
     )

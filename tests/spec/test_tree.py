@@ -47,9 +47,8 @@ def test_tree_shape():
         False,
     ]  # node 2: root, 0, itself
     assert mask[0].tolist() == [True] + [False] * 6
-    assert torch.equal(
-        ancestor_mask([-1, 0, 1]), torch.ones(4, 4, dtype=torch.bool).tril()
-    )  # a chain is causal
+    # a chain is causal
+    assert torch.equal(ancestor_mask([-1, 0, 1]), torch.ones(4, 4, dtype=torch.bool).tril())
 
 
 def test_select_keeps_every_parent_and_orders_breadth_first():

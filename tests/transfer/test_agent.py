@@ -150,9 +150,8 @@ def test_scattered_pages_arrive_exactly(kind, prefill_tp, decode_tp, message_pag
     order = torch.randperm(PAGES, generator=gen).tolist()
     for i, room in enumerate(range(11, 15)):
         src = torch.randperm(PAGES, generator=gen)[:5].tolist()
-        dst = (
-            sorted(order[i * 8 : i * 8 + 3]) + order[i * 8 + 3 : i * 8 + 5]
-        )  # a run and scattered pages
+        # a run and scattered pages
+        dst = sorted(order[i * 8 : i * 8 + 3]) + order[i * 8 + 3 : i * 8 + 5]
         rooms[room] = (src, dst)
         decode.manager.expect(room, 0, prefill.desc, dst, 30)
         prefill.manager.push(room, 0, decode.desc, 0, src, dst, {"token": room}, 30)

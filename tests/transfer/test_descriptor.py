@@ -45,9 +45,8 @@ def test_round_trip_through_dict():
 
 
 def test_compatible_across_tp_sizes():
-    check_compatible(
-        instance(kind="mha", tp=1), instance(kind="mha", tp=2)
-    )  # head slicing lines up
+    # head slicing lines up
+    check_compatible(instance(kind="mha", tp=1), instance(kind="mha", tp=2))
     check_compatible(instance(tp=1), instance(tp=2))
 
 

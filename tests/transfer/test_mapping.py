@@ -53,15 +53,13 @@ def test_mha_head_slicing_covers_each_needed_head_once(prefill_tp, decode_tp, nu
                     r.src_head : r.src_head + r.num_heads
                 ]
                 dst = wanted[r.dst_head : r.dst_head + r.num_heads]
-                assert (
-                    src == dst and len(src) == r.num_heads
-                )  # the sender holds exactly these heads
+                # the sender holds exactly these heads
+                assert src == dst and len(src) == r.num_heads
                 got += dst
             assert sorted(got) == wanted
             assert expected_senders(routes, d) == prefill_tp
-            assert (
-                len(routes_from(routes, 0)) == decode_tp
-            )  # each prefill rank has a role per decode rank
+            # each prefill rank has a role per decode rank
+            assert len(routes_from(routes, 0)) == decode_tp
 
 
 def test_mha_two_to_one_takes_half_the_heads_from_each():

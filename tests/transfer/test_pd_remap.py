@@ -17,16 +17,18 @@ SHAPES = [  # (arch, prefill flags, decode flags)
     ("deepseek_v3", ["--tp", "2"], ["--tp", "1"]),
     ("deepseek_v3", ["--tp", "1"], ["--tp", "2"]),
     ("deepseek_v3", ["--tp", "2"], ["--tp", "2", "--dp", "2"]),
+    # 2 KV heads: one per prefill rank, both to one decode rank
     (
         "glm4_moe",
         ["--tp", "2"],
         ["--tp", "1"],
-    ),  # 2 KV heads: one per prefill rank, both to one decode rank
+    ),
+    # each decode rank takes its head from the one prefill rank
     (
         "glm4_moe",
         ["--tp", "1"],
         ["--tp", "2"],
-    ),  # each decode rank takes its head from the one prefill rank
+    ),
     ("glm4_moe", ["--tp", "2"], ["--tp", "4", "--dp", "2"]),  # attention TP 2 per DP group
 ]
 
