@@ -69,6 +69,9 @@ class ForwardBatch:
     target's rows, then the draft's."""
     real_tokens: torch.Tensor | None = None
     """A padded static pass: [T], nonzero on the real tokens."""
+    moe_real_tokens: torch.Tensor | None = None
+    """The same for the rows the MoE layers see: every DP group's, gathered once a pass
+    (`ParallelContext.moe_mask`)."""
     token_seqs: torch.Tensor | None = None
     """[T] per token, its span's index (derived when not given)."""
     token_ctx_lens: torch.Tensor | None = None
@@ -104,6 +107,7 @@ class ForwardBatch:
             token_seqs=move(self.token_seqs),
             token_ctx_lens=move(self.token_ctx_lens),
             real_tokens=move(self.real_tokens),
+            moe_real_tokens=move(self.moe_real_tokens),
         )
 
     def span_mask(self, i: int, causal_from: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -46,7 +46,10 @@ class DecoderLayer(nn.Module):
         # MLP/MoE span every rank: with DP attention, gather all groups' tokens, keep ours after
         counts = batch.dp_num_tokens
         mlp_in = self.ctx.gather_tokens(normed, counts)
-        out = self.mlp(mlp_in, batch.real_tokens) if isinstance(self.mlp, MoE) else self.mlp(mlp_in)
+        if isinstance(self.mlp, MoE):
+            out = self.mlp(mlp_in, batch.moe_real_tokens)
+        else:
+            out = self.mlp(mlp_in)
         return residual + self.ctx.own_tokens(out, counts)
 
     def map_key(self, suffix: str) -> tuple[str, object] | None:
@@ -88,6 +91,7 @@ class CausalLM(nn.Module):
         """The final hidden states, and the outputs of layers `aux_layers` (-1: the embedding)
         side by side, [T, len(aux_layers) * hidden] (None when none are asked for)."""
         backend.plan(batch)
+        batch = self.ctx.moe_mask(batch)
         hidden = self.embed_tokens(batch.input_ids)
         outputs = {-1: hidden}
         cos_sin = self.rotary.cos_sin(batch.positions, hidden.dtype)

@@ -13,7 +13,7 @@ A single-process engine uses `ParallelContext()`, where every collective is a no
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -78,6 +78,14 @@ class ParallelContext:
         padded[: x.shape[0]] = x
         parts = self.dp.all_gather(padded)
         return torch.cat([p[:n] for p, n in zip(parts, dp_num_tokens)])
+
+    def moe_mask(self, batch):
+        """`batch` with the real-token mask of every DP group's rows for the MoE layers, gathered
+        once for the pass (a padded static pass; None otherwise)."""
+        if batch.real_tokens is None:
+            return batch
+        mask = self.gather_tokens(batch.real_tokens, batch.dp_num_tokens)
+        return replace(batch, moe_real_tokens=mask)
 
     def own_tokens(self, x: torch.Tensor, dp_num_tokens: list[int] | None) -> torch.Tensor:
         if self.dp.size == 1:

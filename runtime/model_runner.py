@@ -166,6 +166,7 @@ class ModelRunner:
             config.dtype,
         )
         self.statics = self._static_steps(widths)
+        self.static_passes = 0  # passes run from static buffers so far
 
     def _use_kernels(self) -> None:
         """The triton and flashinfer backends put norms, rotary and MoE on Triton kernels too."""
@@ -227,6 +228,7 @@ class ModelRunner:
                 bucket = steps.bucket_for(shapes)
                 if bucket is not None:
                     logits, feed = steps.run(batch, bucket)
+                    self.static_passes += 1
                     break
         else:
             if self.ctx.dp.size > 1:

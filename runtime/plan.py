@@ -102,3 +102,5 @@ class StepResult:
     step: int
     outcomes: list[SpanOutcome | None]
     """Per planned span of the group, in order; None for a span that samples nothing."""
+    static_passes: int = 0
+    """How many of the step's passes ran from static buffers (replayed CUDA graphs on a GPU)."""

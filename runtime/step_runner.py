@@ -71,6 +71,7 @@ class PendingStep:
     sampling: list[RankSpan] = field(default_factory=list)
     """The spans whose token was sampled (not verified), in the sampler's row order."""
     copy: HostCopy | None = None
+    static_passes: int = 0
     resolved: bool = False
     sampled_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
@@ -136,6 +137,7 @@ class StepRunner:
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> PendingStep:
         group = plan.groups[self.dp_rank]
+        static_before = self.runner.static_passes
         self.requests.apply(group)
         spans = self._spans(group)
         batch = self._target_batch(spans)
@@ -148,6 +150,7 @@ class StepRunner:
         self._sample(pending, logits[:n])
         if self.drafter is not None:
             self._speculate(plan, pending, logits[:n], logits[n:])
+        pending.static_passes = self.runner.static_passes - static_before
         return pending
 
     def finish(self, pending: PendingStep) -> StepResult:
@@ -155,7 +158,7 @@ class StepRunner:
         outcomes = pending.outcomes()
         if pending in self.unresolved:
             self.unresolved.remove(pending)
-        return StepResult(pending.step, outcomes)
+        return StepResult(pending.step, outcomes, pending.static_passes)
 
     def _spans(self, group: GroupPlan) -> list[RankSpan]:
         spans, row, logits_row = [], 0, 0

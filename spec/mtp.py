@@ -61,6 +61,7 @@ class MTPDraft(nn.Module):
         """Draft hidden states [T, hidden] for the batch's tokens (token i+1 at position i) given the
         hidden states `hidden` [T, hidden] of position i (the target's, or the draft's own)."""
         backend.plan(batch)
+        batch = self.ctx.moe_mask(batch)
         emb = self.embed_tokens(batch.input_ids)
         x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden.to(emb.dtype))], dim=-1))
         x = self.layer(x, self.rotary.cos_sin(batch.positions, x.dtype), backend, batch)

@@ -100,3 +100,30 @@ def test_graph_replay_has_no_host_sync(tiny_dir):
         torch.cuda.set_sync_debug_mode(0)
     # GEMMs of 8 padded rows may round differently
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton interpreter, on the CPU")
+def test_static_passes_on_parallel_ranks(tiny_dir, make_engine):
+    """TP 2 with DP attention 2 and EP 2, gloo: every DP group pads its part of a pass to the same
+    bucket (a group with nothing left to do runs padding only), so the gathers before the MoE
+    match; decode steps and MTP's draft passes run from static buffers on every rank, and the
+    greedy tokens are the torch backend's on one rank."""
+    path = tiny_dir("deepseek_v3", mtp=True)
+    prompts = random_prompts(3, 512, [5, 12, 9], seed=5)
+    params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in (4, 9, 6)]
+    cpu = dict(page_size=4, dtype="float32", device="cpu", max_total_tokens=4096)
+    want = make_engine(path, **cpu).generate(input_ids=prompts, sampling_params=params)
+    ranks = dict(tp_size=2, dp_size=2, ep_size=2, attention_backend="triton", cuda_graph_max_bs=2)
+    engine = make_engine(path, speculative_algorithm="mtp", **ranks, **cpu)
+    collect, static = engine.executor.collect, []
+
+    def counted():
+        results = collect()
+        static.append([r.static_passes for r in results])
+        return results
+
+    engine.executor.collect = counted
+    got = engine.generate(input_ids=prompts, sampling_params=params)
+    assert [g.output_ids for g in got] == [w.output_ids for w in want]
+    assert any(all(n >= 2 for n in step) for step in static)  # the verify and the catch-up
