@@ -94,32 +94,33 @@ class PendingStep:
             span.req.awaiting -= 1
 
     def outcomes(self) -> list[SpanOutcome | None]:
+        """Per span, in plan order: None, or its tokens (the sampled one, or a verify's), the
+        logprobs asked for and the next draft tree."""
         self.resolve()
-        out, row = [], {id(s): i for i, s in enumerate(self.sampling)}
+        out, row = [], 0  # the sampled spans are in plan order too
         for span in self.spans:
-            p = span.plan
-            if not p.samples:
+            if not span.plan.samples:
                 out.append(None)
                 continue
             draft, parents = span.draft_out or ([], [])
             if span.emitted is not None:
                 out.append(SpanOutcome(span.emitted, None, None, draft, parents))
                 continue
-            i = row[id(span)]
-            logprob, top = self._logprobs(span, i)
-            out.append(SpanOutcome([self.sampled_ids[i]], logprob, top, draft, parents))
+            logprob, top = self._logprobs(span, row)
+            out.append(SpanOutcome([self.sampled_ids[row]], logprob, top, draft, parents))
+            row += 1
         return out
 
-    def _logprobs(self, span: RankSpan, i: int):
+    def _logprobs(self, span: RankSpan, row: int):
+        """([logprob of the chosen token], [its top logprobs]) where asked, else (None, None)."""
         params = span.req.params
         if not params.return_logprob or self.logprobs is None:
             return None, None
-        n = params.top_logprobs_num
-        top = []
+        n, top = params.top_logprobs_num, []
         if n and self.top is not None:
             values, ids = self.top
-            top = [list(zip(ids[i][:n], values[i][:n]))]
-        return [self.logprobs[i]], [top[0] if top else []]
+            top = list(zip(ids[row][:n], values[row][:n]))
+        return [self.logprobs[row]], [top]
 
 
 class StepRunner:
