@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import random
-import time
 
 import torch
 
 from bench.cuda_timing import copy_bandwidth, median_seconds
 from bench.decode_step import step_bytes
+from bench.decode_timing import in_process, time_decode
 from bench.spec_verify import deepseek_v3_config_dir, dummy_runner, model_args, step_batch
 
 
@@ -64,30 +63,8 @@ def engine_ms(path: str, batch: int, args, overlap: bool) -> float:
         prompts = [[rng.randrange(vocab) for _ in range(args.context)] for _ in range(batch)]
         warm = SamplingParams(max_new_tokens=8, ignore_eos=True)
         engine.generate(input_ids=prompts, sampling_params=warm)  # compile, settle
-        params = SamplingParams(max_new_tokens=args.output_len, temperature=0, ignore_eos=True)
-        reqs = [
-            engine.requests[engine.add_request(input_ids=p, sampling_params=params)]
-            for p in prompts
-        ]
-        while not all(len(r.output_ids) > 2 for r in reqs):  # prompts, then a few decodes
-            engine.step()
-        steps = args.output_len // 2
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        elapsed = time.perf_counter() - start
-        while not all(r.finished for r in reqs):
-            engine.step()
-        for r in reqs:
-            engine.pop_result(r.rid)
-    return 1e3 * elapsed / steps
-
-
-def in_process(fn, *args):
-    """`fn(*args)` in a fresh process: each run's GPU memory goes with it."""
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(fn, args)
+        timing = time_decode(engine, prompts, args.output_len, steps=args.output_len // 2)
+    return 1e3 * timing.seconds / timing.steps
 
 
 def plot(rows: list[dict], out: str) -> None:

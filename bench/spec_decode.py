@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import random
 import tempfile
-import time
 
 import torch
 
+from bench.decode_timing import in_process, time_decode
 from bench.spec_verify import deepseek_v3_config_dir, model_args
 
 MODES = {
@@ -93,30 +92,13 @@ def step_ms(path: str, mode: str, batch: int, args, draft_dir: str | None) -> di
         engine.generate(
             input_ids=prompts, sampling_params=SamplingParams(max_new_tokens=8, ignore_eos=True)
         )
-        params = SamplingParams(max_new_tokens=args.output_len, temperature=0, ignore_eos=True)
-        reqs = [
-            engine.requests[engine.add_request(input_ids=p, sampling_params=params)]
-            for p in prompts
-        ]
-        while not all(r.output_ids for r in reqs):  # prompts (chunked), until every request decodes
-            engine.step()
-        before, steps = sum(len(r.output_ids) for r in reqs), 0
-        start = time.perf_counter()
-        while not any(r.finished for r in reqs):  # steps of the whole batch
-            engine.step()
-            steps += 1
-        elapsed = time.perf_counter() - start
-        gained = sum(len(r.output_ids) for r in reqs) - before
-        while not all(r.finished for r in reqs):
-            engine.step()
-        for r in reqs:
-            engine.pop_result(r.rid)
+        timing = time_decode(engine, prompts, args.output_len)
     return {
         "mode": mode,
         "batch": batch,
-        "steps": steps,
-        "step_ms": 1e3 * elapsed / steps,
-        "tokens_per_step": gained / (steps * batch),
+        "steps": timing.steps,
+        "step_ms": 1e3 * timing.seconds / timing.steps,
+        "tokens_per_step": timing.tokens / (timing.steps * batch),
     }
 
 
@@ -151,10 +133,7 @@ def main() -> None:
     print(f"{'mode':>9} {'batch':>5} {'step ms':>8} {'tokens/step':>11} {'break-even':>10}")
     for batch in args.batches:
         for mode in args.modes:
-            with multiprocessing.get_context("spawn").Pool(
-                1
-            ) as pool:  # each engine's GPU memory goes with it
-                row = pool.apply(step_ms, (path, mode, batch, args, draft_dir))
+            row = in_process(step_ms, path, mode, batch, args, draft_dir)
             if mode == "off":
                 plain[batch] = row["step_ms"]
             row["break_even"] = row["step_ms"] / plain[batch] if batch in plain else None

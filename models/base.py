@@ -62,45 +62,61 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
+    """The model, or with pipeline parallelism one stage of it: its decoder layers
+    (`layer_ids`), the embedding on the first stage, the final norm and LM head on the last (a
+    tied LM head is the embedding, which the last stage then holds too)."""
+
     attention_cls: type = None
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext = SINGLE):
         super().__init__()
         self.cfg, self.ctx = cfg, ctx
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.attn)
+        stage = ctx.stage
+        self.layer_ids = stage.layer_range(cfg.num_hidden_layers)
+        self.embed_tokens = None
+        if stage.first or (stage.last and cfg.tie_word_embeddings):
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.attn)
         self.rotary = RotaryEmbedding(cfg.rope)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, self.attention_cls, ctx) for i in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, i, self.attention_cls, ctx) for i in self.layer_ids
         )
-        # one rotary table shared by every attention layer, not a submodule of each
-        for layer in self.layers:
+        for local, layer in enumerate(self.layers):
+            # one rotary table shared by every attention layer, not a submodule of each
             object.__setattr__(layer.self_attn, "_rotary", self.rotary)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if cfg.tie_word_embeddings:
-            self.lm_head = None
-        else:
-            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx.attn)
+            layer.self_attn.layer_id = local  # its layer in this stage's KV pool
+        self.norm = self.lm_head = None
+        if stage.last:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            if not cfg.tie_word_embeddings:
+                self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx.attn)
 
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         """Hidden states after the final norm for every new token of the batch, [T, hidden]."""
         return self.forward_with_aux(batch, backend, ())[0]
 
     def forward_with_aux(
-        self, batch: ForwardBatch, backend: AttentionBackend, aux_layers: tuple[int, ...]
+        self,
+        batch: ForwardBatch,
+        backend: AttentionBackend,
+        aux_layers: tuple[int, ...],
+        hidden: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The final hidden states, and the outputs of layers `aux_layers` (-1: the embedding)
-        side by side, [T, len(aux_layers) * hidden] (None when none are asked for)."""
+        """The final hidden states (a stage before the last: its last layer's output, for the
+        next stage), and the outputs of layers `aux_layers` (-1: the embedding) side by side,
+        [T, len(aux_layers) * hidden] (None when none are asked for). A stage after the first
+        starts from `hidden`, the previous stage's output."""
         backend.plan(batch)
         batch = self.ctx.moe_mask(batch)
-        hidden = self.embed_tokens(batch.input_ids)
+        if self.ctx.stage.first:
+            hidden = self.embed_tokens(batch.input_ids)
         outputs = {-1: hidden}
         cos_sin = self.rotary.cos_sin(batch.positions, hidden.dtype)
-        for i, layer in enumerate(self.layers):
+        for i, layer in zip(self.layer_ids, self.layers):
             hidden = layer(hidden, cos_sin, backend, batch)
             if i in aux_layers:
                 outputs[i] = hidden
         aux = torch.cat([outputs[i] for i in aux_layers], dim=-1) if aux_layers else None
-        return self.norm(hidden), aux
+        return (self.norm(hidden) if self.norm is not None else hidden), aux
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.lm_head if self.lm_head is not None else self.embed_tokens
@@ -110,15 +126,16 @@ class CausalLM(nn.Module):
         if key.endswith("rotary_emb.inv_freq"):
             return SKIP
         if key == "model.embed_tokens.weight":
-            return "embed_tokens.weight", None
+            return ("embed_tokens.weight", None) if self.embed_tokens is not None else SKIP
         if key == "model.norm.weight":
-            return "norm.weight", None
+            return ("norm.weight", None) if self.norm is not None else SKIP
         if key == "lm_head.weight":
             return ("lm_head.weight", None) if self.lm_head is not None else SKIP
         match = _LAYER_KEY.match(key)
         if match:
             layer_id = int(match.group(1))
-            if layer_id >= self.cfg.num_hidden_layers:
-                return SKIP  # MTP (NextN) layers: loaded by the draft model, not the target
-            return prefixed(f"layers.{layer_id}.", self.layers[layer_id].map_key(match.group(2)))
+            if layer_id not in self.layer_ids:
+                return SKIP  # another stage's, or the MTP (NextN) layer the draft loads
+            local = layer_id - self.layer_ids.start
+            return prefixed(f"layers.{local}.", self.layers[local].map_key(match.group(2)))
         return None

@@ -8,6 +8,9 @@ A rank sees three groups:
   tokens before the MLP/MoE and hand each group its rows back after.
 MoE experts are split over `ep_size` slots of the `mlp` group (expert parallelism); within a slot
 each expert's intermediate dimension is split over the remaining `mlp.size // ep_size` ranks.
+With pipeline parallelism the groups above are those of the rank's stage (`stage`): a contiguous
+range of the decoder layers, the embedding on the first stage, the final norm and LM head on the
+last; hidden states pass from a rank to the rank at the same place in the next stage.
 A single-process engine uses `ParallelContext()`, where every collective is a no-op.
 """
 
@@ -52,12 +55,53 @@ class TPGroup:
 ALONE = TPGroup()  # no tensor parallelism: one rank holds everything
 
 
+def split_layers(num_layers: int, stages: int, counts: list[int] | None = None) -> list[range]:
+    """Each pipeline stage's decoder layers: `counts` per stage, or an even split with the
+    remainder on the last stages. Every stage holds at least one layer."""
+    if counts is None:
+        if stages > num_layers:
+            raise ValueError(f"pp_size = {stages} is more stages than the {num_layers} layers")
+        base, extra = divmod(num_layers, stages)
+        counts = [base + (s >= stages - extra) for s in range(stages)]
+    if len(counts) != stages or sum(counts) != num_layers or min(counts) < 1:
+        raise ValueError(
+            f"pp_layer_partition {','.join(map(str, counts))} does not split the {num_layers} "
+            f"layers into {stages} stages of at least one layer each"
+        )
+    ends = [sum(counts[: s + 1]) for s in range(stages)]
+    return [range(end - n, end) for n, end in zip(counts, ends)]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """This rank's pipeline stage: its index of `size`, its decoder layers, and the ranks it
+    receives hidden states from and sends them to (None at the ends)."""
+
+    index: int = 0
+    size: int = 1
+    layers: range | None = None
+    prev_rank: int | None = None
+    next_rank: int | None = None
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.size - 1
+
+    def layer_range(self, num_layers: int) -> range:
+        return range(num_layers) if self.layers is None else self.layers
+
+
 @dataclass(frozen=True)
 class ParallelContext:
     attn: TPGroup = field(default_factory=TPGroup)
     mlp: TPGroup = field(default_factory=TPGroup)
     dp: TPGroup = field(default_factory=TPGroup)
     ep_size: int = 1
+    stage: Stage = field(default_factory=Stage)
 
     @property
     def moe_tp(self) -> TPGroup:

@@ -55,6 +55,15 @@ class EngineConfig:
     """DP attention: groups with their own requests and KV pages."""
     ep_size: int = 1
     """MoE experts split over ep_size slots of all ranks."""
+    pp_size: int = 1
+    """Pipeline stages: the decoder layers split into this many contiguous ranges, each run by
+    tp_size ranks (the instance has pp_size * tp_size ranks)."""
+    pp_layer_partition: str | None = None
+    """Layers per pipeline stage, e.g. `3,3,2` (default: even, the remainder on the last
+    stages)."""
+    pp_micro_batches: int | None = None
+    """With pipeline stages: steps in flight at once, each over its own requests (default:
+    pp_size)."""
     collective_timeout_s: float = 120.0
     """A collective waiting longer fails its rank."""
     step_timeout_s: float = 600.0
@@ -99,7 +108,7 @@ class EngineConfig:
                 f"max_total_tokens ({self.max_total_tokens}) must hold at least one page "
                 f"({self.page_size} tokens)"
             )
-        for name in ("tp_size", "dp_size", "ep_size"):
+        for name in ("tp_size", "dp_size", "ep_size", "pp_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.tp_size % self.dp_size:
@@ -117,6 +126,29 @@ class EngineConfig:
                 f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}"
             )
         self._check_speculative()
+        self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        if self.pp_micro_batches is None:
+            self.pp_micro_batches = self.pp_size
+        if self.pp_micro_batches < 1:
+            raise ValueError(f"pp_micro_batches must be >= 1, got {self.pp_micro_batches}")
+        if self.pp_size > 1 and self.speculative_algorithm:
+            raise ValueError("speculative decoding with pp_size > 1 is not supported yet")
+        if self.pp_layer_partition is not None:
+            stages = self.pp_layer_partition.split(",")
+            if len(stages) != self.pp_size or not all(s.strip().isdigit() for s in stages):
+                raise ValueError(
+                    f"pp_layer_partition must give {self.pp_size} layer counts (one per "
+                    f"stage, e.g. 3,2), got {self.pp_layer_partition!r}"
+                )
+
+    @property
+    def layer_counts(self) -> list[int] | None:
+        """The layers of each pipeline stage as given (None: split evenly)."""
+        if self.pp_layer_partition is None:
+            return None
+        return [int(s) for s in self.pp_layer_partition.split(",")]
 
     def _check_speculative(self) -> None:
         algo = self.speculative_algorithm
@@ -160,7 +192,7 @@ class EngineConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tp_size
+        return self.tp_size * self.pp_size
 
     @property
     def attn_tp_size(self) -> int:

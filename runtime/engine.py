@@ -64,8 +64,10 @@ class Engine:
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.max_context = self.model_config.max_position_embeddings
+        pipelined = c.pp_size > 1
+        micro_batches = c.pp_micro_batches if pipelined else 1
         limits = SchedulerConfig(
-            c.max_num_batched_tokens, c.chunked_prefill_size, c.max_running_requests
+            c.max_num_batched_tokens, c.chunked_prefill_size, c.max_running_requests, micro_batches
         )
         self.groups = [
             DPGroup(Scheduler(limits, KVCacheManager(pages, c.page_size, c.enable_prefix_caching)))
@@ -84,8 +86,11 @@ class Engine:
             [g.scheduler for g in self.groups],
             self.speculation,
             overlap=not c.disable_overlap_schedule,
+            pipelined=pipelined,
         )
         self.in_flight: deque[LaunchedStep] = deque()
+        self.depth = micro_batches if pipelined else 1 + (not c.disable_overlap_schedule)
+        """Steps in flight at most: one, two with overlapped scheduling, a pipeline's micro-batches."""
 
     # ---- request lifecycle ----------------------------------------------------------------
     def make_request(
@@ -145,16 +150,16 @@ class Engine:
         return bool(self.in_flight) or any(g.scheduler.has_work for g in self.groups)
 
     def step(self) -> list[Request]:
-        """Plan and launch the next step, then process the results that are due: the step
-        before it when this one overlaps, else everything launched. Returns the requests that got
-        tokens or ended."""
+        """Plan and launch the next step, then process the results that are due: the oldest ones
+        beyond `depth` steps in flight when this step needs none of them, else everything
+        launched. Returns the requests that got tokens or ended."""
         try:
             launched = self.planner.plan()
             if launched is not None:
                 self.executor.submit(launched.plan)
                 self.in_flight.append(launched)
             done = []
-            keep = 1 if launched is not None and launched.overlaps else 0
+            keep = self.depth - 1 if launched is not None and launched.independent else 0
             while len(self.in_flight) > keep:
                 done += self._process(self.in_flight.popleft(), self.executor.collect())
         except RankFailure as e:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from dserve.models.config import ModelConfig
+from dserve.models.parallel import split_layers
 from dserve.models.registry import resolve
 from dserve.runtime.config import EngineConfig
 from dserve.runtime.plan import Settle, StepPlan, StepResult
@@ -69,7 +70,8 @@ class LocalExecutor:
 def validate_parallel(config: EngineConfig) -> ModelConfig:
     """Every size must divide before any weight is read; the message names the numbers."""
     cfg, _ = resolve(config.model_path)
-    a, world = config.attn_tp_size, config.world_size
+    a, world = config.attn_tp_size, config.tp_size  # within a pipeline stage
+    split_layers(cfg.num_hidden_layers, config.pp_size, config.layer_counts)
     checks = [
         (cfg.num_attention_heads, a, "num_attention_heads", "attention ranks (tp_size / dp_size)"),
         (cfg.vocab_size, a, "vocab_size", "attention ranks (tp_size / dp_size)"),
@@ -102,8 +104,12 @@ def validate_parallel(config: EngineConfig) -> ModelConfig:
             )
     if config.device.startswith("cuda"):
         count = torch.cuda.device_count()
-        if count < world:
-            raise ValueError(f"tp_size = {world} needs {world} GPUs; this host has {count}")
+        ranks = config.world_size
+        if count < ranks:
+            what = f"tp_size = {config.tp_size}" + (
+                f" x pp_size = {config.pp_size}" if config.pp_size > 1 else ""
+            )
+            raise ValueError(f"{what} needs {ranks} GPUs; this host has {count}")
     return cfg
 
 
@@ -156,9 +162,11 @@ class MultiprocessExecutor:
             self.shutdown()
             raise
         self.rank_info = [info for _, info in replies]
-        a = config.attn_tp_size
-        groups = [self.rank_info[g * a : (g + 1) * a] for g in range(config.dp_size)]
-        self.num_pages = [min(i.num_pages for i in group) for group in groups]
+        # a DP group's page ids index its pools on every stage: the smallest pool bounds them
+        self.num_pages = [
+            min(i.num_pages for i in self.rank_info if i.dp_rank == g)
+            for g in range(config.dp_size)
+        ]
         log.info(
             "%d ranks up (tp=%d, dp=%d, ep=%d); parameter bytes per rank: %s",
             config.world_size,
@@ -180,17 +188,18 @@ class MultiprocessExecutor:
             self.held = 0
         replies = [payload for _, payload in self._gather(self.config.step_timeout_s, "step")]
         self.in_flight -= 1
-        a = self.config.attn_tp_size
-        results = replies[::a]
-        for g, result in enumerate(results):
-            digest = result_digest(result)
-            for rank in range(g * a + 1, (g + 1) * a):
+        c = self.config
+        a, last = c.attn_tp_size, (c.pp_size - 1) * c.tp_size  # the last stage answers
+        leaders = [last + g * a for g in range(c.dp_size)]
+        for leader in leaders:
+            digest = result_digest(replies[leader])
+            for rank in range(leader + 1, leader + a):
                 if replies[rank] != digest:
                     self._fail(
-                        f"the ranks of DP group {g} computed different tokens in step "
-                        f"{result.step} (rank {rank} differs from rank {g * a})"
+                        f"the ranks of an attention group computed different tokens in step "
+                        f"{replies[leader].step} (rank {rank} differs from rank {leader})"
                     )
-        return results
+        return [replies[leader] for leader in leaders]
 
     def _send(self, message) -> None:
         if self.closed:

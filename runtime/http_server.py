@@ -43,6 +43,10 @@ class Instance:
         self.config, self.metrics = config, Metrics()
         self.manager = self.side = self.peers = None
         transfer = None
+        if config.role != "colocated" and engine_kwargs.get("pp_size", 1) > 1:
+            raise ValueError(
+                "KV transfer with pipeline parallelism (pp_size > 1) is not supported yet"
+            )
         if config.role != "colocated":
             from dserve.transfer.agent import AgentConfig
             from dserve.transfer.manager import TransferManager

@@ -36,7 +36,8 @@ def kv_layout(
     attn_tp_size: int = 1,
     num_layers: int | None = None,
 ) -> KVLayout:
-    """The KV layout of `cfg`'s layers (the target's); with `num_layers`, of a draft with that many."""
+    """The KV layout of `cfg`'s layers; with `num_layers`, of that many (a pipeline stage's, or a
+    draft's)."""
     layers = cfg.num_hidden_layers if num_layers is None else num_layers
     if cfg.attention_kind == "mla":  # the latent is replicated over attention-TP ranks
         return KVLayout(
@@ -100,8 +101,10 @@ def load_draft(config: EngineConfig, target, device: torch.device, ctx: Parallel
 
 
 def uses_static_steps(config: EngineConfig) -> bool:
-    """Decode-like passes from static buffers (CUDA graphs on a GPU): the triton backend."""
-    return config.attention_backend == "triton" and not config.disable_cuda_graph
+    """Decode-like passes from static buffers (CUDA graphs on a GPU): the triton backend, one
+    pipeline stage (stages run eagerly so far)."""
+    graphs = config.attention_backend == "triton" and not config.disable_cuda_graph
+    return graphs and config.pp_size == 1
 
 
 def tokens_per_seq(config: EngineConfig) -> int:
@@ -133,7 +136,8 @@ class ModelRunner:
             load_format=config.load_format,
         )
         dtype, attn = config.torch_dtype, ctx.attn.size
-        layouts = [kv_layout(self.model_config, config.page_size, dtype, attn)]
+        own_layers = len(self.model.layers)  # a pipeline stage's pool holds its layers only
+        layouts = [kv_layout(self.model_config, config.page_size, dtype, attn, own_layers)]
         self.draft = load_draft(config, self.model, self.device, ctx)
         self.draft_pool = self.last_hidden = None
         self.aux_layers = getattr(self.draft, "aux_layers", ())  # EAGLE-3 reads their outputs
@@ -237,6 +241,20 @@ class ModelRunner:
         if self.draft is not None:
             self.last_hidden = feed
         return logits
+
+    @torch.inference_mode()
+    def stage_forward(self, batch: ForwardBatch, shapes: list[PassShape], hidden=None):
+        """One pipeline stage's part of a pass: from the token ids (first stage) or the previous
+        stage's hidden states `hidden`, through this stage's layers; the logits at the batch's
+        rows on the last stage, else the hidden states for the next stage."""
+        if self.ctx.dp.size > 1:
+            batch.dp_num_tokens = [shape.tokens for shape in shapes]
+        batch = batch.to(self.device)
+        batch = replace(batch, input_ids=self.read_pending(batch.input_ids))
+        hidden, _ = self.model.forward_with_aux(batch, self.backend, (), hidden)
+        if not self.ctx.stage.last:
+            return hidden
+        return self.model.compute_logits(hidden[batch.logits_indices])
 
     def _reads(self, steps: StaticSteps, draft_pass: bool) -> bool:
         """Whether `steps` serve this pass: the target's, or the draft's over states this wide."""

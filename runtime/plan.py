@@ -37,6 +37,16 @@ class PageUpdate:
 
 
 @dataclass(frozen=True)
+class KnownTokens:
+    """Tokens of a request at positions [start, start + len(ids)) that the front has and a rank
+    may not: with pipeline stages only the last samples, and the others learn its tokens here."""
+
+    slot: int
+    start: int
+    ids: list[int]
+
+
+@dataclass(frozen=True)
 class PlannedSpan:
     """Compute tokens [start, start + length) of the request in `slot`. With a draft, its last
     `len(draft)` tokens are the draft tree to verify (node i's parent is `parents[i]`, -1 the
@@ -62,6 +72,7 @@ class GroupPlan:
     ended: list[int] = field(default_factory=list)
     """Slots whose requests ended or were preempted: forgotten first."""
     new: list[NewRequest] = field(default_factory=list)
+    known: list[KnownTokens] = field(default_factory=list)
     pages: list[PageUpdate] = field(default_factory=list)
     spans: list[PlannedSpan] = field(default_factory=list)
 

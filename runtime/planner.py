@@ -6,13 +6,22 @@ the last plan, the spans with their drafts to verify, and the slots whose reques
 speculation strategy marks which spans the draft follows and which propose a tree (and allocates
 the tree's pages). Then the spans count as launched (`Scheduler.launched`): the next plan may be
 made before this step's result arrives when nothing in it depends on that result (no drafts).
+With pipeline stages only the last stage samples, and the others learn each request's new tokens
+from the plan (`KnownTokens`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dserve.runtime.plan import GroupPlan, NewRequest, PageUpdate, PlannedSpan, StepPlan
+from dserve.runtime.plan import (
+    GroupPlan,
+    KnownTokens,
+    NewRequest,
+    PageUpdate,
+    PlannedSpan,
+    StepPlan,
+)
 from dserve.scheduler.request import Request
 from dserve.scheduler.scheduler import Scheduler, Span
 from dserve.spec.strategy import Speculation
@@ -24,10 +33,13 @@ class LaunchedStep:
 
     plan: StepPlan
     spans: list[list[Span]]
+    pipelined: bool = False
 
     @property
-    def overlaps(self) -> bool:
-        return self.plan.overlaps
+    def independent(self) -> bool:
+        """Nothing in it depends on the results of the steps still in flight: it may go while
+        they run (overlapped, or a micro-batch of its own)."""
+        return self.plan.overlaps or self.pipelined
 
 
 class Planner:
@@ -36,11 +48,14 @@ class Planner:
         schedulers: list[Scheduler],
         speculation: Speculation,
         overlap: bool,
+        pipelined: bool = False,
     ):
         self.schedulers, self.speculation = schedulers, speculation
-        self.overlap = overlap
+        self.overlap, self.pipelined = overlap and not pipelined, pipelined
         self.known_pages: list[dict[int, int]] = [{} for _ in schedulers]
         """Per group, per slot: how many pages of its table the ranks have."""
+        self.known_tokens: list[dict[int, int]] = [{} for _ in schedulers]
+        """Pipelined: per group, per slot, how many of its tokens every stage has."""
         self.steps = 0
 
     def plan(self) -> LaunchedStep | None:
@@ -54,21 +69,26 @@ class Planner:
         predictable = not any(p.draft or p.catch_up or p.proposes for g in groups for p in g.spans)
         self.steps += 1
         plan = StepPlan(self.steps, groups, overlaps=self.overlap and predictable)
-        return LaunchedStep(plan, spans)
+        return LaunchedStep(plan, spans, self.pipelined)
 
     def _group(self, g: int, spans: list[Span]) -> GroupPlan:
-        scheduler, known = self.schedulers[g], self.known_pages[g]
+        scheduler, known, tokens = self.schedulers[g], self.known_pages[g], self.known_tokens[g]
         kv = scheduler.kv
         plan = GroupPlan(ended=scheduler.ended_slots)
         scheduler.ended_slots = []
         for slot in plan.ended:
             known.pop(slot, None)
+            tokens.pop(slot, None)
         for span in spans:
             req = span.req
             catch_up, proposes = self.speculation.flags(span, kv)
             if req.slot not in known:
                 plan.new.append(self._new(req))
-                known[req.slot] = 0
+                known[req.slot], tokens[req.slot] = 0, req.num_tokens
+            elif self.pipelined and tokens[req.slot] < req.num_tokens:
+                start = tokens[req.slot]
+                plan.known.append(KnownTokens(req.slot, start, req.all_ids[start:]))
+                tokens[req.slot] = req.num_tokens
             table = kv.tables[req.rid]
             first = kv.changed_from(req.rid, known[req.slot])
             if first < len(table) or len(table) != known[req.slot]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dserve.runtime.batch import pending_token
-from dserve.runtime.plan import GroupPlan, NewRequest, PageUpdate, PlannedSpan
+from dserve.runtime.plan import GroupPlan, KnownTokens, NewRequest, PageUpdate, PlannedSpan
 from dserve.scheduler.request import SamplingParams
 
 
@@ -35,6 +35,13 @@ class RankRequest:
     @property
     def output_ids(self) -> list[int]:
         return self.tokens[self.prompt_len :]
+
+    def learn(self, known: KnownTokens) -> None:
+        """Take tokens the front knows (ones this rank sampled itself must agree)."""
+        have = self.tokens[known.start : known.start + len(known.ids)]
+        if known.start > len(self.tokens) or have != known.ids[: len(have)]:
+            raise RuntimeError(f"slot {self.slot}: tokens from the front disagree with this rank's")
+        self.tokens.extend(known.ids[len(have) :])
 
     def tokens_at(self, start: int, end: int) -> list[int]:
         """The ids at positions [start, end) (see `token_at`)."""
@@ -98,6 +105,8 @@ class RankRequests:
             self.tables.clear(slot)
         for new in plan.new:
             self.by_slot[new.slot] = RankRequest.create(new)
+        for known in plan.known:
+            self.by_slot[known.slot].learn(known)
         for change in plan.pages:
             self.tables.update(change)
 

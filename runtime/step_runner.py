@@ -71,6 +71,8 @@ class PendingStep:
     sampling: list[RankSpan] = field(default_factory=list)
     """The spans whose token was sampled (not verified), in the sampler's row order."""
     copy: HostCopy | None = None
+    sends: list = field(default_factory=list)
+    """A pipeline stage before the last: its hidden states on their way to the next stage."""
     static_passes: int = 0
     resolved: bool = False
     sampled_ids: list[int] = field(default_factory=list)
@@ -145,21 +147,50 @@ class StepRunner:
         if self.drafter is not None:
             self.drafter.fuse(batch, spans)
         shapes = [target_shape(g) for g in plan.groups]
-        logits = self.runner.forward(batch, shapes)
-        n = len(batch.logits_indices)
         pending = PendingStep(plan.step, spans)
+        if self.runner.ctx.stage.size == 1:
+            logits = self.runner.forward(batch, shapes)
+        else:
+            logits = self._stage_pass(pending, batch, shapes)
+            if not self.runner.ctx.stage.last:
+                return pending  # the last stage samples
+        n = len(batch.logits_indices)
         self._sample(pending, logits[:n])
         if self.drafter is not None:
             self._speculate(plan, pending, logits[:n], logits[n:])
         pending.static_passes = self.runner.static_passes - static_before
         return pending
 
-    def finish(self, pending: PendingStep) -> StepResult:
-        """The step's result (waits for its tokens to reach the host)."""
+    def finish(self, pending: PendingStep) -> StepResult | None:
+        """The step's result (waits for its tokens to reach the host); None on a pipeline stage
+        before the last, once its hidden states have left."""
+        for work, _ in pending.sends:
+            work.wait()
+        if not self.runner.ctx.stage.last:
+            return None
         outcomes = pending.outcomes()
         if pending in self.unresolved:
             self.unresolved.remove(pending)
         return StepResult(pending.step, outcomes, pending.static_passes)
+
+    def _stage_pass(self, pending: PendingStep, batch, shapes) -> torch.Tensor:
+        """This stage's layers over the pass: the previous stage's hidden states in (the first
+        stage embeds the tokens), this stage's out to the next stage (the last: its logits)."""
+        import torch.distributed as dist
+
+        stage, runner = self.runner.ctx.stage, self.runner
+        tokens = shapes[self.dp_rank].tokens  # the same group's rank in each stage
+        hidden = None
+        if not stage.first:
+            width, dtype = runner.model_config.hidden_size, runner.config.torch_dtype
+            hidden = torch.empty(tokens, width, dtype=dtype, device=runner.device)
+            if tokens:
+                dist.recv(hidden, src=stage.prev_rank)
+        out = runner.stage_forward(batch, shapes, hidden)
+        if not stage.last and tokens:
+            out = out.contiguous()
+            pending.sends.append((dist.isend(out, dst=stage.next_rank), out))
+        return out
 
     def _spans(self, group: GroupPlan) -> list[RankSpan]:
         spans, row, logits_row = [], 0, 0

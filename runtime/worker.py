@@ -1,7 +1,8 @@
 """A rank process: joins the instance's torch.distributed groups, loads its shard, then runs every
 step the front plans until told to stop. It blocks on its pipe between steps (no busy-wait).
 
-Rank r of `tp_size` ranks is attention-TP rank `r % A` of DP group `r // A` (A = tp_size // dp_size).
+Rank r is in pipeline stage `r // tp_size`; its place in the stage, l = r % tp_size, is attention-TP
+rank `l % A` of DP group `l // A` (A = tp_size // dp_size). With one stage r = l.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dserve.models.parallel import ParallelContext, TPGroup
+from dserve.models.parallel import ParallelContext, Stage, TPGroup, split_layers
 from dserve.runtime.config import EngineConfig
 
 
@@ -30,19 +31,31 @@ class RankInfo:
     parameter_shapes: dict
 
 
-def build_context(rank: int, config: EngineConfig) -> ParallelContext:
-    """Create every process group (all ranks call new_group in the same order) and this rank's view."""
+def build_context(rank: int, config: EngineConfig, num_layers: int) -> ParallelContext:
+    """Create every process group (all ranks call new_group in the same order) and this rank's
+    view: its stage, and within the stage its attention group, DP group and MLP group."""
     import torch.distributed as dist
 
-    world, dp, a = config.world_size, config.dp_size, config.attn_tp_size
-    attn_groups = [dist.new_group(list(range(g * a, (g + 1) * a))) for g in range(dp)]
-    dp_groups = [dist.new_group([g * a + i for g in range(dp)]) for i in range(a)]
-    dp_rank, attn_rank = divmod(rank, a)
+    tp, dp, a, pp = config.tp_size, config.dp_size, config.attn_tp_size, config.pp_size
+    groups = []
+    for s in range(pp):
+        base = s * tp
+        attn = [dist.new_group(list(range(base + g * a, base + (g + 1) * a))) for g in range(dp)]
+        dps = [dist.new_group([base + g * a + i for g in range(dp)]) for i in range(a)]
+        mlp = dist.new_group(list(range(base, base + tp))) if pp > 1 else dist.group.WORLD
+        groups.append((attn, dps, mlp))
+    stage, local = divmod(rank, tp)
+    dp_rank, attn_rank = divmod(local, a)
+    attn, dps, mlp = groups[stage]
+    layers = split_layers(num_layers, pp, config.layer_counts)[stage]
+    prev_rank = rank - tp if stage > 0 else None
+    next_rank = rank + tp if stage < pp - 1 else None
     return ParallelContext(
-        attn=TPGroup(attn_rank, a, attn_groups[dp_rank]),
-        mlp=TPGroup(rank, world, dist.group.WORLD),
-        dp=TPGroup(dp_rank, dp, dp_groups[attn_rank]),
+        attn=TPGroup(attn_rank, a, attn[dp_rank]),
+        mlp=TPGroup(local, tp, mlp),
+        dp=TPGroup(dp_rank, dp, dps[attn_rank]),
         ep_size=config.ep_size,
+        stage=Stage(stage, pp, layers, prev_rank, next_rank),
     )
 
 
@@ -65,7 +78,9 @@ def worker_main(rank: int, config: EngineConfig, store_port: int, conn, transfer
         backend = "nccl" if device != "cpu" else "gloo"
         world = config.world_size
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-        ctx = build_context(rank, config)
+        from dserve.models.registry import resolve
+
+        ctx = build_context(rank, config, resolve(config.model_path)[0].num_hidden_layers)
         from dserve.runtime.model_runner import ModelRunner
         from dserve.runtime.step_runner import StepRunner
 
@@ -108,5 +123,6 @@ def run_steps(steps, conn, leader: bool) -> None:
             launched.append(steps.launch(message))
             keep = 1 if message.overlaps else 0
         while len(launched) > keep:
-            result = steps.finish(launched.popleft())
-            conn.send(("ok", result if leader else result_digest(result)))
+            result = steps.finish(launched.popleft())  # None on a stage before the last
+            answer = result if leader or result is None else result_digest(result)
+            conn.send(("ok", answer))

@@ -9,7 +9,8 @@ to be recomputed later (with the prefix cache it mostly finds its own pages agai
 A running request holds a slot: its row in the ranks' per-request tables. Scheduling may run while
 a step is in flight (overlapped scheduling): `launched` counts the step's spans as computed at
 once and each span that samples as a token owed (`Request.num_pending_tokens`), so the next step
-continues where this one ends; a request whose last token is owed is not scheduled again.
+continues where this one ends; a request whose last token is owed is not scheduled again. With
+micro-batches (pipeline stages) each step in flight has requests of its own instead.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 4096
     chunked_prefill_size: int = 2048
     max_running_requests: int = 256
+    micro_batches: int = 1
+    """Steps in flight at once over disjoint requests (pipeline stages): a step takes its share
+    of the requests on hand, and no request whose token a step in flight still owes."""
 
 
 @dataclass
@@ -72,17 +76,18 @@ class Scheduler:
     def schedule(self) -> list[Span]:
         budget = self.config.max_num_batched_tokens
         spans: list[Span] = []
+        share = self._share()
         for req in list(self.running):
-            if budget == 0:
+            if budget == 0 or len(spans) == share:
                 break
-            if req.status is not Status.RUNNING or req.ends_in_flight:
-                continue  # preempted earlier in this loop, or its last token is owed
+            if req.status is not Status.RUNNING or not self._ready(req):
+                continue  # preempted earlier in this loop, or waiting for a step in flight
             span = self._next_span(req, budget)
             if not self._grow(req, span.length):
                 continue
             spans.append(span)
             budget -= span.length
-        while self._admits(budget):
+        while self._admits(budget) and len(spans) < share:
             req = self.waiting[0]
             if req.num_computed_tokens == 0 and req.rid not in self.kv.tables:
                 cached = self.kv.match_prefix(req.rid, req.all_ids)
@@ -101,6 +106,19 @@ class Scheduler:
             spans.append(span)
             budget -= span.length
         return spans
+
+    def _share(self) -> int:
+        """The most spans one step takes: all, or with micro-batches its share of the requests
+        on hand."""
+        on_hand = len(self.running) + len(self.waiting)
+        return max(1, -(-on_hand // self.config.micro_batches))
+
+    def _ready(self, req: Request) -> bool:
+        """Whether `req` can be scheduled with steps in flight: not if its last token is owed,
+        nor with micro-batches if any is (each step in flight has requests of its own)."""
+        if req.ends_in_flight:
+            return False
+        return self.config.micro_batches == 1 or not req.num_pending_tokens
 
     def _admits(self, budget: int) -> bool:
         """Whether the queue's head may join now. A preempted request whose token is still owed by

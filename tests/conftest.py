@@ -21,15 +21,16 @@ ARCHES = ("deepseek_v3", "deepseek_v2", "glm4_moe")
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
-    made: dict[tuple[str, bool], str] = {}
+    made: dict[tuple[str, bool, int], str] = {}
 
-    def get(arch: str, mtp: bool = False) -> str:
-        key = (arch, mtp)
+    def get(arch: str, mtp: bool = False, layers: int = 3) -> str:
+        key = (arch, mtp, layers)
         if key not in made:
             from dserve.models.tiny import make_tiny
 
-            out = str(tmp_path_factory.mktemp(f"{arch}{'_mtp' if mtp else ''}"))
-            made[key] = make_tiny(arch, out, mtp=mtp)
+            name = f"{arch}{'_mtp' if mtp else ''}{'' if layers == 3 else f'_{layers}l'}"
+            out = str(tmp_path_factory.mktemp(name))
+            made[key] = make_tiny(arch, out, mtp=mtp, num_layers=layers)
         return made[key]
 
     return get
