@@ -153,9 +153,19 @@ def _cmd_generate(args: argparse.Namespace) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> None:
+    kwargs = engine_kwargs(args)
+    if kwargs["nnodes"] > 1 and args.role != "colocated":
+        raise ValueError(
+            "prefill and decode instances spanning several hosts are not supported yet"
+        )
+    if kwargs["node_rank"] > 0:  # another host of a multi-host instance: its ranks only
+        from dserve.runtime.nodes import run_node
+
+        run_node(EngineConfig(args.model_path, **kwargs))
+        return
     from dserve.runtime.http_server import serve
 
-    serve(args.model_path, server_config(args, args.role), **engine_kwargs(args))
+    serve(args.model_path, server_config(args, args.role), **kwargs)
 
 
 def _cmd_router(args: argparse.Namespace) -> None:

@@ -61,6 +61,15 @@ class EngineConfig:
     pp_layer_partition: str | None = None
     """Layers per pipeline stage, e.g. `3,3,2` (default: even, the remainder on the last
     stages)."""
+    nnodes: int = 1
+    """Hosts the instance spans: node 0 runs the front and its share of the ranks, each other
+    node only ranks (the same command on every host, with its `--node-rank`)."""
+    node_rank: int = 0
+    """This host's place among the `nnodes` hosts."""
+    dist_init_addr: str | None = None
+    """HOST:PORT of node 0's rendezvous (torch.distributed's TCP store); needed with nnodes > 1."""
+    node_join_timeout_s: float = 60.0
+    """How long the hosts wait for each other at start."""
     pp_micro_batches: int | None = None
     """With pipeline stages: steps in flight at once, each over its own requests (default:
     pp_size)."""
@@ -127,6 +136,26 @@ class EngineConfig:
             )
         self._check_speculative()
         self._check_pipeline()
+        self._check_nodes()
+
+    def _check_nodes(self) -> None:
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(
+                f"node_rank must be in [0, nnodes) and nnodes >= 1, got node_rank="
+                f"{self.node_rank}, nnodes={self.nnodes}"
+            )
+        if self.world_size % self.nnodes:
+            raise ValueError(
+                f"the instance's {self.world_size} ranks (tp_size x pp_size) do not divide over "
+                f"nnodes = {self.nnodes} hosts"
+            )
+        addr = self.dist_init_addr or ""
+        host, _, port = addr.rpartition(":")
+        if self.nnodes > 1 and not (host and port.isdigit()):
+            raise ValueError(
+                f"nnodes = {self.nnodes} needs dist_init_addr HOST:PORT (node 0's rendezvous), "
+                f"got {self.dist_init_addr!r}"
+            )
 
     def _check_pipeline(self) -> None:
         if self.pp_micro_batches is None:

@@ -10,7 +10,6 @@ naming it, within seconds; no rank is left waiting.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -20,12 +19,12 @@ import zlib
 from collections import deque
 
 import torch
-import torch.distributed as dist
 
 from dserve.models.config import ModelConfig
 from dserve.models.parallel import split_layers
 from dserve.models.registry import resolve
 from dserve.runtime.config import EngineConfig
+from dserve.runtime.nodes import ControlListener, local_ranks, node_of, open_store
 from dserve.runtime.plan import Settle, StepPlan, StepResult
 
 log = logging.getLogger("dserve.runtime")
@@ -105,6 +104,7 @@ def validate_parallel(config: EngineConfig) -> ModelConfig:
     if config.device.startswith("cuda"):
         count = torch.cuda.device_count()
         ranks = config.world_size
+        ranks //= config.nnodes  # the GPUs of one host
         if count < ranks:
             what = f"tp_size = {config.tp_size}" + (
                 f" x pp_size = {config.pp_size}" if config.pp_size > 1 else ""
@@ -130,36 +130,20 @@ class MultiprocessExecutor:
     def __init__(self, config: EngineConfig, transfer=None):
         self.config = config
         self.model_config = validate_parallel(config)
-        ctx = mp.get_context("spawn")
-        # The rendezvous store binds port 0 here and lives as long as the executor: no port is
-        # picked, released and bound again later, which another process could take in between.
-        self.store = dist.TCPStore(
-            "127.0.0.1",
-            0,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=config.step_timeout_s),
-        )
-        self.conns, self.procs, self.closed = [], [], False
+        # The rendezvous store binds here (on one host: port 0) and lives as long as the
+        # executor: no port is picked, released and bound again later by another process.
+        self.store = open_store(config, master=True)
+        self.conns, self.procs, self.node_links, self.closed = [], [], {}, False
         self.in_flight, self.held = 0, 0
-        from dserve.runtime.worker import worker_main
-
-        for rank in range(config.world_size):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(
-                target=worker_main,
-                args=(rank, config, self.store.port, child, transfer),
-                daemon=True,
-                name=f"dserve-rank-{rank}",
-            )
-            proc.start()
-            child.close()
-            self.conns.append(parent)
-            self.procs.append(proc)
+        here = local_ranks(config, 0)
+        for rank in here:
+            self._spawn(rank, transfer)
         try:
+            if here.stop < config.world_size:  # the other nodes' ranks link up through the store
+                self._accept(range(here.stop, config.world_size))
             replies = self._gather(timeout=config.step_timeout_s, what="start-up")
         except BaseException:
-            self.shutdown()
+            self.shutdown(graceful=False)  # ranks may wait in the rendezvous for the missing
             raise
         self.rank_info = [info for _, info in replies]
         # a DP group's page ids index its pools on every stage: the smallest pool bounds them
@@ -175,6 +159,28 @@ class MultiprocessExecutor:
             config.ep_size,
             [i.parameter_bytes for i in self.rank_info],
         )
+
+    def _spawn(self, rank: int, transfer) -> None:
+        from dserve.runtime.worker import worker_main
+
+        parent, child = mp.get_context("spawn").Pipe()
+        args = (rank, self.config, child, transfer, self.store.port)
+        name = f"dserve-rank-{rank}"
+        proc = mp.get_context("spawn").Process(
+            target=worker_main, args=args, daemon=True, name=name
+        )
+        proc.start()
+        child.close()
+        self.conns.append(parent)
+        self.procs.append(proc)
+
+    def _accept(self, ranks: range) -> None:
+        listener = ControlListener(self.config, self.store)
+        try:
+            links, self.node_links = listener.accept(ranks)
+        finally:
+            listener.close()
+        self.conns += [links[rank] for rank in ranks]
 
     def submit(self, plan: StepPlan) -> None:
         self._send(plan)
@@ -238,6 +244,9 @@ class MultiprocessExecutor:
         return replies
 
     def _dead(self, rank: int, what: str) -> None:
+        if rank >= len(self.procs):  # on another node: its link closed
+            node = node_of(self.config, rank)
+            self._fail(f"rank {rank} on node {node} died or lost its link during {what}")
         self.procs[rank].join(timeout=1)
         code = self.procs[rank].exitcode
         self._fail(f"rank {rank} died (exit code {code}) during {what}")
@@ -246,12 +255,28 @@ class MultiprocessExecutor:
         """A rank's error is often a peer's death seen through a broken collective: name the
         dead first."""
         time.sleep(0.2)
-        dead = [(r, p.exitcode) for r, p in enumerate(self.procs) if r != rank and not p.is_alive()]
+        dead = [d for r, d in self._dead_ranks() if r != rank]
         last_line = error.strip().splitlines()[-1]
         if dead:
-            names = ", ".join(f"rank {r} died (exit code {code})" for r, code in dead)
-            return f"{names}; rank {rank} then failed: {last_line}"
+            return f"{', '.join(dead)}; rank {rank} then failed: {last_line}"
         return error
+
+    def _dead_ranks(self) -> list[tuple[int, str]]:
+        """(rank, what happened) for local ranks that exited and remote ones whose link closed."""
+        dead = [
+            (r, f"rank {r} died (exit code {p.exitcode})")
+            for r, p in enumerate(self.procs)
+            if not p.is_alive()
+        ]
+        for r in range(len(self.procs), len(self.conns)):
+            try:
+                closed = self.conns[r].poll() and self.conns[r].recv() is None
+            except (EOFError, OSError):
+                closed = True
+            if closed:
+                node = node_of(self.config, r)
+                dead.append((r, f"rank {r} on node {node} died or lost its link"))
+        return dead
 
     def _fail(self, message: str) -> None:
         self.shutdown(graceful=False)  # survivors may sit in a collective with the dead rank
@@ -274,8 +299,8 @@ class MultiprocessExecutor:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-        for conn in self.conns:
-            conn.close()
+        for conn in [*self.conns, *self.node_links.values()]:
+            conn.close()  # another node's ranks and the node itself stop when their links close
         self.store = None  # closes the rendezvous port
 
 

@@ -60,11 +60,20 @@ def build_context(rank: int, config: EngineConfig, num_layers: int) -> ParallelC
 
 
 def rank_device(config: EngineConfig, rank: int) -> str:
-    return f"cuda:{rank}" if config.device.startswith("cuda") else "cpu"
+    """A rank's device: the GPU of its index on its node."""
+    if not config.device.startswith("cuda"):
+        return "cpu"
+    return f"cuda:{rank % (config.world_size // config.nnodes)}"
 
 
-def worker_main(rank: int, config: EngineConfig, store_port: int, conn, transfer=None) -> None:
+def worker_main(
+    rank: int, config: EngineConfig, conn, transfer=None, store_port: int | None = None
+) -> None:
+    """Rank `rank`: `conn` is its pipe to the front, or None on another node than the front's
+    (the rank then links to the front through the rendezvous store at `dist_init_addr`)."""
     import torch.distributed as dist
+
+    from dserve.runtime.nodes import connect_to_front, rendezvous_address
 
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(name)s: %(message)s")
     try:
@@ -74,7 +83,10 @@ def worker_main(rank: int, config: EngineConfig, store_port: int, conn, transfer
         else:
             torch.cuda.set_device(device)
         timeout = datetime.timedelta(seconds=config.collective_timeout_s)
-        store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timeout)
+        host, port = rendezvous_address(config)
+        store = dist.TCPStore(host, store_port or port, is_master=False, timeout=timeout)
+        if conn is None:
+            conn = connect_to_front(store, "rank", rank)
         backend = "nccl" if device != "cpu" else "gloo"
         world = config.world_size
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
@@ -98,7 +110,7 @@ def worker_main(rank: int, config: EngineConfig, store_port: int, conn, transfer
     except (EOFError, KeyboardInterrupt):
         pass  # the front went away
     except BaseException:
-        with contextlib.suppress(OSError, EOFError):
+        with contextlib.suppress(OSError, EOFError, AttributeError):  # no link yet: None
             conn.send(("error", f"rank {rank}: {traceback.format_exc()}"))
         raise SystemExit(1) from None
     finally:
