@@ -154,10 +154,6 @@ def _cmd_generate(args: argparse.Namespace) -> None:
 
 def _cmd_serve(args: argparse.Namespace) -> None:
     kwargs = engine_kwargs(args)
-    if kwargs["nnodes"] > 1 and args.role != "colocated":
-        raise ValueError(
-            "prefill and decode instances spanning several hosts are not supported yet"
-        )
     if kwargs["node_rank"] > 0:  # another host of a multi-host instance: its ranks only
         from dserve.runtime.nodes import run_node
 

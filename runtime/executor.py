@@ -140,7 +140,7 @@ class MultiprocessExecutor:
             self._spawn(rank, transfer)
         try:
             if here.stop < config.world_size:  # the other nodes' ranks link up through the store
-                self._accept(range(here.stop, config.world_size))
+                self._accept(range(here.stop, config.world_size), transfer)
             replies = self._gather(timeout=config.step_timeout_s, what="start-up")
         except BaseException:
             self.shutdown(graceful=False)  # ranks may wait in the rendezvous for the missing
@@ -174,8 +174,8 @@ class MultiprocessExecutor:
         self.conns.append(parent)
         self.procs.append(proc)
 
-    def _accept(self, ranks: range) -> None:
-        listener = ControlListener(self.config, self.store)
+    def _accept(self, ranks: range, transfer) -> None:
+        listener = ControlListener(self.config, self.store, transfer)
         try:
             links, self.node_links = listener.accept(ranks)
         finally:

@@ -36,6 +36,13 @@ log = logging.getLogger("dserve.server")
 ROUTES = {"/generate": "generate", "/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
 
+def front_host(engine_kwargs: dict) -> str | None:
+    """Where the other hosts of a multi-host instance reach the front (None: one host)."""
+    if engine_kwargs.get("nnodes", 1) == 1:
+        return None
+    return engine_kwargs["dist_init_addr"].rsplit(":", 1)[0]
+
+
 class Instance:
     """Engine + engine thread + role side + transfer manager of one serving instance."""
 
@@ -43,16 +50,15 @@ class Instance:
         self.config, self.metrics = config, Metrics()
         self.manager = self.side = self.peers = None
         transfer = None
-        if config.role != "colocated" and engine_kwargs.get("pp_size", 1) > 1:
-            raise ValueError(
-                "KV transfer with pipeline parallelism (pp_size > 1) is not supported yet"
-            )
         if config.role != "colocated":
             from dserve.transfer.agent import AgentConfig
             from dserve.transfer.manager import TransferManager
 
-            self.manager = TransferManager()
-            transfer = AgentConfig(self.manager.address, config.host, config.transfer_fail_rate)
+            # UCX stays on the loopback when every host is this one
+            host = front_host(engine_kwargs)
+            self.manager = TransferManager(host)
+            host = host or config.host
+            transfer = AgentConfig(self.manager.address, host, config.transfer_fail_rate)
         self.engine = Engine(model_path, transfer=transfer, **engine_kwargs)
         if self.manager is not None:
             from dserve.runtime import pd

@@ -209,10 +209,12 @@ class ModelRunner:
 
     @property
     def transfer_pools(self) -> list:
-        """(pool, config of its layers) for the transfer agent: the target's, then the draft's."""
-        pools = [(self.pool, self.model_config)]
+        """(pool, config of its model, the model's layers it holds or None for all) for the
+        transfer agent: the target's (a pipeline stage's layers), then the draft's."""
+        layers = self.ctx.stage.layer_range(self.model_config.num_hidden_layers)
+        pools = [(self.pool, self.model_config, layers)]
         if self.draft_pool is not None:
-            pools.append((self.draft_pool, self.draft.cfg))
+            pools.append((self.draft_pool, self.draft.cfg, None))
         return pools
 
     @property

@@ -54,8 +54,10 @@ def open_store(config: EngineConfig, master: bool) -> dist.TCPStore:
 class ControlListener:
     """Node 0's end of the control links of the other nodes' ranks."""
 
-    def __init__(self, config: EngineConfig, store: dist.TCPStore):
-        self.config = config
+    def __init__(self, config: EngineConfig, store: dist.TCPStore, transfer=None):
+        """`transfer`: the ranks' transfer agent settings (prefill and decode instances), sent
+        to every rank that joins."""
+        self.config, self.transfer = config, transfer
         host = rendezvous_address(config)[0]
         self.server = socket.create_server((host, 0))
         self.authkey = os.urandom(16)
@@ -83,6 +85,7 @@ class ControlListener:
                 ) from None
             link = _authenticated(sock, self.authkey)
             kind, index = link.recv()
+            link.send(self.transfer)
             (rank_links if kind == "rank" else node_links)[index] = link
         return rank_links, node_links
 
@@ -99,11 +102,12 @@ def _authenticated(sock: socket.socket, authkey: bytes):
 
 
 def connect_to_front(store: dist.TCPStore, kind: str, index: int):
-    """A remote rank's (or node's) control link to the front."""
+    """A remote rank's (or node's) control link to the front, and the transfer agent settings
+    the front gives its ranks (None on a colocated instance)."""
     host, port, key = store.get(CONTROL_KEY).decode().split(":")
     link = mp.connection.Client((host, int(port)), authkey=bytes.fromhex(key))
     link.send((kind, index))
-    return link
+    return link, link.recv()
 
 
 def run_node(config: EngineConfig) -> None:
@@ -112,7 +116,7 @@ def run_node(config: EngineConfig) -> None:
     from dserve.runtime.worker import worker_main
 
     store = open_store(config, master=False)
-    link = connect_to_front(store, "node", config.node_rank)
+    link, _ = connect_to_front(store, "node", config.node_rank)
     ctx = mp.get_context("spawn")
     procs = []
     for rank in local_ranks(config, config.node_rank):

@@ -86,7 +86,7 @@ def worker_main(
         host, port = rendezvous_address(config)
         store = dist.TCPStore(host, store_port or port, is_master=False, timeout=timeout)
         if conn is None:
-            conn = connect_to_front(store, "rank", rank)
+            conn, transfer = connect_to_front(store, "rank", rank)
         backend = "nccl" if device != "cpu" else "gloo"
         world = config.world_size
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
@@ -100,7 +100,8 @@ def worker_main(
         if transfer is not None:  # before "ready": the front finds every agent registered
             from dserve.transfer.agent import start_agent
 
-            start_agent(transfer, runner.transfer_pools, ctx.dp.rank, ctx.attn.rank, ctx.attn.size)
+            where = (ctx.dp.rank, ctx.attn.rank, ctx.attn.size, ctx.stage.index)
+            start_agent(transfer, runner.transfer_pools, *where)
         shapes = {name: tuple(p.shape) for name, p in runner.model.named_parameters()}
         info = RankInfo(
             rank, ctx.dp.rank, ctx.attn.rank, runner.num_pages, runner.parameter_bytes, shapes

@@ -62,12 +62,13 @@ class AgentConfig:
 
 
 def start_agent(
-    config: AgentConfig, pools: list, dp_rank: int, attn_rank: int, attn_tp: int
+    config: AgentConfig, pools: list, dp_rank: int, attn_rank: int, attn_tp: int, stage: int = 0
 ) -> "TransferAgent":
-    """The rank's agent over its pools: `pools` lists (KVPool, ModelConfig of the layers it holds),
-    the target's first, then with speculation the draft's (same page ids, maybe another layout)."""
+    """The rank's agent over its pools: `pools` lists (KVPool, ModelConfig, the model's layers the
+    pool holds or None for all), the target's first, then with speculation the draft's (same page
+    ids, maybe another layout). `stage`: the rank's pipeline stage."""
     described = []
-    for name, (p, model_config) in zip(("target", "draft"), pools):
+    for name, (p, model_config, layers) in zip(("target", "draft"), pools):
         mha = p.layout.kind == "mha"
         held = held_heads(attn_rank, attn_tp, model_config.num_key_value_heads) if mha else []
         desc = PoolDescriptor.from_layout(
@@ -76,11 +77,31 @@ def start_agent(
             model_config.num_key_value_heads if mha else 0,
             held,
             message_pages(p.layout, config.message_mib),
+            first_layer=layers.start if layers is not None else 0,
+            model_layers=model_config.num_hidden_layers if layers is not None else 0,
         )
         described.append((desc, p))
-    return TransferAgent(
-        config.front_address, dp_rank, attn_rank, attn_tp, described, config.host, config.fail_rate
-    )
+    where = Placement(dp_rank, attn_rank, attn_tp, stage)
+    return TransferAgent(config.front_address, where, described, config.host, config.fail_rate)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where an agent's rank sits in its instance."""
+
+    dp_rank: int
+    attn_rank: int
+    attn_tp: int
+    stage: int = 0
+
+    @property
+    def slot(self) -> int:
+        """The rank's index in its DP group over all stages (its number in routes)."""
+        return self.stage * self.attn_tp + self.attn_rank
+
+    @property
+    def identity(self) -> bytes:
+        return f"{self.dp_rank}-{self.stage}-{self.attn_rank}".encode()
 
 
 def ucx_settings(cuda: bool, host: str) -> dict:
@@ -111,15 +132,14 @@ class TransferAgent:
     def __init__(
         self,
         front_address: str,
-        dp_rank: int,
-        attn_rank: int,
-        attn_tp: int,
+        where: Placement,
         pools: list[tuple[PoolDescriptor, KVPool]],
         host: str = "127.0.0.1",
         fail_rate: float = 0.0,
     ):
         self.front_address, self.host, self.fail_rate = front_address, host, fail_rate
-        self.dp_rank, self.attn_rank, self.attn_tp = dp_rank, attn_rank, attn_tp
+        self.where = where
+        self.dp_rank, self.attn_rank = where.dp_rank, where.attn_rank
         self.pools = pools
         self.endpoints: dict[
             str, asyncio.Future
@@ -129,7 +149,7 @@ class TransferAgent:
         self.ready = threading.Event()
         self.error: BaseException | None = None
         self.thread = threading.Thread(
-            target=self._run, name=f"dserve-transfer-{dp_rank}-{attn_rank}", daemon=True
+            target=self._run, name=f"dserve-transfer-{where.identity.decode()}", daemon=True
         )
         self.thread.start()
         self.ready.wait(60)
@@ -160,10 +180,12 @@ class TransferAgent:
         self.zctx = zmq.asyncio.Context()
         self.sock = self.zctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.IDENTITY, f"{self.dp_rank}-{self.attn_rank}".encode())
+        self.sock.setsockopt(zmq.IDENTITY, self.where.identity)
         self.sock.connect(self.front_address)
+        w = self.where
+        pools = [d for d, _ in self.pools]
         self.descriptor = RankDescriptor(
-            self.dp_rank, self.attn_rank, self.attn_tp, self.address, [d for d, _ in self.pools]
+            w.dp_rank, w.attn_rank, w.attn_tp, self.address, pools, w.stage
         )
         await self._emit({"kind": "hello", "descriptor": self.descriptor.to_dict()})
         self.ready.set()
@@ -283,10 +305,17 @@ class TransferAgent:
             )
         return out
 
-    @staticmethod
-    def _in_place(msg: Message) -> bool:
+    def _layers(self, msg: Message) -> tuple[range, bool]:
+        """The pool's own layers that `msg` moves, and whether that is all of them."""
+        desc = self.pools[msg.pool][0]
+        first, stop = msg.layers
+        held = range(first - desc.first_layer, stop - desc.first_layer)
+        return held, len(held) == desc.num_layers
+
+    def _in_place(self, msg: Message) -> bool:
         """Whether the message's bytes are a view of consecutive whole pages (no gather to make)."""
-        return msg.src_heads is None and _consecutive(msg.src_pages)
+        whole = self._layers(msg)[1]
+        return msg.src_heads is None and whole and _consecutive(msg.src_pages)
 
     def _source(self, msg: Message) -> torch.Tensor:
         """The message's bytes: a view of consecutive whole pages, else a gathered copy."""
@@ -297,35 +326,38 @@ class TransferAgent:
             if _consecutive(msg.src_pages)
             else torch.tensor(msg.src_pages, device=pool.device)
         )
+        layers = self._layers(msg)[0]
         if msg.src_heads is None:
-            return pool.pages[index].contiguous()
+            return pool.pages[index][:, _layer_columns(pool, layers)].contiguous()
         h0, hn = msg.src_heads
-        return torch.cat(
-            [
-                buf[index][:, :, h0 : h0 + hn].reshape(n, -1)
-                for layer in pool.buffers
-                for buf in layer
-            ],
-            dim=1,
-        )
+        parts = [
+            buf[index][:, :, h0 : h0 + hn].reshape(n, -1)
+            for layer in layers
+            for buf in pool.buffers[layer]
+        ]
+        return torch.cat(parts, dim=1)
 
     def _destination(self, msg: Message) -> tuple[torch.Tensor, list | None]:
-        """Where to receive: the pages themselves, or a staging buffer and the head-slice views it
-        scatters into once the room arrived."""
+        """Where to receive: the pages themselves, or a staging buffer and the head- or
+        layer-slice views it scatters into once the room arrived."""
         pool = self.pools[msg.pool][1]
         first, n = msg.dst_pages
+        pages = slice(first, first + n)
+        layers, whole = self._layers(msg)
+        if msg.dst_heads is None and whole:
+            return pool.pages[pages], None
         if msg.dst_heads is None:
-            return pool.pages[first : first + n], None
-        h0, hn = msg.dst_heads
-        views = [buf[first : first + n, :, h0 : h0 + hn] for layer in pool.buffers for buf in layer]
-        staging = torch.empty(
-            (n, sum(v[0].numel() for v in views)), dtype=pool.pages.dtype, device=pool.device
-        )
+            views = [pool.pages[pages, _layer_columns(pool, layers)]]
+        else:
+            h0, hn = msg.dst_heads
+            views = [buf[pages, :, h0 : h0 + hn] for layer in layers for buf in pool.buffers[layer]]
+        size = sum(v[0].numel() for v in views)
+        staging = torch.empty((n, size), dtype=pool.pages.dtype, device=pool.device)
         return staging, views
 
     # ---- prefill side ---------------------------------------------------------------------------
     async def _push(self, cmd: dict) -> None:
-        room, me = cmd["room"], self.attn_rank
+        room, me = cmd["room"], self.where.slot
         deadline = time.monotonic() + cmd["timeout_s"]
         decode_ranks = sorted(
             {r[1] for pool_routes in cmd["routes"] for r in pool_routes if r[0] == me}
@@ -362,7 +394,7 @@ class TransferAgent:
         """All messages to decode rank d and the control message in flight at once; (bytes, error).
         The control message need not wait for the data: the decode counts a room only once every
         receive completed, so a data send that fails after an "ok" still fails the room."""
-        room, me = cmd["room"], self.attn_rank
+        room, me = cmd["room"], self.where.slot
         address = cmd["dst_ranks"][d]
         left = lambda: max(deadline - time.monotonic(), 0.01)
         sent, error, data = 0, None, []
@@ -390,7 +422,8 @@ class TransferAgent:
                         data = [(msg, self._source(msg)) for msg in msgs]
                     self._own_stream_done()
             ctrl = np.frombuffer(
-                pack_ctrl(error is None, error, cmd["aux"] if me == 0 else None), dtype=np.uint8
+                pack_ctrl(error is None, error, cmd["aux"] if self.attn_rank == 0 else None),
+                dtype=np.uint8,
             )
             sends = [ep.send(as_ucx_buffer(t), tag=msg.tag, force_tag=True) for msg, t in data]
             sends.append(ep.send(ctrl, tag=ctrl_tag(room, me, d), force_tag=True))
@@ -417,13 +450,11 @@ class TransferAgent:
     async def _expect(self, cmd: dict) -> None:
         import ucxx
 
-        room, me = cmd["room"], self.attn_rank
+        room, me = cmd["room"], self.where.slot
         # (sending prefill rank for a control message else None, tag, buffer)
-        recvs, scatters = (
-            [],
-            [],
-        )
-        for p in range(cmd["prefill_tp"]):
+        recvs, scatters = [], []
+        senders = {r[0] for pool_routes in cmd["routes"] for r in pool_routes if r[1] == me}
+        for p in sorted(senders):
             for r in self._pair_routes(cmd, p, me):
                 for msg in self._messages(cmd, r, None):
                     with (
@@ -549,6 +580,12 @@ class TransferAgent:
         empty = np.zeros(0, dtype=np.uint8)
         for tag in list(state["tags"]):
             await ep.send(empty, tag=tag, force_tag=True)
+
+
+def _layer_columns(pool: KVPool, layers: range) -> slice:
+    """A page's elements that hold `layers` (a page is laid out layer by layer)."""
+    per_layer = pool.pages.shape[1] // pool.layout.num_layers
+    return slice(layers.start * per_layer, layers.stop * per_layer)
 
 
 def _consecutive(pages: tuple) -> bool:

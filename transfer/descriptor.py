@@ -1,9 +1,11 @@
 """What a rank tells its transfer peers about itself, once, at registration.
 
-A `RankDescriptor` names the rank (DP group, attention-TP rank of how many), its UCX worker address,
-and one `PoolDescriptor` per KV pool it holds: the target model's pool first, a draft model's pool
-(possibly of another layout) as a further list entry. Decode and prefill compare descriptors before
-any page moves and refuse a peer whose pools would not line up, naming the difference.
+A `RankDescriptor` names the rank (pipeline stage, DP group, attention-TP rank of how many), its
+UCX worker address, and one `PoolDescriptor` per KV pool it holds: the target model's pool first, a
+draft model's pool (possibly of another layout) as a further list entry. A pool says which of the
+model's layers it holds (a pipeline stage holds a contiguous range), so ranks pair by global layer
+id whatever the two sides' partitions. Decode and prefill compare descriptors before any page moves
+and refuse a peer whose pools would not line up, naming the difference.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ PAGE_ORDER = "page-major: layer, buffer, slot, head, dim"
 class PoolDescriptor:
     name: str  # "target", "draft"
     kind: str  # "mla" or "mha"
-    num_layers: int
+    num_layers: int  # layers this rank holds
     page_size: int
     dtype: str
     token_shapes: list[list[int]]  # per buffer of a layer, the shape of one token's entry
@@ -32,6 +34,17 @@ class PoolDescriptor:
     held_heads: list[int] = field(default_factory=list)  # MHA: global KV heads this rank holds
     order: str = PAGE_ORDER  # how a page's bytes are arranged (scheduler/kv_pool.py)
     message_pages: int = 0  # decode: the most pages it takes in one UCX message (0: a whole run)
+    first_layer: int = 0  # the model's index of the first layer held (a pipeline stage's start)
+    model_layers: int = 0  # layers of the whole model (0: num_layers, all held)
+
+    @property
+    def layers(self) -> tuple[int, int]:
+        """The model's layers [first, stop) this rank holds."""
+        return (self.first_layer, self.first_layer + self.num_layers)
+
+    @property
+    def total_layers(self) -> int:
+        return self.model_layers or self.num_layers
 
     @classmethod
     def from_layout(
@@ -41,6 +54,8 @@ class PoolDescriptor:
         total_kv_heads: int = 0,
         held_heads: list[int] | None = None,
         message_pages: int = 0,
+        first_layer: int = 0,
+        model_layers: int = 0,
     ) -> "PoolDescriptor":
         return cls(
             name,
@@ -52,6 +67,8 @@ class PoolDescriptor:
             total_kv_heads,
             list(held_heads or []),
             message_pages=message_pages,
+            first_layer=first_layer,
+            model_layers=model_layers,
         )
 
     def per_head_shapes(self) -> list[list[int]]:
@@ -66,6 +83,12 @@ class RankDescriptor:
     attn_tp: int
     address: str  # the rank's UCX worker address (hex): peers make endpoints from it, no listener
     pools: list[PoolDescriptor]
+    stage: int = 0  # pipeline stage
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        """Where the rank sits: (DP group, stage, attention rank); ranks sort by it."""
+        return (self.dp_rank, self.stage, self.attn_rank)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -74,13 +97,19 @@ class RankDescriptor:
     def from_dict(cls, d: dict) -> "RankDescriptor":
         pools = [PoolDescriptor(**p) for p in d["pools"]]
         return cls(
-            int(d["dp_rank"]), int(d["attn_rank"]), int(d["attn_tp"]), str(d["address"]), pools
+            int(d["dp_rank"]),
+            int(d["attn_rank"]),
+            int(d["attn_tp"]),
+            str(d["address"]),
+            pools,
+            int(d.get("stage", 0)),
         )
 
 
 @dataclass(frozen=True)
 class InstanceDescriptor:
-    """A whole instance: the model it serves and every rank, in (dp_rank, attn_rank) order."""
+    """A whole instance: the model it serves and every rank, in (dp_rank, stage, attn_rank)
+    order."""
 
     model: dict  # identity of the weights: architecture and the sizes that shape the KV
     dp_size: int
@@ -105,7 +134,17 @@ class InstanceDescriptor:
         )
 
     def group(self, dp_rank: int) -> list[RankDescriptor]:
+        """A DP group's ranks over every stage; a rank's index here is its slot in routes."""
         return [r for r in self.ranks if r.dp_rank == dp_rank]
+
+    def stage_layers(self, pool: int) -> list[tuple[int, int]]:
+        """Per stage, the layers [first, stop) its ranks hold of pool `pool`."""
+        return stage_layers(self.group(0), pool)
+
+
+def stage_layers(group: list[RankDescriptor], pool: int) -> list[tuple[int, int]]:
+    """Per stage of a DP group's ranks, the layers of pool `pool` its ranks hold."""
+    return [r.pools[pool].layers for r in group if r.attn_rank == 0]
 
 
 def check_compatible(
@@ -129,8 +168,18 @@ def check_compatible(
     if [p.name for p in mine] != [p.name for p in theirs]:
         differ("KV pools", [p.name for p in mine], [p.name for p in theirs])
     for a, b in zip(mine, theirs):
-        for attr in ("order", "kind", "num_layers", "page_size", "dtype", "total_kv_heads"):
+        for attr in ("order", "kind", "total_layers", "page_size", "dtype", "total_kv_heads"):
             if getattr(a, attr) != getattr(b, attr):
                 differ(f"{a.name} pool {attr}", getattr(a, attr), getattr(b, attr))
         if a.per_head_shapes() != b.per_head_shapes():
             differ(f"{a.name} pool layout", a.token_shapes, b.token_shapes)
+    for i, pool in enumerate(mine):
+        stages = (local.stage_layers(i), remote.stage_layers(i))
+        for held in stages:
+            layers = [layer for first, stop in held for layer in range(first, stop)]
+            if layers != list(range(pool.total_layers)):
+                raise IncompatiblePeer(
+                    f"incompatible {remote_role} peer: the {pool.name} pool's layers per "
+                    f"pipeline stage do not cover the model's {pool.total_layers} layers once "
+                    f"({local_role}: {stages[0]}, {remote_role}: {stages[1]})"
+                )

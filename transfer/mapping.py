@@ -10,11 +10,16 @@ request (`prefill_tp` ranks) and the decode DP group that will run it (`decode_t
   holding it (head slicing when the TP sizes differ; when heads are replicated over ranks, holders
   take turns). Prefill ranks holding none of a decode rank's heads are dummies for it.
 A decode rank knows before any byte moves how many routes (senders) complete the room for it.
+
+With pipeline parallelism on either side, each (prefill stage, decode stage) pair whose layers
+overlap is one such pairing of attention groups, for the layers they share (paired by the model's
+layer id, never by position within a stage); ranks are then numbered by slot, stage by stage
+(slot = stage x attention TP + attention rank), and a route carries its layer range.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -25,6 +30,8 @@ class Route:
     src_head: int = 0  # MHA: first KV head to read, local to the prefill rank
     dst_head: int = 0  # MHA: first KV head to write, local to the decode rank
     num_heads: int = 0  # MHA: heads in the range (0 for MLA and dummies)
+    first_layer: int = 0  # the model's layers [first_layer, stop_layer) the route moves
+    stop_layer: int = 0
 
 
 def held_heads(rank: int, tp: int, num_kv_heads: int) -> list[int]:
@@ -87,6 +94,32 @@ def _mha_routes(prefill_tp: int, decode_tp: int, room: int, num_kv_heads: int) -
             src = held_heads(p, prefill_tp, num_kv_heads).index(head)
             routes.append(Route(p, d, False, src, wanted.index(head), count))
         routes += [Route(p, d, dummy=True) for p in range(prefill_tp) if p not in senders]
+    return routes
+
+
+def plan_pipeline_routes(
+    kind: str,
+    prefill_tp: int,
+    prefill_stages: list[tuple[int, int]],
+    decode_tp: int,
+    decode_stages: list[tuple[int, int]],
+    room: int = 0,
+    num_kv_heads: int = 0,
+) -> list[Route]:
+    """`plan_routes` for every pair of stages that share layers (`*_stages`: each stage's layers
+    [first, stop)); ranks are slots of the DP group over all stages."""
+    routes = []
+    for sd, (d_first, d_stop) in enumerate(decode_stages):
+        for sp, (p_first, p_stop) in enumerate(prefill_stages):
+            first, stop = max(d_first, p_first), min(d_stop, p_stop)
+            if first >= stop:
+                continue
+            for r in plan_routes(kind, prefill_tp, decode_tp, room + sp, num_kv_heads):
+                slots = dict(
+                    prefill_rank=sp * prefill_tp + r.prefill_rank,
+                    decode_rank=sd * decode_tp + r.decode_rank,
+                )
+                routes.append(replace(r, **slots, first_layer=first, stop_layer=stop))
     return routes
 
 

@@ -1,10 +1,10 @@
 """The UCX messages that move one room, as both sides derive them.
 
-Pools are page-major (scheduler/kv_pool.py), so a message carries every layer: for every real route
-and pool, one message per run of consecutive destination pages. Its bytes are the pages as the
-receiver lays them out when it holds exactly the route's heads: per page, per layer and buffer, the
-page's slots of those heads. With all heads on both sides that is the pages themselves; a head slice
-is gathered by the sender or scattered by the receiver through a staging buffer. The prefill side
+Pools are page-major (scheduler/kv_pool.py), so a message carries every layer the route moves: for
+every real route and pool, one message per run of consecutive destination pages. Its bytes are the
+pages as the receiver lays them out when it holds exactly the route's heads and layers: per page,
+per layer and buffer, the page's slots of those heads. With all heads and layers on both sides that
+is the pages themselves; a head or layer slice is gathered by the sender or scattered by the receiver through a staging buffer. The prefill side
 derives the same list from the destination pages it was given, reading its own pages in the same
 order. A message's tag is a hash of where it belongs, so both sides agree without talking, and no two
 rooms collide.
@@ -34,6 +34,7 @@ class Message:
     src_pages: tuple[int, ...]  # source pages, in order
     src_heads: tuple[int, int] | None  # MHA slice (first local head, count); None: all heads
     dst_heads: tuple[int, int] | None
+    layers: tuple[int, int]  # the model's layers [first, stop): each side finds them in its pool
 
 
 def tag_of(room: int, *where: int) -> int:
@@ -77,7 +78,9 @@ def route_messages(
     for run, (start, n) in enumerate(page_runs(dst_pages, message_pages)):
         tag = tag_of(room, route.prefill_rank, route.decode_rank, pool_index, run)
         src = tuple(src_pages[start : start + n]) if src_pages is not None else ()
-        out.append(Message(tag, pool_index, (dst_pages[start], n), src, src_slice, dst_slice))
+        first = (dst_pages[start], n)
+        layers = (route.first_layer, route.stop_layer)
+        out.append(Message(tag, pool_index, first, src, src_slice, dst_slice, layers))
     return out
 
 

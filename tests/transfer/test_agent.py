@@ -1,5 +1,6 @@
 """Transfer agents in their own processes, driven by the front's TransferManager, over real UCX:
-the exact bytes of scattered pages land where the decode wants them (head slicing either way), rooms
+the exact bytes of scattered pages land where the decode wants them (head slicing either way,
+pipeline stages with other layer partitions on the two sides), rooms
 started together on a fresh pair share one connection, and a decode agent whose room fails after its
 receives were posted settles them first, so a late sender writes nothing into the pages."""
 
@@ -21,13 +22,19 @@ from dserve.transfer.manager import TransferManager  # noqa: E402
 HEADS, LAYERS, PAGE, DIM, PAGES = 4, 3, 4, 8, 64
 
 
-def layout(kind: str, tp: int) -> KVLayout:
+def layout(kind: str, tp: int, layers: int = LAYERS) -> KVLayout:
     if kind == "mla":
-        return KVLayout("mla", LAYERS, PAGE, torch.float32, latent_dim=DIM * 2, kv_lora_rank=DIM)
+        return KVLayout("mla", layers, PAGE, torch.float32, latent_dim=DIM * 2, kv_lora_rank=DIM)
     n = len(held_heads(0, tp, HEADS))
     return KVLayout(
-        "mha", LAYERS, PAGE, torch.float32, num_kv_heads=n, head_dim=DIM, v_head_dim=DIM // 2
+        "mha", layers, PAGE, torch.float32, num_kv_heads=n, head_dim=DIM, v_head_dim=DIM // 2
     )
+
+
+def stage_ranges(stages: list[int]) -> list[range]:
+    """Each stage's layers for a partition such as [1, 2]."""
+    firsts = [sum(stages[:i]) for i in range(len(stages))]
+    return [range(f, f + n) for f, n in zip(firsts, stages)]
 
 
 def global_values(kind: str) -> list[list[torch.Tensor]]:
@@ -46,9 +53,11 @@ def rank_process(
     dump: str,
     break_settle: bool,
     message_pages: int,
+    stage: int,
+    layers: range,
 ) -> None:
     from dserve.scheduler.kv_pool import KVPool
-    from dserve.transfer.agent import TransferAgent
+    from dserve.transfer.agent import Placement, TransferAgent
     from dserve.transfer.descriptor import PoolDescriptor
 
     if break_settle:  # the room fails after its receives were posted, before any arrived
@@ -57,17 +66,24 @@ def rank_process(
             raise RuntimeError("broken on purpose after posting")
 
         TransferAgent._wait_receives = broken
-    lay = layout(kind, tp)
+    lay = layout(kind, tp, len(layers))
     pool = KVPool(lay, PAGES, "cpu")
     heads = held_heads(rank, tp, HEADS) if kind == "mha" else []
     if prefill:
-        for layer, values in zip(pool.buffers, global_values(kind)):
-            for buf, full in zip(layer, values):
+        values = global_values(kind)[layers.start : layers.stop]
+        for layer, full_layer in zip(pool.buffers, values):
+            for buf, full in zip(layer, full_layer):
                 buf.copy_(full[:, :, heads] if kind == "mha" else full)
     desc = PoolDescriptor.from_layout(
-        "target", lay, HEADS if kind == "mha" else 0, heads, message_pages
+        "target",
+        lay,
+        HEADS if kind == "mha" else 0,
+        heads,
+        message_pages,
+        first_layer=layers.start,
+        model_layers=LAYERS,
     )
-    agent = TransferAgent(front, 0, rank, tp, [(desc, pool)])
+    agent = TransferAgent(front, Placement(0, rank, tp, stage), [(desc, pool)])
     agent.thread.join()
     torch.save(pool.pages, dump)
 
@@ -81,34 +97,27 @@ class Side:
         tmp_path,
         break_settle: bool = False,
         message_pages: int = 0,
+        stages: tuple[int, ...] = (LAYERS,),
     ):
+        """`stages`: layers per pipeline stage; each stage has `tp` ranks."""
         self.manager = TransferManager()
-        self.dumps = [str(tmp_path / f"{'p' if prefill else 'd'}{r}.pt") for r in range(tp)]
+        self.ranges = stage_ranges(list(stages))
+        self.slots = [(s, r) for s in range(len(stages)) for r in range(tp)]
+        side = "p" if prefill else "d"
+        self.dumps = [str(tmp_path / f"{side}{s}-{r}.pt") for s, r in self.slots]
         ctx = mp.get_context("spawn")
-        self.procs = [
-            ctx.Process(
-                target=rank_process,
-                daemon=True,
-                args=(
-                    self.manager.address,
-                    kind,
-                    r,
-                    tp,
-                    prefill,
-                    self.dumps[r],
-                    break_settle,
-                    message_pages,
-                ),
-            )
-            for r in range(tp)
-        ]
+        self.procs = []
+        for (stage, r), dump in zip(self.slots, self.dumps):
+            args = (self.manager.address, kind, r, tp, prefill, dump)
+            args += (break_settle, message_pages, stage, self.ranges[stage])
+            self.procs.append(ctx.Process(target=rank_process, daemon=True, args=args))
         for p in self.procs:
             p.start()
-        self.manager.wait_for_agents(tp)
+        self.manager.wait_for_agents(len(self.slots))
         self.desc = self.manager.descriptor({}, 1, tp)
 
     def pages(self) -> list[torch.Tensor]:
-        """Each rank's pages, after its agent stopped."""
+        """Each rank's pages (in slot order), after its agent stopped."""
         self.manager.close()
         for p in self.procs:
             p.join(30)
@@ -124,27 +133,42 @@ def outcomes(sides: list[Side], count: int, timeout: float = 60) -> list:
     return got
 
 
-def expected_pages(kind: str, rank: int, tp: int, src: list[int], dst: list[int], received) -> None:
-    """Check the decode rank's `received` pages hold the global values of its heads, page by page."""
+def expected_pages(
+    kind: str, rank: int, tp: int, src: list[int], dst: list[int], received, layers: range
+) -> None:
+    """Check the decode rank's `received` pages hold the global values of its heads and layers,
+    page by page."""
     from dserve.scheduler.kv_pool import KVPool
 
-    pool = KVPool(layout(kind, tp), PAGES, "cpu")
+    pool = KVPool(layout(kind, tp, len(layers)), PAGES, "cpu")
     pool.pages.copy_(received)
     heads = held_heads(rank, tp, HEADS) if kind == "mha" else slice(None)
-    for layer, values in zip(pool.buffers, global_values(kind)):
+    held = global_values(kind)[layers.start : layers.stop]
+    for layer, values in zip(pool.buffers, held):
         for buf, full in zip(layer, values):
             want = full[src][:, :, heads] if kind == "mha" else full[src]
             torch.testing.assert_close(buf[dst], want, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize(
-    "kind,prefill_tp,decode_tp,message_pages",
-    [("mha", 1, 2, 0), ("mha", 2, 1, 2), ("mla", 2, 2, 0), ("mla", 1, 1, 2)],
-)
-def test_scattered_pages_arrive_exactly(kind, prefill_tp, decode_tp, message_pages, tmp_path):
-    """`message_pages` 2: the decode takes runs in pieces of at most two pages."""
-    prefill = Side(kind, prefill_tp, True, tmp_path)
-    decode = Side(kind, decode_tp, False, tmp_path, message_pages=message_pages)
+SHAPES = [  # kind, prefill tp, decode tp, decode message_pages, prefill stages, decode stages
+    ("mha", 1, 2, 0, (3,), (3,)),
+    ("mha", 2, 1, 2, (3,), (3,)),
+    ("mla", 2, 2, 0, (3,), (3,)),
+    ("mla", 1, 1, 2, (3,), (3,)),
+    ("mla", 2, 1, 0, (3,), (1, 2)),  # one prefill stage feeds two decode stages
+    ("mla", 1, 2, 2, (2, 1), (1, 2)),  # partitions that cut each other
+    ("mha", 2, 1, 0, (1, 2), (2, 1)),  # head slices of layer slices
+]
+
+
+@pytest.mark.parametrize("kind,prefill_tp,decode_tp,message_pages,p_stages,d_stages", SHAPES)
+def test_scattered_pages_arrive_exactly(
+    kind, prefill_tp, decode_tp, message_pages, p_stages, d_stages, tmp_path
+):
+    """`message_pages` 2: the decode takes runs in pieces of at most two pages. With pipeline
+    stages each decode rank's layers come from the prefill stages that hold them."""
+    prefill = Side(kind, prefill_tp, True, tmp_path, stages=p_stages)
+    decode = Side(kind, decode_tp, False, tmp_path, message_pages=message_pages, stages=d_stages)
     gen = torch.Generator().manual_seed(1)
     rooms = {}  # four rooms at once on a pair that has not connected yet
     order = torch.randperm(PAGES, generator=gen).tolist()
@@ -165,9 +189,9 @@ def test_scattered_pages_arrive_exactly(kind, prefill_tp, decode_tp, message_pag
             assert o.finished > pushed[o.room].started
     received = decode.pages()
     prefill.pages()
-    for rank in range(decode_tp):
+    for (stage, rank), pages in zip(decode.slots, received):
         for src, dst in rooms.values():
-            expected_pages(kind, rank, decode_tp, src, dst, received[rank])
+            expected_pages(kind, rank, decode_tp, src, dst, pages, decode.ranges[stage])
 
 
 def test_failed_room_settles_its_receives_before_reporting(tmp_path):

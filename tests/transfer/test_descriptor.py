@@ -87,3 +87,35 @@ def test_control_records_are_size_limited_and_validated():
     assert unpack_ctrl(b"\xff" * 16)["ok"] is False
     assert page_runs([4, 5, 6, 9, 10, 2]) == [(0, 3), (3, 2), (5, 1)]
     assert page_runs([4, 5, 6, 7, 8, 2], longest=2) == [(0, 2), (2, 2), (4, 1), (5, 1)]
+
+
+def staged(partition: tuple[int, ...], tp: int = 1) -> InstanceDescriptor:
+    """An MLA instance whose pipeline stages hold `partition` layers each."""
+    ranks, first = [], 0
+    for stage, count in enumerate(partition):
+        layout = KVLayout("mla", count, 16, torch.float32, latent_dim=48, kv_lora_rank=32)
+        pool = PoolDescriptor.from_layout("target", layout, first_layer=first, model_layers=3)
+        ranks += [RankDescriptor(0, r, tp, f"{stage}{r:03x}", [pool], stage) for r in range(tp)]
+        first += count
+    return InstanceDescriptor(dict(MODEL), 1, tp, ranks)
+
+
+def test_pipeline_partitions_pair_by_layer_id():
+    """Any two partitions of the same layers line up (the descriptor carries each stage's
+    range); a side that does not hold every layer once is refused, naming both partitions."""
+    check_compatible(staged((1, 2)), staged((3,)))
+    check_compatible(staged((2, 1), tp=2), staged((1, 1, 1)))
+    assert staged((1, 2)).stage_layers(0) == [(0, 1), (1, 3)]
+    assert InstanceDescriptor.from_dict(staged((1, 2)).to_dict()) == staged((1, 2))
+    with pytest.raises(IncompatiblePeer, match=r"total_layers differs \(decode: 3, prefill: 2\)"):
+        check_compatible(staged((3,)), instance_with_layers(2))
+    gap = staged((1, 2))
+    gap = dataclasses.replace(gap, ranks=gap.ranks[1:])  # the stage holding layer 0 is missing
+    with pytest.raises(IncompatiblePeer, match=r"do not cover .* \(decode: \[\(0, 3\)\], prefill"):
+        check_compatible(staged((3,)), gap)
+
+
+def instance_with_layers(count: int) -> InstanceDescriptor:
+    layout = KVLayout("mla", count, 16, torch.float32, latent_dim=48, kv_lora_rank=32)
+    ranks = [RankDescriptor(0, 0, 1, "0000", [PoolDescriptor.from_layout("target", layout)])]
+    return InstanceDescriptor(dict(MODEL), 1, 1, ranks)

@@ -7,7 +7,13 @@ from collections import Counter
 
 import pytest
 
-from dserve.transfer.mapping import expected_senders, held_heads, plan_routes, routes_from
+from dserve.transfer.mapping import (
+    expected_senders,
+    held_heads,
+    plan_pipeline_routes,
+    plan_routes,
+    routes_from,
+)
 
 TP_PAIRS = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 2), (2, 4), (8, 1), (1, 8), (8, 4)]
 
@@ -75,3 +81,51 @@ def test_bad_mapping_inputs():
         plan_routes("gqa?", 1, 1)
     with pytest.raises(ValueError, match="does not divide"):
         plan_routes("mha", 3, 1, num_kv_heads=4)
+
+
+PARTITIONS = [
+    ((4,), (2, 2)),
+    ((2, 2), (4,)),
+    ((1, 3), (3, 1)),
+    ((2, 2), (1, 1, 2)),
+    ((3, 1), (3, 1)),
+]
+
+
+def stages_of(partition: tuple[int, ...]) -> list[tuple[int, int]]:
+    firsts = [sum(partition[:i]) for i in range(len(partition))]
+    return [(f, f + n) for f, n in zip(firsts, partition)]
+
+
+@pytest.mark.parametrize("prefill_part,decode_part", PARTITIONS)
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 1), (2, 1), (1, 2), (2, 4)])
+@pytest.mark.parametrize("kind", ["mla", "mha"])
+def test_pipeline_routes_cover_each_held_layer_once(
+    kind, prefill_tp, decode_tp, prefill_part, decode_part
+):
+    """Each decode slot gets every (layer, head) it holds exactly once, from a prefill slot whose
+    stage holds that layer; it waits for a completion from every prefill slot of a stage that
+    shares layers with its own, and from no other."""
+    heads = 4 if kind == "mha" else 0
+    p_stages, d_stages = stages_of(prefill_part), stages_of(decode_part)
+    routes = plan_pipeline_routes(kind, prefill_tp, p_stages, decode_tp, d_stages, 3, heads)
+    for sd, (first, stop) in enumerate(d_stages):
+        for d in range(decode_tp):
+            slot = sd * decode_tp + d
+            mine = [r for r in routes if r.decode_rank == slot]
+            got = Counter()
+            for r in mine:
+                sp, p = divmod(r.prefill_rank, prefill_tp)
+                assert p_stages[sp][0] <= r.first_layer < r.stop_layer <= p_stages[sp][1]
+                assert first <= r.first_layer and r.stop_layer <= stop
+                if r.dummy:
+                    continue
+                wanted = held_heads(d, decode_tp, heads) if heads else [0]
+                for layer in range(r.first_layer, r.stop_layer):
+                    got.update((layer, h) for h in wanted[r.dst_head :][: r.num_heads or 1])
+            wanted = held_heads(d, decode_tp, heads) if heads else [0]
+            assert got == Counter((layer, h) for layer in range(first, stop) for h in wanted)
+            sharing = [sp for sp, (a, b) in enumerate(p_stages) if a < stop and first < b]
+            assert sorted({r.prefill_rank for r in mine}) == [
+                sp * prefill_tp + p for sp in sharing for p in range(prefill_tp)
+            ]
