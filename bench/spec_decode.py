@@ -9,12 +9,16 @@ tokens each generating `--output-len` tokens, greedy, all submitted at once:
 
     python -m bench.spec_decode [--batches 1,8,32] [--modes off,mtp1,mtp2,naive,eagle3]
     python -m bench.spec_decode --model-path DIR [--draft-path DIR2] [--device cpu]  # a checkpoint
+    python -m bench.spec_decode ... --pp-size 2 [--pp-micro-batches 1]  # pipeline stages
 
 With `--model-path` it runs that checkpoint instead (`bench.train_mtp`'s trained one: real acceptance).
 Random weights accept almost no draft, so a step's tokens say nothing here; what the bench gives is
 the wall time of one engine step once every request decodes (from the host's side: the front's work
 included), and "break-even", that time over the plain decode step's: the mean acceptance length
-(tokens per verify) above which the mode beats plain decoding.
+(tokens per verify) above which the mode beats plain decoding. With pipeline stages a step is one
+micro-batch's (up to `--pp-micro-batches` in flight, each over its own requests): the table adds
+the tokens per second and each request's time per token (its rounds are a pipeline's latency
+apart), and break-even compares steps of the same pipeline.
 The acceptance lengths that trained drafts reach are `bench.train_mtp`'s and `bench.train_eagle3`'s.
 With every draft rejected the catch-up pass has one token per request, not up to k + 1: a lower
 bound on its cost. The EAGLE-3 draft is a Llama layer of hidden 7168, 56 heads of 128 (8 KV heads)
@@ -83,6 +87,8 @@ def step_ms(path: str, mode: str, batch: int, args, draft_dir: str | None) -> di
         cuda_graph_max_bs=batch,
         max_running_requests=batch,
         max_total_tokens=batch * (args.context + args.output_len + 64),
+        pp_size=args.pp_size,
+        pp_micro_batches=args.pp_micro_batches,
         **spec,
     )
     rng = random.Random(0)
@@ -99,6 +105,8 @@ def step_ms(path: str, mode: str, batch: int, args, draft_dir: str | None) -> di
         "steps": timing.steps,
         "step_ms": 1e3 * timing.seconds / timing.steps,
         "tokens_per_step": timing.tokens / (timing.steps * batch),
+        "tokens_per_s": timing.tokens / timing.seconds,
+        "ms_per_token": 1e3 * timing.seconds * batch / timing.tokens,
     }
 
 
@@ -121,6 +129,8 @@ def main() -> None:
         "--attention-backend", default="auto", choices=["auto", "torch", "triton", "flashinfer"]
     )
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--pp-size", type=int, default=1)
+    parser.add_argument("--pp-micro-batches", type=int, default=None)
     parser.add_argument("--out", default="bench/results/spec_decode.json")
     args = parser.parse_args()
     unknown = set(args.modes) - set(MODES)
@@ -130,7 +140,10 @@ def main() -> None:
     path = args.model_path or deepseek_v3_config_dir(args.layers, args.experts)
     draft_dir = args.draft_path or (None if args.model_path else eagle3_dummy_dir(path))
     rows, plain = [], {}
-    print(f"{'mode':>9} {'batch':>5} {'step ms':>8} {'tokens/step':>11} {'break-even':>10}")
+    print(
+        f"{'mode':>9} {'batch':>5} {'step ms':>8} {'tokens/step':>11} {'tok/s':>8} "
+        f"{'ms/token':>8} {'break-even':>10}"
+    )
     for batch in args.batches:
         for mode in args.modes:
             row = in_process(step_ms, path, mode, batch, args, draft_dir)
@@ -140,7 +153,8 @@ def main() -> None:
             rows.append(row)
             even = f"{row['break_even']:>10.2f}" if row["break_even"] else f"{'':>10}"
             print(
-                f"{mode:>9} {batch:>5} {row['step_ms']:>8.2f} {row['tokens_per_step']:>11.2f} {even}",
+                f"{mode:>9} {batch:>5} {row['step_ms']:>8.2f} {row['tokens_per_step']:>11.2f} "
+                f"{row['tokens_per_s']:>8.1f} {row['ms_per_token']:>8.2f} {even}",
                 flush=True,
             )
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
@@ -155,6 +169,8 @@ def main() -> None:
                 "context": args.context,
                 "output_len": args.output_len,
                 "eager": args.eager,
+                "pp_size": args.pp_size,
+                "pp_micro_batches": args.pp_micro_batches or args.pp_size,
                 "attention_backend": args.attention_backend,
                 "rows": rows,
             },

@@ -101,22 +101,36 @@ class CausalLM(nn.Module):
         aux_layers: tuple[int, ...],
         hidden: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The final hidden states (a stage before the last: its last layer's output, for the
-        next stage), and the outputs of layers `aux_layers` (-1: the embedding) side by side,
-        [T, len(aux_layers) * hidden] (None when none are asked for). A stage after the first
+        """The final hidden states, and the outputs of layers `aux_layers` (-1: the embedding)
+        side by side, [T, len(aux_layers) * hidden] (None when none are asked for)."""
+        hidden, outputs = self.run_layers(batch, backend, aux_layers, hidden)
+        aux = torch.cat([outputs[i] for i in aux_layers], dim=-1) if aux_layers else None
+        return hidden, aux
+
+    def run_layers(
+        self,
+        batch: ForwardBatch,
+        backend: AttentionBackend,
+        aux_layers: tuple[int, ...],
+        hidden: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """This model's (or pipeline stage's) layers: the final hidden states (a stage before the
+        last: its last layer's output, for the next stage), and by id the outputs of the layers
+        of `aux_layers` it holds (-1, the embedding, on the first stage). A stage after the first
         starts from `hidden`, the previous stage's output."""
         backend.plan(batch)
         batch = self.ctx.moe_mask(batch)
+        outputs = {}
         if self.ctx.stage.first:
             hidden = self.embed_tokens(batch.input_ids)
-        outputs = {-1: hidden}
+            outputs[-1] = hidden
         cos_sin = self.rotary.cos_sin(batch.positions, hidden.dtype)
         for i, layer in zip(self.layer_ids, self.layers):
             hidden = layer(hidden, cos_sin, backend, batch)
             if i in aux_layers:
                 outputs[i] = hidden
-        aux = torch.cat([outputs[i] for i in aux_layers], dim=-1) if aux_layers else None
-        return (self.norm(hidden) if self.norm is not None else hidden), aux
+        outputs = {i: outputs[i] for i in aux_layers if i in outputs}
+        return (self.norm(hidden) if self.norm is not None else hidden), outputs
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.lm_head if self.lm_head is not None else self.embed_tokens

@@ -59,3 +59,34 @@ def build_on(
 
 def parameter_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+class EmbeddingOnly(torch.nn.Module):
+    """The target's token embedding alone: what a draft on a pipeline stage without the
+    embedding reads its tokens through."""
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext):
+        super().__init__()
+        from dserve.models.layers.linear import VocabParallelEmbedding
+
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.attn)
+
+    @staticmethod
+    def map_checkpoint_key(key: str):
+        from dserve.models.weights import SKIP
+
+        return ("embed_tokens.weight", None) if key == "model.embed_tokens.weight" else SKIP
+
+
+def load_embedding(
+    model_path: str,
+    cfg: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    ctx: ParallelContext = SINGLE,
+    load_format: str = "auto",
+) -> torch.nn.Module:
+    """The checkpoint's token embedding (this rank's vocabulary slice) on `device`."""
+    module = build_on(device, dtype, lambda: EmbeddingOnly(cfg, ctx))
+    fill_weights(module, model_path, module.map_checkpoint_key, load_format, progress=False)
+    return module.embed_tokens

@@ -162,8 +162,6 @@ class EngineConfig:
             self.pp_micro_batches = self.pp_size
         if self.pp_micro_batches < 1:
             raise ValueError(f"pp_micro_batches must be >= 1, got {self.pp_micro_batches}")
-        if self.pp_size > 1 and self.speculative_algorithm:
-            raise ValueError("speculative decoding with pp_size > 1 is not supported yet")
         if self.pp_layer_partition is not None:
             stages = self.pp_layer_partition.split(",")
             if len(stages) != self.pp_size or not all(s.strip().isdigit() for s in stages):

@@ -19,7 +19,7 @@ from dserve.models.config import ModelConfig
 from dserve.models.layers.moe import Experts
 from dserve.models.layers.norm import RMSNorm
 from dserve.models.layers.rotary import RotaryEmbedding
-from dserve.models.loader import load_model, parameter_bytes
+from dserve.models.loader import load_embedding, load_model, parameter_bytes
 from dserve.models.parallel import SINGLE, ParallelContext
 from dserve.runtime.config import EngineConfig
 from dserve.runtime.cuda_graphs import StaticSteps, output_bytes
@@ -86,18 +86,34 @@ def pool_pages(
 
 
 def load_draft(config: EngineConfig, target, device: torch.device, ctx: ParallelContext):
-    """The speculative draft, or None: MTP from the target's checkpoint, EAGLE-3 from its own."""
+    """The speculative draft, or None: MTP from the target's checkpoint, EAGLE-3 from its own.
+    With pipeline stages the draft lives on the last stage; where that stage lacks the target's
+    embedding (which the draft shares), it loads its own copy."""
+    if not config.speculative_algorithm or not ctx.stage.last:
+        return None
     dtype, fmt = config.torch_dtype, config.load_format
+    embedding = target.embed_tokens
+    if embedding is None:
+        embedding = load_embedding(config.model_path, target.cfg, device, dtype, ctx, fmt)
     if config.speculative_algorithm == "mtp":
         from dserve.spec.mtp import load_mtp_draft
 
-        return load_mtp_draft(config.model_path, target.cfg, target, device, dtype, ctx, fmt)
-    if config.speculative_algorithm == "eagle3":
-        from dserve.spec.eagle3 import load_eagle3_draft
+        path = config.model_path
+        return load_mtp_draft(path, target.cfg, target, device, dtype, ctx, fmt, embedding)
+    from dserve.spec.eagle3 import load_eagle3_draft
 
-        path = config.speculative_draft_model_path
-        return load_eagle3_draft(path, target, device, dtype, ctx, fmt)
-    return None
+    path = config.speculative_draft_model_path
+    return load_eagle3_draft(path, target, device, dtype, ctx, fmt, embedding)
+
+
+def aux_layers(config: EngineConfig, num_layers: int) -> tuple[int, ...]:
+    """The target layers whose outputs the draft reads besides the final hidden states (EAGLE-3's
+    three), known on every pipeline stage: each passes on those it computed."""
+    if config.speculative_algorithm != "eagle3":
+        return ()
+    from dserve.spec.eagle3 import target_aux_layers
+
+    return target_aux_layers(config.speculative_draft_model_path, num_layers)
 
 
 def uses_static_steps(config: EngineConfig) -> bool:
@@ -140,7 +156,8 @@ class ModelRunner:
         layouts = [kv_layout(self.model_config, config.page_size, dtype, attn, own_layers)]
         self.draft = load_draft(config, self.model, self.device, ctx)
         self.draft_pool = self.last_hidden = None
-        self.aux_layers = getattr(self.draft, "aux_layers", ())  # EAGLE-3 reads their outputs
+        # EAGLE-3 reads their outputs
+        self.aux_layers = aux_layers(config, self.model_config.num_hidden_layers)
         if self.draft is not None:
             layouts.append(kv_layout(self.draft.cfg, config.page_size, dtype, attn, 1))
         static = uses_static_steps(config)
@@ -245,18 +262,48 @@ class ModelRunner:
         return logits
 
     @torch.inference_mode()
-    def stage_forward(self, batch: ForwardBatch, shapes: list[PassShape], hidden=None):
-        """One pipeline stage's part of a pass: from the token ids (first stage) or the previous
-        stage's hidden states `hidden`, through this stage's layers; the logits at the batch's
-        rows on the last stage, else the hidden states for the next stage."""
+    def stage_forward(self, batch: ForwardBatch, shapes: list[PassShape], received=None):
+        """One pipeline stage's part of a pass: from the token ids (first stage) or what the
+        previous stage sent (`received`: its hidden states, then the outputs of the draft's aux
+        layers so far), through this stage's layers. The last stage returns the logits at the
+        batch's rows (with naive speculation, then the draft's) and keeps what a draft pass
+        reads; the others what the next stage receives."""
         if self.ctx.dp.size > 1:
             batch.dp_num_tokens = [shape.tokens for shape in shapes]
         batch = batch.to(self.device)
         batch = replace(batch, input_ids=self.read_pending(batch.input_ids))
-        hidden, _ = self.model.forward_with_aux(batch, self.backend, (), hidden)
+        hidden, carried = self._unpack(received)
+        hidden, outputs = self.model.run_layers(batch, self.backend, self.aux_layers, hidden)
+        outputs = {**carried, **outputs}
+        aux = [outputs[i] for i in self.aux_layers if i in outputs]
         if not self.ctx.stage.last:
-            return hidden
-        return self.model.compute_logits(hidden[batch.logits_indices])
+            return torch.cat([hidden, *aux], dim=-1) if aux else hidden
+        feed = torch.cat(aux, dim=-1) if aux else hidden
+        if self.draft is not None:
+            self.last_hidden = feed
+        if batch.fused_draft is None:
+            return self.model.compute_logits(hidden[batch.logits_indices])
+        logits, draft_hidden = self._fused_tail(batch, hidden, feed)
+        draft = self.draft.compute_logits(draft_hidden[batch.fused_draft.logits_indices])
+        return torch.cat([logits, draft])
+
+    def stage_input_width(self) -> int:
+        """The width of what this stage receives: hidden states and the aux layers' outputs
+        computed on the stages before it."""
+        return self.model_config.hidden_size * (1 + len(self._carried_ids()))
+
+    def _carried_ids(self) -> list[int]:
+        """The aux layers the stages before this one computed (in `aux_layers` order)."""
+        if self.ctx.stage.first:
+            return []
+        first = self.ctx.stage.layer_range(self.model_config.num_hidden_layers).start
+        return [i for i in self.aux_layers if i < first]
+
+    def _unpack(self, received):
+        if received is None:
+            return None, {}
+        parts = received.split(self.model_config.hidden_size, dim=-1)
+        return parts[0], dict(zip(self._carried_ids(), parts[1:]))
 
     def _reads(self, steps: StaticSteps, draft_pass: bool) -> bool:
         """Whether `steps` serve this pass: the target's, or the draft's over states this wide."""
@@ -281,9 +328,14 @@ class ModelRunner:
 
     def fused_layers(self, batch: ForwardBatch):
         """Naive speculation: (the target's logits at the batch's rows, the draft's hidden
-        states over the same tokens, each reading the token after it: the target's argmax where
-        that is not known yet, and the target's feed)."""
+        states over the same tokens, and the target's feed)."""
         hidden, feed = self.target_layers(batch)
+        return (*self._fused_tail(batch, hidden, feed), feed)
+
+    def _fused_tail(self, batch: ForwardBatch, hidden, feed):
+        """The target's logits at the batch's rows, and the draft's hidden states over the same
+        tokens, each reading the token after it: the target's argmax where that is not known
+        yet."""
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         fused = batch.fused_draft
         if logits.shape[0]:
@@ -292,7 +344,7 @@ class ModelRunner:
             argmax = fused.next_ids
         ids = torch.where(fused.from_target >= 0, argmax, fused.next_ids)
         draft_batch = replace(batch, input_ids=ids, fused_draft=None)
-        return logits, self.draft(draft_batch, feed, self.draft_backend), feed
+        return logits, self.draft(draft_batch, feed, self.draft_backend)
 
     def run_model(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """One eager pass of the target (or, with `hidden_rows`, the draft): its logits at the

@@ -95,7 +95,20 @@ class Planner:
                 plan.pages.append(PageUpdate(req.slot, first, table[first:]))
                 known[req.slot] = len(table)
             plan.spans.append(self._span(span, catch_up, proposes))
+        if self.pipelined:
+            self._tell_known(scheduler, plan, known, tokens)
         return plan
+
+    @staticmethod
+    def _tell_known(scheduler, plan: GroupPlan, known: dict, tokens: dict) -> None:
+        """Stages before the last learn every running request's new tokens in the first plan
+        after its result, scheduled or not: they follow a verify's verdict (the accepted path's
+        KV moves) before any page it freed can be given to another request."""
+        for req in scheduler.running:
+            have = tokens.get(req.slot)
+            if req.slot in known and have is not None and have < req.num_tokens:
+                plan.known.append(KnownTokens(req.slot, have, req.all_ids[have:]))
+                tokens[req.slot] = req.num_tokens
 
     def _new(self, req: Request) -> NewRequest:
         return NewRequest(req.slot, req.all_ids, len(req.prompt_ids), req.params)

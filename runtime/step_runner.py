@@ -21,12 +21,12 @@ import torch
 
 from dserve.attention.backend import PassShape
 from dserve.runtime.batch import Seq, assemble
-from dserve.runtime.plan import GroupPlan, SpanOutcome, StepPlan, StepResult
+from dserve.runtime.plan import GroupPlan, PlannedSpan, SpanOutcome, StepPlan, StepResult
 from dserve.runtime.rank_state import RankRequests, RankSpan
 from dserve.runtime.sampler import Sampled, Sampler, device_ints, has_penalties
 from dserve.spec.strategy import make_drafter
 from dserve.spec.tree import ancestor_mask, depths, is_chain
-from dserve.spec.verify import move_accepted, verify_spans
+from dserve.spec.verify import accepted_path, move_accepted, move_paths, verify_spans
 
 
 def target_shape(group: GroupPlan) -> PassShape:
@@ -134,13 +134,19 @@ class StepRunner:
         self.page_size = config.page_size
         self.requests = RankRequests(config.max_running_requests, runner.max_pages)
         self.sampler = Sampler(runner.device, config.random_seed)
-        self.drafter = make_drafter(config, self)
+        self.last_stage = runner.ctx.stage.last
+        self.drafter = make_drafter(config, self) if self.last_stage else None
+        self.trees: dict[int, PlannedSpan] = {}
+        """A stage before the last: by slot, the verify span whose accepted path it has yet to
+        learn (the last stage verifies and drafts; the others follow its verdicts)."""
         self.unresolved: deque[PendingStep] = deque()
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> PendingStep:
         group = plan.groups[self.dp_rank]
         static_before = self.runner.static_passes
+        if self.trees:
+            self._follow_verdicts(group)
         self.requests.apply(group)
         spans = self._spans(group)
         batch = self._target_batch(spans)
@@ -152,7 +158,8 @@ class StepRunner:
             logits = self.runner.forward(batch, shapes)
         else:
             logits = self._stage_pass(pending, batch, shapes)
-            if not self.runner.ctx.stage.last:
+            if not self.last_stage:
+                self.trees.update((s.plan.slot, s.plan) for s in spans if s.plan.draft)
                 return pending  # the last stage samples
         n = len(batch.logits_indices)
         self._sample(pending, logits[:n])
@@ -166,7 +173,7 @@ class StepRunner:
         before the last, once its hidden states have left."""
         for work, _ in pending.sends:
             work.wait()
-        if not self.runner.ctx.stage.last:
+        if not self.last_stage:
             return None
         outcomes = pending.outcomes()
         if pending in self.unresolved:
@@ -182,7 +189,7 @@ class StepRunner:
         tokens = shapes[self.dp_rank].tokens  # the same group's rank in each stage
         hidden = None
         if not stage.first:
-            width, dtype = runner.model_config.hidden_size, runner.config.torch_dtype
+            width, dtype = runner.stage_input_width(), runner.config.torch_dtype
             hidden = torch.empty(tokens, width, dtype=dtype, device=runner.device)
             if tokens:
                 dist.recv(hidden, src=stage.prev_rank)
@@ -191,6 +198,23 @@ class StepRunner:
             out = out.contiguous()
             pending.sends.append((dist.isend(out, dst=stage.next_rank), out))
         return out
+
+    def _follow_verdicts(self, group: GroupPlan) -> None:
+        """A stage before the last learns a verified span's tokens from the first plan after
+        its result (the front sends them to every stage at once): the accepted path is the one
+        the tokens take through the tree, and its nodes' KV moves to consecutive positions as
+        on the last stage, before any page the front freed can be written again."""
+        moves = []
+        for known in group.known:
+            span = self.trees.pop(known.slot, None)
+            if span is None:
+                continue
+            emitted = known.ids[span.start + 1 - known.start :]
+            moves.append((span.slot, span.start, accepted_path(span, emitted)))
+        for slot in group.ended:
+            self.trees.pop(slot, None)
+        tables, pool = self.requests.tables, self.runner.pool
+        move_paths(moves, tables, self.page_size, pool)
 
     def _spans(self, group: GroupPlan) -> list[RankSpan]:
         spans, row, logits_row = [], 0, 0

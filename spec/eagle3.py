@@ -97,9 +97,24 @@ def aux_layer_ids(cfg: Eagle3Config, target_layers: int) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+def target_aux_layers(draft_path: str | None, target_layers: int) -> tuple[int, ...]:
+    """The target layers an EAGLE-3 checkpoint reads, from its config alone."""
+    if not draft_path or not os.path.isdir(draft_path):
+        raise ValueError(
+            f"speculative_algorithm='eagle3' needs speculative_draft_model_path, a directory with "
+            f"the EAGLE-3 checkpoint; got {draft_path!r}"
+        )
+    return aux_layer_ids(parse_eagle3_config(load_raw_config(draft_path)), target_layers)
+
+
 class Eagle3Draft(nn.Module):
     def __init__(
-        self, cfg: Eagle3Config, target, ctx: ParallelContext = SINGLE, own_embedding: bool = False
+        self,
+        cfg: Eagle3Config,
+        target,
+        ctx: ParallelContext = SINGLE,
+        own_embedding: bool = False,
+        embedding: nn.Module | None = None,
     ):
         super().__init__()
         m = cfg.model
@@ -126,8 +141,10 @@ class Eagle3Draft(nn.Module):
         )
         if own_embedding:
             self.embed_tokens = VocabParallelEmbedding(target.cfg.vocab_size, h, ctx.attn)
-        else:  # the target's, not a submodule: loaded (and counted) once
-            object.__setattr__(self, "embed_tokens", target.embed_tokens)
+        else:  # the target's (`embedding` where this stage lacks it), not a submodule
+            object.__setattr__(
+                self, "embed_tokens", embedding if embedding is not None else target.embed_tokens
+            )
 
     def forward(
         self, batch: ForwardBatch, hidden: torch.Tensor, backend: AttentionBackend
@@ -183,14 +200,11 @@ def load_eagle3_draft(
     dtype: torch.dtype,
     ctx: ParallelContext = SINGLE,
     load_format: str = "auto",
+    embedding: nn.Module | None = None,
 ) -> Eagle3Draft:
     """The EAGLE-3 checkpoint at `draft_path` on `device`, checked against the target (with
     load_format="dummy" its config.json alone, random weights, the identity vocabulary map)."""
-    if not draft_path or not os.path.isdir(draft_path):
-        raise ValueError(
-            f"speculative_algorithm='eagle3' needs speculative_draft_model_path, a directory with "
-            f"the EAGLE-3 checkpoint; got {draft_path!r}"
-        )
+    target_aux_layers(draft_path, target.cfg.num_hidden_layers)  # checks the path and layers
     cfg = parse_eagle3_config(load_raw_config(draft_path))
     if cfg.target_hidden_size != target.cfg.hidden_size:
         raise ValueError(
@@ -201,6 +215,6 @@ def load_eagle3_draft(
         src.name.removeprefix("model.") == "embed_tokens.weight"
         for src in iter_checkpoint(draft_path)
     )
-    draft = build_on(device, dtype, lambda: Eagle3Draft(cfg, target, ctx, own_embedding))
+    draft = build_on(device, dtype, lambda: Eagle3Draft(cfg, target, ctx, own_embedding, embedding))
     fill_weights(draft, draft_path, draft.map_checkpoint_key, load_format, progress=False)
     return draft.eval()

@@ -37,6 +37,7 @@ class MTPDraft(nn.Module):
         target: CausalLM,
         ctx: ParallelContext = SINGLE,
         own_embedding: bool = True,
+        embedding: nn.Module | None = None,
     ):
         super().__init__()
         self.cfg, self.ctx = cfg, ctx
@@ -51,8 +52,10 @@ class MTPDraft(nn.Module):
         self.final_norm = RMSNorm(h, cfg.rms_norm_eps)  # shared_head.norm
         if own_embedding:
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, h, ctx.attn)
-        else:  # the target's, not a submodule: loaded (and counted) once
-            object.__setattr__(self, "embed_tokens", target.embed_tokens)
+        else:  # the target's (`embedding` where this stage lacks it), not a submodule
+            object.__setattr__(
+                self, "embed_tokens", embedding if embedding is not None else target.embed_tokens
+            )
         self.head = ParallelLMHead(cfg.vocab_size, h, ctx.attn)  # shared_head.head
 
     def forward(
@@ -92,9 +95,10 @@ def load_mtp_draft(
     dtype: torch.dtype,
     ctx: ParallelContext = SINGLE,
     load_format: str = "auto",
+    embedding: nn.Module | None = None,
 ) -> MTPDraft:
     """The checkpoint's NextN layer on `device` (random with load_format="dummy", on the target's
-    embedding); a clear error when the checkpoint has none."""
+    embedding, or `embedding` where given); a clear error when the checkpoint has none."""
     dummy = load_format == "dummy"
     names = set() if dummy else {src.name for src in iter_checkpoint(model_path)}
     prefix = f"model.layers.{cfg.num_hidden_layers}."
@@ -104,6 +108,6 @@ def load_mtp_draft(
             f"has no {prefix}* tensors"
         )
     own_embedding = prefix + "embed_tokens.weight" in names
-    draft = build_on(device, dtype, lambda: MTPDraft(cfg, target, ctx, own_embedding))
+    draft = build_on(device, dtype, lambda: MTPDraft(cfg, target, ctx, own_embedding, embedding))
     fill_weights(draft, model_path, draft.map_checkpoint_key, load_format, progress=False)
     return draft.eval()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from dserve.runtime.plan import PlannedSpan
 from dserve.runtime.rank_state import PageTables, RankSpan
 from dserve.runtime.sampler import Sampler, device_ints, processed_probs
 from dserve.spec.tree import accept_greedy, accept_sampled
@@ -36,16 +37,34 @@ def verify_spans(spans: list[RankSpan], logits: torch.Tensor, sampler: Sampler) 
 def move_accepted(spans: list[RankSpan], tables: PageTables, page_size: int, pool) -> None:
     """Copy the KV of each accepted path's nodes, computed at their tree rows, to the positions
     right after the span's first token (a chain's are there already)."""
+    moves = [(span.plan.slot, span.plan.start, span.path) for span in spans]
+    move_paths(moves, tables, page_size, pool)
+
+
+def move_paths(moves: list[tuple[int, int, list[int]]], tables: PageTables, page_size, pool):
+    """`move_accepted` for (slot, start of the span, accepted nodes) triples."""
     src, dst = [], []
-    for span in spans:
-        p = span.plan
-        pages = tables.pages[p.slot]
-        for i, node in enumerate(span.path):
+    for slot, start, path in moves:
+        pages = tables.pages[slot]
+        for i, node in enumerate(path):
             if node != i:
-                for positions, out in ((p.start + 1 + node, src), (p.start + 1 + i, dst)):
+                for positions, out in ((start + 1 + node, src), (start + 1 + i, dst)):
                     out.append(
                         int(pages[positions // page_size]) * page_size + positions % page_size
                     )
     if src:
         device = pool.device
         pool.move(device_ints(src, device), device_ints(dst, device))
+
+
+def accepted_path(span: PlannedSpan, emitted: list[int]) -> list[int]:
+    """The tree nodes a verify kept, from the tokens it yielded: all but the last are drafts on
+    one path from the root (siblings hold distinct tokens), the last is the target's own."""
+    path, node = [], -1
+    for token in emitted[:-1]:
+        children = [i for i, parent in enumerate(span.parents) if parent == node]
+        node = next((i for i in children if span.draft[i] == token), None)
+        if node is None:
+            raise RuntimeError(f"slot {span.slot}: verified tokens leave the draft tree")
+        path.append(node)
+    return path

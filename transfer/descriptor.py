@@ -143,8 +143,15 @@ class InstanceDescriptor:
 
 
 def stage_layers(group: list[RankDescriptor], pool: int) -> list[tuple[int, int]]:
-    """Per stage of a DP group's ranks, the layers of pool `pool` its ranks hold."""
-    return [r.pools[pool].layers for r in group if r.attn_rank == 0]
+    """Per stage of a DP group's ranks, the layers of pool `pool` its ranks hold ((0, 0) on a
+    stage without that pool: a draft's lives on the last stage only)."""
+    firsts = [r for r in group if r.attn_rank == 0]
+    return [r.pools[pool].layers if pool < len(r.pools) else (0, 0) for r in firsts]
+
+
+def all_pools(ranks: list[RankDescriptor]) -> list[PoolDescriptor]:
+    """The pools of the rank that holds every kind of them (a last stage holds the draft's)."""
+    return max(ranks, key=lambda r: len(r.pools)).pools
 
 
 def check_compatible(
@@ -164,7 +171,7 @@ def check_compatible(
     for key in sorted(set(local.model) | set(remote.model)):
         if local.model.get(key) != remote.model.get(key):
             differ(f"model {key}", local.model.get(key), remote.model.get(key))
-    mine, theirs = local.ranks[0].pools, remote.ranks[0].pools
+    mine, theirs = all_pools(local.ranks), all_pools(remote.ranks)
     if [p.name for p in mine] != [p.name for p in theirs]:
         differ("KV pools", [p.name for p in mine], [p.name for p in theirs])
     for a, b in zip(mine, theirs):

@@ -16,7 +16,12 @@ from dataclasses import astuple, dataclass, field
 import msgpack
 import zmq
 
-from dserve.transfer.descriptor import InstanceDescriptor, RankDescriptor, stage_layers
+from dserve.transfer.descriptor import (
+    InstanceDescriptor,
+    RankDescriptor,
+    all_pools,
+    stage_layers,
+)
 from dserve.transfer.mapping import plan_pipeline_routes
 
 log = logging.getLogger("dserve.transfer")
@@ -114,8 +119,8 @@ class TransferManager:
             "timeout_s": timeout_s,
             "routes": self._routes(room, mine, theirs),
             "dst_ranks": [r.address for r in theirs],
-            "dst_heads_held": [len(p.held_heads) for p in theirs[0].pools],
-            "message_pages": [p.message_pages for p in theirs[0].pools],
+            "dst_heads_held": [len(p.held_heads) for p in all_pools(theirs)],
+            "message_pages": [p.message_pages for p in all_pools(theirs)],
         }
         self._start("pushed", room, dp_rank, mine, cmd)
 
@@ -135,8 +140,8 @@ class TransferManager:
             "dst_pages": dst_pages,
             "timeout_s": timeout_s,
             "routes": self._routes(room, theirs, mine),
-            "src_heads_held": [len(p.held_heads) for p in theirs[0].pools],
-            "message_pages": [p.message_pages for p in mine[0].pools],
+            "src_heads_held": [len(p.held_heads) for p in all_pools(theirs)],
+            "message_pages": [p.message_pages for p in all_pools(mine)],
         }
         self._start("received", room, dp_rank, mine, cmd)
 
@@ -151,7 +156,7 @@ class TransferManager:
         """Per pool, the room's routes between a prefill DP group and a decode DP group (each
         over all its stages), as lists of Route's fields."""
         out = []
-        for i, pool in enumerate(decode[0].pools):
+        for i, pool in enumerate(all_pools(decode)):
             routes = plan_pipeline_routes(
                 pool.kind,
                 prefill[0].attn_tp,

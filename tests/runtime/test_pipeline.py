@@ -81,7 +81,6 @@ def test_micro_batches_keep_the_tokens(tiny_dir, make_engine):
         (dict(pp_size=2, pp_layer_partition="2,2"), "does not split the 3 layers into 2 stages"),
         (dict(pp_size=4), "pp_size = 4 is more stages than the 3 layers"),
         (dict(pp_size=2, pp_layer_partition="3"), "must give 2 layer counts"),
-        (dict(pp_size=2, speculative_algorithm="mtp"), "speculative decoding with pp_size > 1"),
     ],
 )
 def test_bad_pipeline_settings_fail_before_loading(kwargs, message, tiny_dir):
@@ -89,13 +88,3 @@ def test_bad_pipeline_settings_fail_before_loading(kwargs, message, tiny_dir):
     with pytest.raises(ValueError, match=message):
         Engine(tiny_dir("deepseek_v3"), device="cpu", load_progress=False, **kwargs)
     assert time.perf_counter() - start < 5, "the check runs before any rank starts"
-
-
-def test_pipelined_prefill_or_decode_is_refused_for_now(tiny_dir):
-    """KV transfer between pipelined instances is not built yet: such an instance says so at
-    start instead of serving wrong pages."""
-    from dserve.runtime.http_server import Instance
-    from dserve.runtime.server_config import ServerConfig
-
-    with pytest.raises(ValueError, match="KV transfer with pipeline parallelism"):
-        Instance(tiny_dir("deepseek_v3"), ServerConfig(role="prefill"), device="cpu", pp_size=2)

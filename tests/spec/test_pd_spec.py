@@ -23,15 +23,16 @@ def check_pair(
     path: str,
     prompts,
     spec_kwargs: dict,
-    prefill_tp: int,
-    decode_tp: int,
+    prefill_tp: int | list[str],
+    decode_tp: int | list[str],
     tmp_path,
     make_engine,
     min_accept_length: float = 0.0,
 ) -> None:
-    """Pair with the speculative flags of `spec_kwargs` on both sides: its output equals the plain
-    colocated engine's, and at equal TP the acceptance per step equals the colocated speculative
-    engine's (so the draft KV and proposals arrived intact); every page free after."""
+    """Pair with the speculative flags of `spec_kwargs` on both sides and the TP size (or the
+    parallel flags) of each: its output equals the plain colocated engine's, and at equal shapes
+    the acceptance per step equals the colocated speculative engine's (so the draft KV and
+    proposals arrived intact); every page free after."""
     plain = make_engine(path).generate(input_ids=prompts, sampling_params=GREEDY)
     colocated = make_engine(path, **spec_kwargs)
     spec = [
@@ -41,9 +42,8 @@ def check_pair(
     for k, v in spec_kwargs.items():
         # a switch takes no value
         flags += ["--" + k.replace("_", "-")] + ([] if v is True else [str(v)])
-    cluster = start_cluster(
-        path, tmp_path, flags + ["--tp", str(prefill_tp)], flags + ["--tp", str(decode_tp)]
-    )
+    shapes = [["--tp", str(x)] if isinstance(x, int) else x for x in (prefill_tp, decode_tp)]
+    cluster = start_cluster(path, tmp_path, flags + shapes[0], flags + shapes[1])
     try:
         answers = [
             post(cluster.url + "/generate", {"input_ids": ids, "sampling_params": GREEDY})
@@ -54,7 +54,7 @@ def check_pair(
             assert body["output_ids"] == want.output_ids
             meta = body["meta_info"]
             assert meta["spec_accept_length"] > min_accept_length, meta
-            if prefill_tp == decode_tp:
+            if shapes[0] == shapes[1]:
                 assert meta["spec_accepted_per_step"] == colocated.meta["spec_accepted_per_step"]
         assert_all_pages_free(cluster.prefill, cluster.decode)
     finally:

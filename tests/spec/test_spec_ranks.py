@@ -35,17 +35,23 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_speculation_on_ranks_is_token_exact(case, trained_dir, trained_eagle3, make_engine):
-    algorithm, arch, steps, ranks = CASES[case]
+def three_runs(case: tuple, trained_dir, trained_eagle3, make_engine):
+    """(path, prompts, plain one-rank results, speculative one-rank results, the engine of
+    `case`'s shape, its results): three greedy requests and a seeded sampled one."""
+    algorithm, arch, steps, shape = case
     path, info, spec = trained_draft(algorithm, arch, trained_dir, trained_eagle3)
     ids = info["prompts"][:4]
     params = [GREEDY] * 3 + [SAMPLED]
     plain = make_engine(path).generate(input_ids=ids, sampling_params=params)
     one = make_engine(path, **spec, **steps).generate(input_ids=ids, sampling_params=params)
-    got = make_engine(path, **spec, **steps, **ranks).generate(
-        input_ids=ids, sampling_params=params
-    )
+    engine = make_engine(path, **spec, **steps, **shape)
+    got = engine.generate(input_ids=ids, sampling_params=params)
+    return path, ids, plain, one, engine, got
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_speculation_on_ranks_is_token_exact(case, trained_dir, trained_eagle3, make_engine):
+    _, _, plain, one, _, got = three_runs(CASES[case], trained_dir, trained_eagle3, make_engine)
     for i in range(3):
         assert got[i].output_ids == plain[i].output_ids
         assert got[i].meta["spec_accept_length"] > 1.3  # trained drafts: most are taken
