@@ -48,8 +48,19 @@ def test_injected_transfer_failures(tiny_dir, tmp_path):
         cluster.stop()
 
 
-def test_client_disconnect_mid_stream(tiny_dir, tmp_path):
-    cluster = start_cluster(tiny_dir("deepseek_v3"), tmp_path)
+TREE = ["--speculative-algorithm", "mtp", "--speculative-num-steps", "3"]
+TREE += ["--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "6"]
+DISCONNECTS = {  # id: (MTP layer, prefill flags, decode flags)
+    "plain": (False, [], []),
+    # an untrained draft: most nodes are rejected, and the client leaves mid-verify
+    "mtp-tree-decode-pp2": (True, TREE, [*TREE, "--pp-size", "2"]),
+}
+
+
+@pytest.mark.parametrize("case", list(DISCONNECTS))
+def test_client_disconnect_mid_stream(case, tiny_dir, tmp_path):
+    mtp, prefill, decode = DISCONNECTS[case]
+    cluster = start_cluster(tiny_dir("deepseek_v3", mtp=mtp), tmp_path, prefill, decode)
     try:
         body = {
             "input_ids": [7] * 20,
