@@ -6,7 +6,9 @@ the launch shape depends only on the batch size: a CUDA graph can hold it. Each 
 BLOCK_M run of one expert and a BLOCK_N slice of the output: gate/up for every pair, then
 SiLU(gate) * up, then down scaled by the pair's routing weight; the slots of a token are summed last.
 Same arithmetic as `models.layers.moe.Experts.forward` up to rounding (float32 accumulation, one
-rounding to the activation dtype per GEMM).
+rounding to the activation dtype per GEMM). FP8 experts (`models/quant.py`) are read as FP8, one
+byte per weight, and scaled per output row and K block in the program before the product with
+the activations (weight-only FP8: a decode step's experts are bound by the bytes they read).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ def _grouped_gemm(
     pairs_ptr,
     block_expert_ptr,
     scale_ptr,
+    ws_ptr,
     num_pairs,
     N,
     K,
@@ -33,6 +36,10 @@ def _grouped_gemm(
     stride_wn,
     stride_wk,
     stride_om,
+    stride_wse,
+    stride_wsn,
+    group_k,
+    FP8: tl.constexpr,
     TOP_K: tl.constexpr,
     ROWS_PER_TOKEN: tl.constexpr,
     SCALE: tl.constexpr,
@@ -64,6 +71,13 @@ def _grouped_gemm(
                 mask=(offs_n[None, :] < N) & (offs_k[:, None] < K),
                 other=0.0,
             )
+            if FP8:  # this K block's scale of each output row
+                s = tl.load(
+                    ws_ptr + expert * stride_wse + offs_n * stride_wsn + k0 // group_k,
+                    mask=offs_n < N,
+                    other=0.0,
+                )
+                w = (w.to(tl.float32) * s[None, :]).to(a.dtype)
             acc += tl.dot(a, w, input_precision=PRECISION)
         if SCALE:
             acc *= tl.load(scale_ptr + pair, mask=valid, other=0.0)[:, None]
@@ -126,9 +140,12 @@ def fused_experts(
     block_m: int | None = None,
     block_n: int = 64,
     block_k: int = 64,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    fp8_block: int = 0,
 ) -> torch.Tensor:
     """sum over slots s of weights[t, s] * down_e(SiLU(gate_e(x_t)) * up_e(x_t)), e = ids[t, s], for
-    the experts held here (w13 [E, 2I, H] gate then up, w2 [E, H, I], experts first .. first+E-1)."""
+    the experts held here (w13 [E, 2I, H] gate then up, w2 [E, H, I], experts first .. first+E-1).
+    FP8 weights come with `scales` (w13's and w2's, [E, rows, K blocks]) of `fp8_block` inputs."""
     tokens, top_k = ids.shape
     num_local, two_i, hidden = w13.shape
     n = tokens * top_k
@@ -139,8 +156,13 @@ def fused_experts(
     gate_up = torch.empty(n, two_i, dtype=x.dtype, device=x.device)
     down = torch.zeros(n, hidden, dtype=x.dtype, device=x.device)
     scale = weights.reshape(-1).float().contiguous()
+    if scales is not None and scales[0].shape[-1] > 1:
+        block_k = min(block_k, fp8_block)  # one scale per K tile
 
-    def launch(a, w, out, rows_per_token, use_scale, N, K):
+    def launch(a, w, out, rows_per_token, use_scale, N, K, ws):
+        fp8 = ws is not None
+        ws = ws if fp8 else scale  # any tensor: not read
+        group = (K if ws.shape[-1] == 1 else fp8_block) if fp8 else 1  # one column: per channel
         grid = (block_expert.numel(), triton.cdiv(N, block_n))
         _grouped_gemm[grid](
             a,
@@ -149,6 +171,7 @@ def fused_experts(
             pairs,
             block_expert,
             scale,
+            ws,
             n,
             N,
             K,
@@ -157,6 +180,10 @@ def fused_experts(
             w.stride(1),
             w.stride(2),
             out.stride(0),
+            ws.stride(0),
+            ws.stride(1) if fp8 else 0,
+            group,
+            FP8=fp8,
             TOP_K=top_k,
             ROWS_PER_TOKEN=rows_per_token,
             SCALE=use_scale,
@@ -166,8 +193,9 @@ def fused_experts(
             BLOCK_K=block_k,
         )
 
-    launch(x.contiguous(), w13, gate_up, True, False, two_i, hidden)
+    ws13, ws2 = scales if scales is not None else (None, None)
+    launch(x.contiguous(), w13, gate_up, True, False, two_i, hidden, ws13)
     gate, up = gate_up.chunk(2, dim=-1)
     act = (F.silu(gate) * up).contiguous()
-    launch(act, w2, down, False, True, hidden, two_i // 2)
+    launch(act, w2, down, False, True, hidden, two_i // 2, ws2)
     return down.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)

@@ -47,7 +47,11 @@ def step_bytes(runner, batch) -> int:
 
     def count(module, args):
         ids = args[2]
-        per_expert = (module.w13[0].numel() + module.w2[0].numel()) * module.w13.element_size()
+        per_expert = sum(
+            p[0].numel() * p.element_size()
+            for n, p in module.named_parameters()
+            if n.startswith(("w13", "w2"))
+        )  # weights and, FP8, their scales
         touched.append(int(torch.unique(ids).numel()) * per_expert)
 
     for module in runner.model.modules():
@@ -58,7 +62,7 @@ def step_bytes(runner, batch) -> int:
         h.remove()
     weights = 0
     for name, p in runner.model.named_parameters():
-        if name.endswith(("experts.w13", "experts.w2")):
+        if ".experts.w" in name:
             continue
         if "embed_tokens" in name:
             weights += batch.num_tokens * p.shape[1] * p.element_size()

@@ -2,7 +2,7 @@
 roofline, on a DeepSeek-V3-shaped model with random weights (GPU):
 
     python -m bench.engine_step [--batches 1,8,32,128,256] [--layers 4 --experts 32]
-                                [--context 1024] [--output-len 64]
+                                [--context 1024] [--output-len 64] [--quantization fp8]
 
 For each batch size three runs, each in its own process (so each has the GPU's memory to itself):
 - forward: `ModelRunner.forward` over one decode token per request (`bench.decode_step`: CUDA
@@ -36,7 +36,9 @@ from bench.spec_verify import deepseek_v3_config_dir, dummy_runner, model_args, 
 def forward_row(path: str, batch: int, args) -> dict:
     """The forward alone and the roofline of a decode step of `batch` requests."""
     copy = copy_bandwidth()
-    runner, kv = dummy_runner(path, batch, args.context, "triton", graph_tokens=batch)
+    runner, kv = dummy_runner(
+        path, batch, args.context, "triton", graph_tokens=batch, quantization=args.quantization
+    )
     decode = step_batch(kv, batch, args.context, 1)
     nbytes = step_bytes(runner, decode)
     seconds = median_seconds(lambda: runner.forward(decode), args.repeats)
@@ -56,6 +58,7 @@ def engine_ms(path: str, batch: int, args, overlap: bool) -> float:
         max_running_requests=batch,
         max_total_tokens=batch * (args.context + args.output_len + 64),
         disable_overlap_schedule=not overlap,
+        quantization=args.quantization,
     )
     rng = random.Random(0)
     with Engine(path, **kwargs) as engine:
@@ -100,6 +103,9 @@ def main() -> None:
         "--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 128, 256]
     )
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument(
+        "--quantization", choices=["fp8"], help="random block-FP8 weights (blocks of 128)"
+    )
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", default="bench/results/engine_step.json")
     args = parser.parse_args()
@@ -127,6 +133,7 @@ def main() -> None:
             "layers": args.layers,
             "experts": args.experts,
             "context": args.context,
+            "quantization": args.quantization,
         }
         json.dump({**meta, "rows": rows}, f, indent=2)
     plot(rows, args.out)

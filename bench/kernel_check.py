@@ -7,7 +7,8 @@ intermediate 2048, top 8):
 
 Attention runs through the backends (store of the new tokens, then decode / extend / draft-tree
 attention over scattered pages) against `TorchBackend` on the same pool and batch; norms, rotary and
-the routed experts against their torch modules. Prints the largest error relative to the reference's
+the routed experts against their torch modules; the FP8 GEMMs (linears and experts, blocks of 128)
+against the products with their weights dequantized. Prints the largest error relative to the reference's
 largest magnitude, next to the tolerance (bf16 keeps 8 bits: 2^-8 per rounding; sums over thousands of
 terms, a few of those), and writes JSON.
 """
@@ -22,6 +23,7 @@ import torch
 
 from dserve.attention.backend import ForwardBatch, create_backend
 from dserve.attention.torch_backend import TorchBackend
+from dserve.models.quant import dequantize
 from dserve.scheduler.kv_pool import KVLayout, KVPool
 
 BF16 = torch.bfloat16
@@ -246,6 +248,68 @@ def moe_rows() -> list[dict]:
     return rows
 
 
+def fp8_moe_rows() -> list[dict]:
+    """The grouped GEMMs reading FP8 experts (blocks of 128) against the torch experts on the
+    same weights dequantized to bf16: the same products up to rounding."""
+    from dserve.attention.triton_moe import fused_experts
+    from dserve.models.layers.moe import Experts
+    from dserve.models.quant import Fp8Scheme, quantize
+
+    gen, rows = torch.Generator().manual_seed(5), []
+    scheme = Fp8Scheme("block", (128, 128))
+
+    def fp8_stack(e: int, n: int, k: int):
+        parts = [quantize(torch.randn(n, k, generator=gen) / k**0.5, scheme) for _ in range(e)]
+        q = torch.stack([p[0] for p in parts]).cuda()
+        s = torch.stack([p[1].repeat_interleave(128, dim=0)[:n] for p in parts]).cuda()
+        return q, s, dequantize(q, s, 128, BF16)
+
+    q13, s13, w13 = fp8_stack(32, 4096, 7168)
+    q2, s2, w2 = fp8_stack(32, 7168, 2048)
+    experts = Experts.__new__(Experts)
+    torch.nn.Module.__init__(experts)
+    experts.w13, experts.w2 = torch.nn.Parameter(w13, False), torch.nn.Parameter(w2, False)
+    experts.first, experts.num_local, experts.use_kernel = 0, 32, False
+    for tokens in (1, 32, 256):
+        x = torch.randn(tokens, 7168, generator=gen).to("cuda", BF16)
+        ids = torch.stack([torch.randperm(32, generator=gen)[:8] for _ in range(tokens)]).cuda()
+        weights = torch.rand(tokens, 8, generator=gen).cuda()
+        got = fused_experts(x, q13, q2, weights, ids, 0, scales=(s13, s2), fp8_block=128)
+        rows.append(
+            {
+                "kernel": "routed experts FP8 (grouped GEMM)",
+                "shape": f"{tokens} tokens, 32 experts, top 8",
+                "error": relative_error(experts(x, weights, ids), got),
+                "tolerance": ATTENTION_TOL,
+            }
+        )
+    return rows
+
+
+def fp8_rows() -> list[dict]:
+    """Every FP8 GEMM at DeepSeek-V3's linear shapes (block 128) against the product with the
+    same weights dequantized, in float32. Tolerance: one e4m3 rounding of the activations
+    (2^-4 relative), as a bound on the largest error over the largest output."""
+    from bench.fp8_gemm import SHAPES, weights
+    from dserve.attention.triton_fp8 import fp8_matmul
+
+    gen, rows = torch.Generator("cuda").manual_seed(3), []
+    for name, (n, k) in SHAPES.items():
+        q, scale, _ = weights(n, k, 128)
+        dense = dequantize(q, scale, 128)
+        for m in (1, 64, 1024):
+            x = torch.randn(m, k, generator=gen, device="cuda").to(BF16)
+            rows.append(
+                {
+                    "kernel": f"FP8 GEMM {name}",
+                    "shape": f"M {m}, N {n}, K {k}",
+                    "error": relative_error(x.float() @ dense.T, fp8_matmul(x, q, scale, 128)),
+                    "tolerance": 2**-4,
+                }
+            )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -257,6 +321,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/kernel_check.json")
     args = parser.parse_args()
     rows = mla_rows(args.backends) + mha_rows(args.backends) + elementwise_rows() + moe_rows()
+    rows += fp8_rows() + fp8_moe_rows()
     print(f"{'kernel':<34} {'shape':<34} {'rel. error':>10} {'tolerance':>10}  ok")
     for r in rows:
         r["ok"] = r["error"] <= r["tolerance"]

@@ -82,6 +82,7 @@ def dummy_runner(
     context: int,
     attention_backend: str = "torch",
     graph_tokens: int = 0,
+    quantization: str | None = None,
 ):
     """(ModelRunner, KVCacheManager): the model of config dir `path` with random bf16 weights on the
     GPU, its pool sized for `max_requests` requests of `context` tokens (and a few drafts each); with
@@ -100,6 +101,7 @@ def dummy_runner(
         attention_backend=attention_backend,
         cuda_graph_max_bs=max(graph_tokens, 1),
         disable_cuda_graph=not graph_tokens,
+        quantization=quantization,
     )
     runner = ModelRunner(config)
     return runner, KVCacheManager(runner.num_pages, runner.pool.layout.page_size, False)

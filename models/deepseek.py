@@ -57,6 +57,9 @@ class MLAttention(nn.Module):
             cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
             tp=tp,
         )
+        self.kv_b_proj.keep_dense = (
+            True  # its absorbed halves are read as matrices (FP8: dequantized)
+        )
         self.o_proj = RowParallelLinear(
             cfg.num_attention_heads * cfg.v_head_dim,
             cfg.hidden_size,

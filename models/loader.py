@@ -25,11 +25,22 @@ def load_model(
     ctx: ParallelContext = SINGLE,
     progress: bool = True,
     load_format: str = "auto",
+    quantization: str | None = None,
 ) -> tuple[ModelConfig, torch.nn.Module]:
+    """The model of the checkpoint at `model_path`, this rank's part of it, on `device`;
+    `quantization="fp8"` with dummy weights makes its decoder layers' linears block FP8."""
     cfg, model_cls = resolve(model_path)
     start = time.perf_counter()
     model = build_on(device, dtype, lambda: model_cls(cfg, ctx))
+    if quantization == "fp8":
+        from dserve.models.quant import Fp8Scheme, dummy_fp8
+
+        dummy_fp8(model, Fp8Scheme("block", (128, 128)))
     fill_weights(model, model_path, model.map_checkpoint_key, load_format, progress)
+    if quantization == "fp8":
+        from dserve.models.quant import finish_fp8
+
+        finish_fp8(model)
     model.eval()
     what = "random weights (load_format=dummy) for" if load_format == "dummy" else "loaded"
     log.info(

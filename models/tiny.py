@@ -155,8 +155,12 @@ def make_tiny(
     seed: int = 0,
     vocab_size: int = 512,
     num_layers: int = 3,
+    fp8: str | None = None,
+    fp8_block: tuple[int, int] = (32, 32),
 ) -> str:
-    """Write a tiny random checkpoint of `arch` into `out`; returns `out`."""
+    """Write a tiny random checkpoint of `arch` into `out`; returns `out`. `fp8` ("block" or
+    "channel") writes its decoder layers' projections in that published FP8 layout
+    (`models/tiny_fp8.py`; `fp8_block`: the block's rows and input features)."""
     torch.manual_seed(seed)
     tokenizer = train_tokenizer(vocab_size)
     cfg = _hf_config(arch, vocab_size, tokenizer.bos_token_id, tokenizer.eos_token_id, num_layers)
@@ -171,6 +175,10 @@ def make_tiny(
     tokenizer.save_pretrained(out)
     if mtp:
         _append_mtp_layer(arch, cfg, out, seed)
+    if fp8:
+        from dserve.models.tiny_fp8 import quantize_checkpoint
+
+        quantize_checkpoint(out, fp8, fp8_block)
     return out
 
 

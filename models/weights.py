@@ -33,6 +33,10 @@ class TensorSource:
     def shape(self) -> tuple[int, ...]:
         return tuple(self._slice.get_shape())
 
+    @property
+    def is_fp8(self) -> bool:
+        return self._slice.get_dtype() == "F8_E4M3"
+
     def read(self, dim: int | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
         if dim is None:
             return self._slice[:]
@@ -97,7 +101,14 @@ def prefixed(prefix: str, mapped: "tuple[str, object] | None") -> "tuple[str, ob
 def load_weights(
     model: torch.nn.Module, model_path: str, map_key: KeyMapper, progress: bool = True
 ) -> None:
-    """Load every checkpoint tensor into `model` through the parameters' own loaders."""
+    """Load every checkpoint tensor into `model` through the parameters' own loaders (an FP8
+    checkpoint's quantized weights stay FP8: `models/quant.py`)."""
+    from dserve.models import quant
+
+    sources = list(_with_progress(iter_checkpoint(model_path), progress, model_path))
+    scheme, fp8 = quant.read_scheme(model_path), {}
+    if scheme is not None:
+        map_key, fp8 = quant.prepare_fp8(model, sources, map_key, scheme)
     params = dict(model.named_parameters())
     params.update(dict(model.named_buffers()))
     expected = {
@@ -106,8 +117,9 @@ def load_weights(
         if getattr(p, "weight_loader", None) is not None
     }
     seen: dict[str, set] = {name: set() for name in expected}
-    sources = list(_with_progress(iter_checkpoint(model_path), progress, model_path))
     for source in sources:
+        if scheme is not None:
+            source = quant.scale_source(source, fp8, scheme)
         mapped = map_key(source.name)
         if mapped is SKIP:
             continue
@@ -128,6 +140,8 @@ def load_weights(
             f"checkpoint {model_path!r} is missing tensors for: {', '.join(missing[:10])}"
             + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
         )
+    if scheme is not None:
+        quant.finish_fp8(model)
 
 
 def _with_progress(items: Iterator[TensorSource], progress: bool, model_path: str):
@@ -159,7 +173,11 @@ def init_dummy(model: torch.nn.Module, std: float = 0.02) -> None:
             if getattr(p, "weight_loader", None) is None:
                 continue
             leaf = name.rsplit(".", 1)[-1]
-            if not p.is_floating_point():
+            if p.dtype == torch.float8_e4m3fn:  # w = q x scale ~ N(0, std)
+                p.copy_(torch.randn(p.shape, device=p.device).to(p.dtype))
+            elif name.endswith("_scale"):
+                p.fill_(std)
+            elif not p.is_floating_point():
                 p.zero_()
             elif "norm" in name and leaf == "weight":
                 p.fill_(1.0)

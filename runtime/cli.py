@@ -122,7 +122,10 @@ def _cmd_make_tiny(args: argparse.Namespace) -> None:
         raise SystemExit(
             "dserve make-tiny: give --arch (a target) or --eagle3-for TARGET_DIR (a draft)"
         )
-    out = make_tiny(args.arch, args.out, mtp=args.mtp, seed=args.seed)
+    block = tuple(int(x) for x in args.fp8_block.split(","))
+    out = make_tiny(
+        args.arch, args.out, mtp=args.mtp, seed=args.seed, fp8=args.fp8, fp8_block=block
+    )
     print(f"wrote a tiny {args.arch} checkpoint{' with an MTP layer' if args.mtp else ''} to {out}")
 
 
@@ -264,6 +267,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--eagle3-for",
         metavar="TARGET_DIR",
         help="instead, write a random EAGLE-3 draft (public layout) for the checkpoint in TARGET_DIR",
+    )
+    tiny.add_argument(
+        "--fp8",
+        choices=["block", "channel"],
+        help="write the decoder layers' projections as FP8: DeepSeek's block layout "
+        "(weight_scale_inv per block) or GLM-4.5-FP8's compressed-tensors per channel",
+    )
+    tiny.add_argument(
+        "--fp8-block",
+        default="32,32",
+        help="rows,input features of a scale block with --fp8 block (default: 32,32)",
     )
     tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
     tiny.set_defaults(func=_cmd_make_tiny)

@@ -35,6 +35,9 @@ class EngineConfig:
     """Reuse the KV pages of a prompt prefix seen before."""
     load_format: str = "auto"
     """`auto`: the checkpoint's weights; `dummy`: random ones from config.json alone."""
+    quantization: str | None = None
+    """`fp8` with `load_format="dummy"`: random block-FP8 weights (blocks of 128) at real shapes,
+    for benchmarks. A checkpoint's own FP8 format is read from its config.json."""
     attention_backend: str = "auto"
     """`torch` (reference, any device); `triton` (kernels, CUDA graphs); `flashinfer`
     (FlashInfer's kernels, bf16/fp16, eager); `auto`: triton on a GPU, torch on the CPU."""
@@ -130,6 +133,13 @@ class EngineConfig:
             )
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        if self.quantization not in (None, "fp8") or (
+            self.quantization and self.load_format != "dummy"
+        ):
+            raise ValueError(
+                f"quantization={self.quantization!r}: only 'fp8' with load_format='dummy' (an FP8 "
+                f"checkpoint's format is read from its config.json)"
+            )
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError(
                 f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}"

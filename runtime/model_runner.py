@@ -150,6 +150,7 @@ class ModelRunner:
             ctx,
             progress=config.load_progress,
             load_format=config.load_format,
+            quantization=config.quantization,
         )
         dtype, attn = config.torch_dtype, ctx.attn.size
         own_layers = len(self.model.layers)  # a pipeline stage's pool holds its layers only

@@ -13,11 +13,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from dserve.models.parallel import ALONE, TPGroup
+from dserve.models.quant import FP8, fp8_linear
 from dserve.models.weights import TensorSource, attach_loader, copy_checked, replicated_loader
 
 
 def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+def matmul(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ layer.weight.T (+ bias): the FP8 product where the checkpoint's weight is FP8."""
+    if layer.weight.dtype == FP8:
+        y = fp8_linear(x, layer)
+        return y + bias if bias is not None else y
+    return F.linear(x, layer.weight, bias)
 
 
 class ReplicatedLinear(nn.Module):
@@ -29,7 +38,7 @@ class ReplicatedLinear(nn.Module):
         self.bias = attach_loader(_param(out_features), replicated_loader) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return matmul(self, x, self.bias)
 
 
 @dataclass(frozen=True)
@@ -66,7 +75,7 @@ class MergedColumnLinear(nn.Module):
         copy_checked(param.data.narrow(0, part.local_offset, part.local_size), value, source)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return matmul(self, x, self.bias)
 
 
 def column_parts(sizes: dict[str, int], tp: TPGroup) -> list[Part]:
@@ -132,7 +141,7 @@ class RowParallelLinear(nn.Module):
         copy_checked(param, source.read(1, self.in_start, self.in_end), source)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = matmul(self, x)
         if self.reduce:
             y = self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y

@@ -15,6 +15,7 @@ from torch import nn
 from dserve.models.config import ModelConfig
 from dserve.models.layers.mlp import GatedMLP
 from dserve.models.parallel import SINGLE, ParallelContext
+from dserve.models.quant import FP8, weight_of
 from dserve.models.weights import (
     SKIP,
     TensorSource,
@@ -109,13 +110,27 @@ class Experts(nn.Module):
         if self.use_kernel and x.is_cuda:  # the triton backend: grouped GEMMs, no host sync
             from dserve.attention.triton_moe import fused_experts
 
-            return fused_experts(x, self.w13, self.w2, weights, ids, self.first)
+            if self.w13.dtype != FP8:
+                return fused_experts(x, self.w13, self.w2, weights, ids, self.first)
+            scales = (self.w13_scale, self.w2_scale)
+            return fused_experts(
+                x,
+                self.w13,
+                self.w2,
+                weights,
+                ids,
+                self.first,
+                scales=scales,
+                fp8_block=self.w13_scale.block,
+            )
         out = torch.zeros_like(x)
         for expert in torch.unique(ids).tolist():
             if not self.owns(expert):
                 continue
             token_idx, slot = torch.where(ids == expert)
-            w13, w2 = self.w13[expert - self.first], self.w2[expert - self.first]
+            local = expert - self.first
+            w13 = weight_of(self, "w13", x.dtype, local)
+            w2 = weight_of(self, "w2", x.dtype, local)
             gate, up = F.linear(x[token_idx], w13).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, w2) * weights[token_idx, slot, None]
             out.index_add_(0, token_idx, y.to(out.dtype))

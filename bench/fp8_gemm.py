@@ -1,0 +1,118 @@
+"""FP8 against BF16 GEMMs at DeepSeek-V3's linear shapes, with the launch-parameter sweep that
+fills the FP8 kernel's table.
+
+For each N x K of DeepSeek-V3's quantized linears (one GPU holding whole matrices, as DP attention
+and the dense layers do) and M = 1 .. 4096 tokens, it times the BF16 product (torch, cuBLAS) and
+the FP8 one (`attention/triton_fp8.py`: activation quantization included), each on its own
+dequantized-equal weights, CUDA-graph replays so the host's launch cost is left out. With
+`--sweep` it tries every launch configuration of a small grid per shape and M bucket, keeps the
+fastest and writes the table (`attention/fp8_gemm_configs.json`) the kernel reads.
+
+    python -m bench.fp8_gemm [--sweep] [--ms 1,16,64,256,4096] [--block 128]
+
+Prints a table (times in microseconds, speedup = BF16 / FP8) and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+
+import torch
+
+from bench.cuda_timing import graph_seconds
+
+SHAPES = {  # name: (N, K)
+    "q_a + kv_a (fused)": (2112, 7168),
+    "q_b": (24576, 1536),
+    "o_proj": (7168, 16384),
+    "dense gate_up": (36864, 7168),
+    "dense down": (7168, 18432),
+    "shared gate_up": (4096, 7168),
+    "shared down": (7168, 2048),
+}
+MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+GRID = [
+    dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=w, num_stages=s)
+    for bm, bn, w, s in itertools.product((16, 32, 64, 128), (64, 128), (4, 8), (3, 4))
+]
+
+
+def weights(n: int, k: int, block: int):
+    """(FP8 weight, its scale per row and block, the same weight dequantized in BF16)."""
+    from dserve.models.quant import Fp8Scheme, dequantize, quantize
+
+    w = torch.randn(n, k, device="cuda") / k**0.5
+    q, scale = quantize(w.cpu(), Fp8Scheme("block", (block, block)))
+    rows = scale.repeat_interleave(block, dim=0)[:n].contiguous()
+    q, rows = q.cuda(), rows.cuda()
+    return q, rows, dequantize(q, rows, block, torch.bfloat16)
+
+
+def fits(cfg: dict, m: int) -> bool:
+    """Leave out tiles far taller than M (they only waste the sweep's time)."""
+    return cfg["BLOCK_M"] <= max(16, 2 * m)
+
+
+def time_case(x, q, scale, dense, block: int, configs: list[dict]) -> tuple[float, float, dict]:
+    """(BF16 seconds, best FP8 seconds, its configuration)."""
+    from dserve.attention.triton_fp8 import fp8_matmul, launch_config
+
+    bf16 = graph_seconds(lambda: torch.nn.functional.linear(x, dense), 20)
+    best, best_cfg = float("inf"), None
+    for cfg in configs:
+        try:
+            t = graph_seconds(lambda cfg=cfg: fp8_matmul(x, q, scale, block, cfg), 20)
+        except Exception:  # noqa: BLE001 - a configuration the GPU cannot run (shared memory)
+            continue
+        if t < best:
+            best, best_cfg = t, cfg
+    if not configs:
+        cfg = launch_config(x.shape[0], q.shape[0], q.shape[1])
+        best, best_cfg = graph_seconds(lambda: fp8_matmul(x, q, scale, block), 20), cfg
+    return bf16, best, best_cfg
+
+
+def main() -> None:
+    from dserve.attention.triton_fp8 import CONFIGS, m_bucket
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ms", type=lambda s: [int(x) for x in s.split(",")], default=MS)
+    parser.add_argument("--block", type=int, default=128)
+    parser.add_argument("--sweep", action="store_true", help="sweep launch parameters")
+    parser.add_argument("--table", default=CONFIGS, help="where --sweep writes the table")
+    parser.add_argument("--out", default="bench/results/fp8_gemm.json")
+    args = parser.parse_args()
+    rows, table = [], {}
+    print(f"{'shape':<20} {'N x K':>12} {'M':>5} {'bf16 us':>8} {'fp8 us':>8} {'speedup':>7}")
+    for name, (n, k) in SHAPES.items():
+        q, scale, dense = weights(n, k, args.block)
+        for m in args.ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            grid = [c for c in GRID if fits(c, m)] if args.sweep else []
+            bf16, fp8, cfg = time_case(x, q, scale, dense, args.block, grid)
+            table.setdefault(f"{n}x{k}", {})[str(m_bucket(m))] = cfg
+            row = dict(shape=name, n=n, k=k, m=m, bf16_us=bf16 * 1e6, fp8_us=fp8 * 1e6)
+            row.update(speedup=bf16 / fp8, config=cfg)
+            rows.append(row)
+            print(
+                f"{name:<20} {f'{n}x{k}':>12} {m:>5} {row['bf16_us']:>8.1f} "
+                f"{row['fp8_us']:>8.1f} {row['speedup']:>7.2f}",
+                flush=True,
+            )
+        del q, scale, dense
+    if args.sweep:
+        with open(args.table, "w") as f:
+            json.dump(table, f, indent=1, sort_keys=True)
+        print(f"wrote the launch table {args.table}")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "block": args.block, "rows": rows}, f)
+    small = [r["speedup"] for r in rows if r["m"] <= 256]
+    print(f"wrote {args.out}; at M <= 256 the FP8 GEMM is {min(small):.2f}x-{max(small):.2f}x BF16")
+
+
+if __name__ == "__main__":
+    main()
