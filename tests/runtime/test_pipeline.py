@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from dserve.runtime import Engine, SamplingParams
 from tests.conftest import random_prompts
@@ -88,3 +89,22 @@ def test_bad_pipeline_settings_fail_before_loading(kwargs, message, tiny_dir):
     with pytest.raises(ValueError, match=message):
         Engine(tiny_dir("deepseek_v3"), device="cpu", load_progress=False, **kwargs)
     assert time.perf_counter() - start < 5, "the check runs before any rank starts"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)"
+)
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
+def test_stages_on_gpus_with_nccl(arch, tiny_dir, make_engine):
+    """pp 2 on two GPUs (hidden states over NCCL), float32: transformers' tokens; with MTP the
+    same tokens (the draft on the second GPU)."""
+    path = tiny_dir(arch, mtp=True)
+    kwargs = dict(device="cuda", dtype="float32", max_total_tokens=4096, pp_size=2)
+    prompts = random_prompts(4, 512, [5, 23, 40, 17], seed=41)
+    plain = make_engine(path, **kwargs).generate(input_ids=prompts, sampling_params=GREEDY)
+    for prompt, result in zip(prompts, plain):
+        assert result.output_ids == hf_greedy(path, prompt, 12)
+    spec = make_engine(path, speculative_algorithm="mtp", speculative_num_steps=2, **kwargs)
+    drafted = spec.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert [r.output_ids for r in drafted] == [r.output_ids for r in plain]
