@@ -2,7 +2,8 @@
 the edges) and GLM-4.5-FP8's compressed-tensors per-channel layout. The engine keeps the weights
 FP8 and computes with them dequantized (exact in float32); the reference is transformers in float32
 on the same weights dequantized exactly (w = q x s), single rank, TP 2, EP 2, with MTP, and
-disaggregated. Unsupported schemes and TP slices that cut a scale block stop the load naming them."""
+pipeline stages, and disaggregated. Unsupported schemes and TP slices that cut a scale block stop
+the load naming them."""
 
 from __future__ import annotations
 
@@ -149,6 +150,7 @@ CASES = {  # id: (arch, scheme, block, mtp, engine arguments)
     "deepseek-block-tp2-ep2": ("deepseek_v3", "block", (32, 16), False, dict(tp_size=2, ep_size=2)),
     "glm-channel-1rank": ("glm4_moe", "channel", (32, 32), False, {}),
     "glm-channel-tp2": ("glm4_moe", "channel", (32, 32), False, dict(tp_size=2)),
+    "glm-channel-pp2": ("glm4_moe", "channel", (32, 32), False, dict(pp_size=2)),
 }
 
 

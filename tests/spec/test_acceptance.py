@@ -80,13 +80,13 @@ def chi_square_same_distribution(a: list[int], b: list[int]) -> float:
 SAMPLES = 2000
 
 
-def sampled_tokens(engine, prompt: list[int]) -> list[list[int]]:
+def sampled_tokens(engine, prompt: list[int], samples: int = SAMPLES) -> list[list[int]]:
     params = [
         {"temperature": 3.0, "top_k": 8, "max_new_tokens": 4, "ignore_eos": True, "seed": s}
-        for s in range(SAMPLES)
+        for s in range(samples)
     ]
     return [
-        r.output_ids for r in engine.generate(input_ids=[prompt] * SAMPLES, sampling_params=params)
+        r.output_ids for r in engine.generate(input_ids=[prompt] * samples, sampling_params=params)
     ]
 
 

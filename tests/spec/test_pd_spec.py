@@ -126,12 +126,7 @@ def test_pair_with_and_without_draft_is_refused(tiny_dir, tmp_path):
         cluster.stop()
 
 
-TREES = [
-    ("mtp", "deepseek_v3", 2, 1),
-    ("mtp", "glm4_moe", 1, 2),
-    ("eagle3", "deepseek_v3", 1, 1),
-    ("eagle3", "glm4_moe", 2, 1),
-]
+TREES = [("mtp", "glm4_moe", 1, 2), ("eagle3", "deepseek_v3", 1, 1)]
 
 
 @pytest.mark.parametrize("algorithm,arch,prefill_tp,decode_tp", TREES)

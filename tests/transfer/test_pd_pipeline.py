@@ -19,7 +19,7 @@ GREEDY = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
 TWO_HOSTS = "two-hosts"
 
 SHAPES = {  # id: (arch, prefill flags, decode flags)
-    "p-tp2-d-pp2": ("deepseek_v3", ["--tp", "2"], ["--pp-size", "2"]),
+    # prefill tp 2 -> decode pp 2: tests/spec/test_spec_pipeline.py (with MTP drafts)
     "p-pp2-d-tp2": ("glm4_moe", ["--pp-size", "2"], ["--tp", "2"]),
     "p-pp2-d-pp2xtp2-dp2": (
         "deepseek_v3",
