@@ -41,7 +41,7 @@ def rank_process(
     logging.basicConfig(
         level=int(os.environ.get("BENCH_LOG", "30")), format=f"[{device} agent] %(message)s"
     )
-    from dserve.transfer.agent import TransferAgent, message_pages
+    from dserve.transfer.agent import Placement, TransferAgent, message_pages
 
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
@@ -54,7 +54,7 @@ def rank_process(
     desc = PoolDescriptor.from_layout(
         "target", layout, message_pages=message_pages(layout, message_mib)
     )
-    agent = TransferAgent(front_address, 0, 0, 1, [(desc, pool)])
+    agent = TransferAgent(front_address, Placement(0, 0, 1), [(desc, pool)])
     agent.thread.join()
 
 

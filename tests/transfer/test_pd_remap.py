@@ -15,14 +15,11 @@ GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 
 SHAPES = [  # (arch, prefill flags, decode flags)
     ("deepseek_v3", ["--tp", "2"], ["--tp", "1"]),
-    ("deepseek_v3", ["--tp", "1"], ["--tp", "2"]),
+    # tp 1 -> 2: as tp 2 -> tp 2 x dp 2 below, each decode rank takes the latent from one rank
     ("deepseek_v3", ["--tp", "2"], ["--tp", "2", "--dp", "2"]),
-    # 2 KV heads: one per prefill rank, both to one decode rank
-    (
-        "glm4_moe",
-        ["--tp", "2"],
-        ["--tp", "1"],
-    ),
+    # 2 KV heads, one per prefill rank, both to one decode rank: tests/transfer/test_agent.py
+    # moves exactly those bytes (mha 2 -> 1); end to end, the EAGLE-3 draft's MHA pool of
+    # test_pd_spec's DeepSeek 2 -> 1 pair takes the same route
     # each decode rank takes its head from the one prefill rank
     (
         "glm4_moe",
