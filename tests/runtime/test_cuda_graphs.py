@@ -24,28 +24,18 @@ def test_token_buckets():
     assert sizes == sorted(set(sizes)) and sizes[-1] == 1000 and 256 in sizes and 320 in sizes
 
 
-@pytest.mark.parametrize(
-    "arch,spec",
-    [
-        ("deepseek_v3", {}),
-        ("glm4_moe", {}),
-        ("deepseek_v3", dict(speculative_algorithm="mtp", speculative_num_steps=2)),
-        ("deepseek_v3", dict(speculative_algorithm="mtp", speculative_naive=True)),
-    ],
-    ids=["mla-decode", "mha-decode", "mtp-chain", "mtp-naive"],
-)
-def test_static_steps_give_the_reference_tokens(arch, spec, tiny_dir, make_engine):
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"], ids=["mla-decode", "mha-decode"])
+def test_static_steps_give_the_reference_tokens(arch, tiny_dir, make_engine):
     """Greedy tokens equal the torch backend's plain engine. With room for two sequences' tokens,
-    steps of three sequences run eagerly and the later ones statically, padded to a bucket. With
-    two-pass MTP the draft's passes (its catch-up, its second step) run statically too."""
-    path = tiny_dir(arch, mtp=True)
+    steps of three sequences run eagerly and the later ones statically, padded to a bucket. (The
+    drafts' static passes: tests/spec/test_static_drafts.py and test_naive.py.)"""
+    path = tiny_dir(arch)
     prompts = random_prompts(3, 512, [5, 40, 13], seed=1)
     params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in LENGTHS]
     expected = make_engine(path, **EXACT).generate(input_ids=prompts, sampling_params=params)
-    engine = make_engine(path, attention_backend="triton", cuda_graph_max_bs=2, **EXACT, **spec)
+    engine = make_engine(path, attention_backend="triton", cuda_graph_max_bs=2, **EXACT)
     statics = engine.executor.runner.statics
-    two_pass = bool(spec) and not spec.get("speculative_naive")
-    assert len(statics) == 1 + two_pass  # the MTP draft reads states as wide as the target's
+    assert len(statics) == 1
     assert statics[0].scratch_slot == engine.groups[0].kv.num_pages * 4
     runs = [count_calls(static, "run") for static in statics]
     got = engine.generate(input_ids=prompts, sampling_params=params)

@@ -77,7 +77,7 @@ def chi_square_same_distribution(a: list[int], b: list[int]) -> float:
     )
 
 
-SAMPLES = 2000
+SAMPLES = 1500
 
 
 def sampled_tokens(engine, prompt: list[int], samples: int = SAMPLES) -> list[list[int]]:
