@@ -42,11 +42,12 @@ GRID = [
 
 def weights(n: int, k: int, block: int):
     """(FP8 weight, its scale per row and block, the same weight dequantized in BF16)."""
-    from dserve.models.quant import Fp8Scheme, dequantize, quantize
+    from dserve.models.quant import Fp8Scheme, dequantize, per_row, quantize
 
     w = torch.randn(n, k, device="cuda") / k**0.5
-    q, scale = quantize(w.cpu(), Fp8Scheme("block", (block, block)))
-    rows = scale.repeat_interleave(block, dim=0)[:n].contiguous()
+    scheme = Fp8Scheme("block", (block, block))
+    q, scale = quantize(w.cpu(), scheme)
+    rows = per_row(scale, scheme, n).contiguous()
     q, rows = q.cuda(), rows.cuda()
     return q, rows, dequantize(q, rows, block, torch.bfloat16)
 

@@ -253,7 +253,7 @@ def fp8_moe_rows() -> list[dict]:
     same weights dequantized to bf16: the same products up to rounding."""
     from dserve.attention.triton_moe import fused_experts
     from dserve.models.layers.moe import Experts
-    from dserve.models.quant import Fp8Scheme, quantize
+    from dserve.models.quant import Fp8Scheme, per_row, quantize
 
     gen, rows = torch.Generator().manual_seed(5), []
     scheme = Fp8Scheme("block", (128, 128))
@@ -261,7 +261,7 @@ def fp8_moe_rows() -> list[dict]:
     def fp8_stack(e: int, n: int, k: int):
         parts = [quantize(torch.randn(n, k, generator=gen) / k**0.5, scheme) for _ in range(e)]
         q = torch.stack([p[0] for p in parts]).cuda()
-        s = torch.stack([p[1].repeat_interleave(128, dim=0)[:n] for p in parts]).cuda()
+        s = torch.stack([per_row(p[1], scheme, n) for p in parts]).cuda()
         return q, s, dequantize(q, s, 128, BF16)
 
     q13, s13, w13 = fp8_stack(32, 4096, 7168)

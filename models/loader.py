@@ -37,10 +37,6 @@ def load_model(
 
         dummy_fp8(model, Fp8Scheme("block", (128, 128)))
     fill_weights(model, model_path, model.map_checkpoint_key, load_format, progress)
-    if quantization == "fp8":
-        from dserve.models.quant import finish_fp8
-
-        finish_fp8(model)
     model.eval()
     what = "random weights (load_format=dummy) for" if load_format == "dummy" else "loaded"
     log.info(

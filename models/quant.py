@@ -45,6 +45,15 @@ class Fp8Scheme:
     block: tuple[int, int] | None = None
     """(rows, input features) of a scale block; None for per-channel scales."""
 
+    def block_shape(self, k: int) -> tuple[int, int]:
+        """(rows, input features) one scale covers in a matrix of `k` input features."""
+        return self.block if self.kind == "block" else (1, k)
+
+
+def per_row(scale: torch.Tensor, scheme: Fp8Scheme, rows: int) -> torch.Tensor:
+    """A checkpoint's scale [row blocks, K blocks] as held in memory: one row per weight row."""
+    return scale.repeat_interleave(scheme.block_shape(1)[0], dim=0)[:rows]
+
 
 class UnsupportedQuantization(ValueError):
     """A quantization scheme this engine does not load: names the scheme."""
@@ -113,7 +122,7 @@ def quantize(w: torch.Tensor, scheme: Fp8Scheme) -> tuple[torch.Tensor, torch.Te
     tiny FP8 checkpoint stores."""
     w = w.float()
     out, k = w.shape
-    bn, bk = scheme.block if scheme.kind == "block" else (1, k)
+    bn, bk = scheme.block_shape(k)
     rows, cols = -(-out // bn), -(-k // bk)
     padded = torch.zeros(rows * bn, cols * bk)
     padded[:out, :k] = w
@@ -134,9 +143,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, block: int, dtype=torch.flo
 def dequantize_checkpoint(q: torch.Tensor, scale: torch.Tensor, scheme: Fp8Scheme):
     """The float32 weight a checkpoint's FP8 tensor and scale stand for (the tests' reference)."""
     out, k = q.shape
-    bn, bk = scheme.block if scheme.kind == "block" else (1, k)
-    rows = scale.repeat_interleave(bn, dim=0)[:out]
-    return q.float() * rows.repeat_interleave(bk, dim=1)[:, :k]
+    return dequantize(q, per_row(scale, scheme, out), scheme.block_shape(k)[1])
 
 
 class ScaleSource:
@@ -148,7 +155,7 @@ class ScaleSource:
     def __init__(self, source, weight_shape: tuple[int, int], scheme: Fp8Scheme):
         self.source, self.name, self.file = source, source.name, source.file
         self.rows, self.k = weight_shape
-        self.bn, self.bk = scheme.block if scheme.kind == "block" else (1, self.k)
+        self.bn, self.bk = scheme.block_shape(self.k)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -229,7 +236,7 @@ def to_fp8(module: nn.Module, attr: str, scheme: Fp8Scheme) -> None:
     input blocks] in float32, both filled by the weight's own loader."""
     dense = getattr(module, attr)
     k = dense.shape[-1]
-    bk = scheme.block[1] if scheme.kind == "block" else k
+    bk = scheme.block_shape(k)[1]
     q = nn.Parameter(torch.empty(dense.shape, dtype=FP8, device=dense.device), False)
     shape = (*dense.shape[:-1], -(-k // bk))
     scale = nn.Parameter(torch.empty(shape, dtype=torch.float32, device=dense.device), False)

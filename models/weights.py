@@ -140,8 +140,6 @@ def load_weights(
             f"checkpoint {model_path!r} is missing tensors for: {', '.join(missing[:10])}"
             + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
         )
-    if scheme is not None:
-        quant.finish_fp8(model)
 
 
 def _with_progress(items: Iterator[TensorSource], progress: bool, model_path: str):
@@ -194,7 +192,10 @@ def fill_weights(
     load_format: str = "auto",
     progress: bool = True,
 ) -> None:
-    """The checkpoint's tensors (`auto`) or random ones (`dummy`) into `model`."""
+    """The checkpoint's tensors (`auto`) or random ones (`dummy`) into `model`; FP8 weights
+    read as matrices are dequantized once filled (`quant.finish_fp8`)."""
+    from dserve.models.quant import finish_fp8
+
     if load_format == "dummy":
         init_dummy(model)
     elif load_format == "auto":
@@ -203,3 +204,4 @@ def fill_weights(
         raise ValueError(
             f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}"
         )
+    finish_fp8(model)

@@ -20,6 +20,7 @@ from dserve.models.quant import (
     UnsupportedQuantization,
     dequantize,
     dequantize_checkpoint,
+    per_row,
     quantize,
     read_scheme,
 )
@@ -229,8 +230,8 @@ def test_fp8_gemm_against_the_dequantized_product(kind, block):
     for n, k in ((100, 96), (256, 320), (72, 1024)):
         scheme = Fp8Scheme("block", (block, block)) if kind == "block" else Fp8Scheme("channel")
         q, scale = quantize(torch.randn(n, k, generator=gen) / k**0.5, scheme)
-        bn, bk = scheme.block if kind == "block" else (1, k)
-        rows = scale.repeat_interleave(bn, dim=0)[:n].contiguous().cuda()
+        bk = scheme.block_shape(k)[1]
+        rows = per_row(scale, scheme, n).contiguous().cuda()
         q = q.cuda()
         dense = dequantize(q, rows, bk)
         for m in (1, 17, 300):
