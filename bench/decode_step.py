@@ -24,6 +24,7 @@ import argparse
 import gc
 import json
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -38,9 +39,27 @@ from bench.spec_verify import (
 )
 
 
-def step_bytes(runner, batch) -> int:
-    """Bytes one forward of `batch` must read: weights touched (the routed experts selected in this
-    very step) plus the KV read."""
+@dataclass
+class StepBytes:
+    """What one decode step reads, by kind (bytes)."""
+
+    dense: int
+    """Every weight but the routed experts and the embedding table."""
+    experts_touched: int
+    """The routed experts the router selected in this step, per layer."""
+    experts_total: int
+    embedding_rows: int
+    """One embedding row per token."""
+    kv: int
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.experts_touched + self.embedding_rows + self.kv
+
+
+def step_bytes_parts(runner, batch) -> StepBytes:
+    """The bytes one forward of `batch` must read: weights touched (the routed experts selected in
+    this very step) plus the KV read."""
     from dserve.models.layers.moe import Experts
 
     touched, hooks = [], []
@@ -60,16 +79,21 @@ def step_bytes(runner, batch) -> int:
     runner.run_model(batch.to(runner.device))  # eager: the hooks see the routing
     for h in hooks:
         h.remove()
-    weights = 0
+    dense = experts = rows = 0
     for name, p in runner.model.named_parameters():
         if ".experts.w" in name:
-            continue
-        if "embed_tokens" in name:
-            weights += batch.num_tokens * p.shape[1] * p.element_size()
-            continue
-        weights += p.numel() * p.element_size()
+            experts += p.numel() * p.element_size()
+        elif "embed_tokens" in name:
+            rows += batch.num_tokens * p.shape[1] * p.element_size()
+        else:
+            dense += p.numel() * p.element_size()
     kv = sum(batch.seq_lens) * runner.pool.layout.bytes_per_token
-    return weights + sum(touched) + kv
+    return StepBytes(dense, sum(touched), experts, rows, kv)
+
+
+def step_bytes(runner, batch) -> int:
+    """`step_bytes_parts`' total."""
+    return step_bytes_parts(runner, batch).total
 
 
 def peer_step_seconds(path: str, batch: int, context: int, repeats: int) -> float:

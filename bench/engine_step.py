@@ -3,6 +3,7 @@ roofline, on a DeepSeek-V3-shaped model with random weights (GPU):
 
     python -m bench.engine_step [--batches 1,8,32,128,256] [--layers 4 --experts 32]
                                 [--context 1024] [--output-len 64] [--quantization fp8]
+                                [--tp-size 2 [--dp-size 2 | --ep-size 2]]   # several GPUs
 
 For each batch size three runs, each in its own process (so each has the GPU's memory to itself):
 - forward: `ModelRunner.forward` over one decode token per request (`bench.decode_step`: CUDA
@@ -12,6 +13,14 @@ For each batch size three runs, each in its own process (so each has the GPU's m
   launching, sampling on the device, processing the tokens, all of it), greedy, overlapped
   scheduling on;
 - engine without overlap (`disable_overlap_schedule`): the front's work between the steps.
+
+With `--tp-size` the engine runs that many ranks (one GPU each, NCCL; `--dp-size` groups for DP
+attention, `--ep-size` for expert parallelism) and the roofline is one rank's: its own parameter
+bytes (as the rank reports them) less its share of the routed experts and the embedding table,
+plus its share of the experts selected in the step (measured on one GPU), the embedding rows and
+the KV its DP group reads (MLA's latent is whole on every rank of an attention group). The
+forward-alone column is the one-GPU forward then, for scale, and the ratios are against the
+roofline only.
 
 Prints a table, writes JSON and, with matplotlib, a PNG of the three against the roofline.
 The issue's goal: the engine step within 1.10x of the forward alone and within 1.5x of the
@@ -24,29 +33,39 @@ import argparse
 import json
 import os
 import random
+from dataclasses import asdict
 
 import torch
 
 from bench.cuda_timing import copy_bandwidth, median_seconds
-from bench.decode_step import step_bytes
+from bench.decode_step import StepBytes, step_bytes_parts
 from bench.decode_timing import in_process, time_decode
 from bench.spec_verify import deepseek_v3_config_dir, dummy_runner, model_args, step_batch
 
 
 def forward_row(path: str, batch: int, args) -> dict:
-    """The forward alone and the roofline of a decode step of `batch` requests."""
+    """The forward alone (one GPU) and what a decode step of `batch` requests reads."""
     copy = copy_bandwidth()
     runner, kv = dummy_runner(
         path, batch, args.context, "triton", graph_tokens=batch, quantization=args.quantization
     )
     decode = step_batch(kv, batch, args.context, 1)
-    nbytes = step_bytes(runner, decode)
+    parts = step_bytes_parts(runner, decode)
     seconds = median_seconds(lambda: runner.forward(decode), args.repeats)
-    return {"forward_ms": 1e3 * seconds, "roofline_ms": 1e3 * nbytes / copy, "bytes": nbytes}
+    return {"forward_ms": 1e3 * seconds, "copy": copy, "parts": asdict(parts)}
 
 
-def engine_ms(path: str, batch: int, args, overlap: bool) -> float:
-    """Host wall time of one `Engine.step` once all `batch` requests decode."""
+def rank_bytes(parts: dict, ranks: dict, args) -> int:
+    """What the busiest rank of a parallel engine reads in the step (see the module's text)."""
+    split = args.tp_size  # routed experts: TP or EP, over every rank
+    own = ranks["parameter_bytes"] - parts["experts_total"] // split - ranks["embedding_bytes"]
+    experts = parts["experts_touched"] // split
+    return own + experts + parts["embedding_rows"] + parts["kv"] // args.dp_size
+
+
+def engine_ms(path: str, batch: int, args, overlap: bool) -> dict:
+    """Host wall time of one `Engine.step` once all `batch` requests decode, and (several ranks)
+    the largest rank's parameter and embedding-table bytes."""
     from dserve.runtime import Engine, SamplingParams
 
     kwargs = dict(
@@ -59,6 +78,9 @@ def engine_ms(path: str, batch: int, args, overlap: bool) -> float:
         max_total_tokens=batch * (args.context + args.output_len + 64),
         disable_overlap_schedule=not overlap,
         quantization=args.quantization,
+        tp_size=args.tp_size,
+        dp_size=args.dp_size,
+        ep_size=args.ep_size,
     )
     rng = random.Random(0)
     with Engine(path, **kwargs) as engine:
@@ -67,7 +89,18 @@ def engine_ms(path: str, batch: int, args, overlap: bool) -> float:
         warm = SamplingParams(max_new_tokens=8, ignore_eos=True)
         engine.generate(input_ids=prompts, sampling_params=warm)  # compile, settle
         timing = time_decode(engine, prompts, args.output_len, steps=args.output_len // 2)
-    return 1e3 * timing.seconds / timing.steps
+        ranks = getattr(engine.executor, "rank_info", [])
+    return {"ms": 1e3 * timing.seconds / timing.steps, **largest_rank(ranks)}
+
+
+def largest_rank(ranks: list) -> dict:
+    """The parameter bytes of the rank holding most, and its embedding table's bytes (bf16)."""
+    if not ranks:
+        return {}
+    info = max(ranks, key=lambda i: i.parameter_bytes)
+    embedding = [s for n, s in info.parameter_shapes.items() if "embed_tokens" in n]
+    rows, width = embedding[0]
+    return {"parameter_bytes": info.parameter_bytes, "embedding_bytes": 2 * rows * width}
 
 
 def plot(rows: list[dict], out: str) -> None:
@@ -96,6 +129,21 @@ def plot(rows: list[dict], out: str) -> None:
     fig.savefig(out.replace(".json", ".png"), dpi=120)
 
 
+def measure(path: str, batch: int, args) -> dict:
+    """One row: the forward alone, the engine with and without overlap, the roofline."""
+    row = {"batch": batch, **in_process(forward_row, path, batch, args)}
+    overlapped = in_process(engine_ms, path, batch, args, True)
+    row["engine_ms"] = overlapped["ms"]
+    row["engine_sync_ms"] = in_process(engine_ms, path, batch, args, False)["ms"]
+    parts = row["parts"]
+    nbytes = rank_bytes(parts, overlapped, args) if args.tp_size > 1 else StepBytes(**parts).total
+    row["bytes"] = nbytes
+    row["roofline_ms"] = 1e3 * nbytes / row.pop("copy")
+    row["over_forward"] = row["engine_ms"] / row["forward_ms"]
+    row["over_roofline"] = row["engine_ms"] / row["roofline_ms"]
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     model_args(parser)
@@ -107,6 +155,9 @@ def main() -> None:
         "--quantization", choices=["fp8"], help="random block-FP8 weights (blocks of 128)"
     )
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--dp-size", type=int, default=1)
+    parser.add_argument("--ep-size", type=int, default=1)
     parser.add_argument("--out", default="bench/results/engine_step.json")
     args = parser.parse_args()
     path = deepseek_v3_config_dir(args.layers, args.experts)
@@ -114,12 +165,8 @@ def main() -> None:
     header = ("batch", "forward", "engine", "no overlap", "roofline", "eng/fwd", "eng/roof")
     print("{:>5} {:>8} {:>8} {:>10} {:>8} {:>7} {:>8}   (ms per step)".format(*header))
     for batch in args.batches:
-        row = {"batch": batch, **in_process(forward_row, path, batch, args)}
-        row["engine_ms"] = in_process(engine_ms, path, batch, args, True)
-        row["engine_sync_ms"] = in_process(engine_ms, path, batch, args, False)
-        row["over_forward"] = row["engine_ms"] / row["forward_ms"]
-        row["over_roofline"] = row["engine_ms"] / row["roofline_ms"]
-        rows.append(row)
+        rows.append(measure(path, batch, args))
+        row = rows[-1]
         print(
             f"{batch:>5} {row['forward_ms']:>8.2f} {row['engine_ms']:>8.2f} "
             f"{row['engine_sync_ms']:>10.2f} {row['roofline_ms']:>8.2f} "
@@ -134,6 +181,9 @@ def main() -> None:
             "experts": args.experts,
             "context": args.context,
             "quantization": args.quantization,
+            "tp_size": args.tp_size,
+            "dp_size": args.dp_size,
+            "ep_size": args.ep_size,
         }
         json.dump({**meta, "rows": rows}, f, indent=2)
     plot(rows, args.out)

@@ -161,14 +161,13 @@ class MultiprocessExecutor:
         )
 
     def _spawn(self, rank: int, transfer) -> None:
-        from dserve.runtime.worker import worker_main
+        from dserve.runtime.worker import rank_processes, worker_main
 
-        parent, child = mp.get_context("spawn").Pipe()
+        ctx = rank_processes()
+        parent, child = ctx.Pipe()
         args = (rank, self.config, child, transfer, self.store.port)
         name = f"dserve-rank-{rank}"
-        proc = mp.get_context("spawn").Process(
-            target=worker_main, args=args, daemon=True, name=name
-        )
+        proc = ctx.Process(target=worker_main, args=args, daemon=True, name=name)
         proc.start()
         child.close()
         self.conns.append(parent)

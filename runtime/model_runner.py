@@ -225,6 +225,14 @@ class ModelRunner:
                 out.append(steps)
         return out
 
+    def release_graphs(self) -> None:
+        """Drop the captured CUDA graphs: graphs holding NCCL collectives keep the communicator
+        from being destroyed (pytorch#115388), so a rank releases them before leaving its group."""
+        for steps in self.statics:
+            steps.graphs.clear()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     @property
     def transfer_pools(self) -> list:
         """(pool, config of its model, the model's layers it holds or None for all) for the

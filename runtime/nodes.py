@@ -113,11 +113,11 @@ def connect_to_front(store: dist.TCPStore, kind: str, index: int):
 def run_node(config: EngineConfig) -> None:
     """A node other than node 0: start its ranks, each linked to the front, and stop them when
     the front goes away (or when they have all ended)."""
-    from dserve.runtime.worker import worker_main
+    from dserve.runtime.worker import rank_processes, worker_main
 
     store = open_store(config, master=False)
     link, _ = connect_to_front(store, "node", config.node_rank)
-    ctx = mp.get_context("spawn")
+    ctx = rank_processes()
     procs = []
     for rank in local_ranks(config, config.node_rank):
         proc = ctx.Process(

@@ -263,3 +263,39 @@ def test_fp8_engine_on_gpu(fp8_dir, make_engine):
     bf16.groups[0].kv.free(req.rid)
     bound = 2 * 2**-4 * (15 / 3) ** 0.5
     assert relative_error(logits[0], hf_last_logits(reference, prompts[1])) < bound
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
+@pytest.mark.parametrize("shape", [dict(tp_size=2), dict(tp_size=2, ep_size=2)])
+@pytest.mark.parametrize(
+    "arch,kind,block", [("deepseek_v3", "block", (32, 16)), ("glm4_moe", "channel", (32, 32))]
+)
+def test_fp8_split_over_gpus(fp8_dir, make_engine, shape, arch, kind, block):
+    """FP8 under TP 2 and EP 2 over NCCL. float32 dequantizes: the reference tokens exactly. bf16
+    computes with each rank's slice and its scales (the per-channel layout through the FP8 GEMM,
+    whose per-token activation scales then cover each rank's half of a row-parallel input; blocks
+    of 16 input features, which TP 2 needs at these tiny shapes, dequantized): the first token's
+    top log-probabilities are no further from the exact ones (float32, dequantized) than twice
+    the one-GPU bf16 FP8 engine's own distance from them, plus 0.02 nats (bf16's rounding)."""
+    path, reference = fp8_dir(arch, kind, block)
+    kwargs = dict(device="cuda", max_total_tokens=2048)
+    prompts = random_prompts(3, 512, [9, 30, 71], seed=13)
+    exact = make_engine(path, dtype="float32", **kwargs, **shape)
+    for prompt, result in zip(prompts, exact.generate(input_ids=prompts, sampling_params=GREEDY)):
+        assert result.output_ids == hf_greedy(reference, prompt, NEW_TOKENS)
+    params = dict(GREEDY, max_new_tokens=1, return_logprob=True, top_logprobs_num=5)
+
+    def top(engine) -> list[dict]:
+        results = engine.generate(input_ids=prompts, sampling_params=params)
+        return [dict(r.meta["output_top_logprobs"][0]) for r in results]
+
+    want = top(exact)
+    split = top(make_engine(path, **kwargs, **shape))
+    alone = top(make_engine(path, **kwargs))
+
+    def distance(got: list[dict]) -> float:
+        return max(abs(g[t] - w[t]) for g, w in zip(got, want) for t in set(g) & set(w))
+
+    assert all(len(set(g) & set(w)) >= 3 for g, w in zip(split, want)), (split, want)
+    assert distance(split) <= 2 * distance(alone) + 0.02, (split, alone, want)

@@ -18,28 +18,39 @@ from dserve.runtime.executor import RankFailure
 pytestmark = pytest.mark.slow
 
 
-def kill_rank_when_up(name: str, delay_s: float) -> threading.Thread:
-    """Kill this process's child called `name` `delay_s` after it appears."""
+def kill_rank_when_up(name: str, delay_s: float, freeze: str | None = None) -> threading.Thread:
+    """Kill this process's child called `name` `delay_s` after it appears; the child called
+    `freeze` (if any) is stopped the moment it appears, so `name` cannot get past start-up."""
+
+    def child(wanted: str):
+        return next((p for p in mp.active_children() if p.name == wanted), None)
 
     def watch():
         deadline = time.monotonic() + 30
+        frozen = freeze is None
         while time.monotonic() < deadline:
-            child = next((p for p in mp.active_children() if p.name == name), None)
-            if child is not None:
+            if not frozen and child(freeze) is not None:
+                os.kill(child(freeze).pid, signal.SIGSTOP)
+                frozen = True
+            victim = child(name)
+            if victim is not None and frozen:
                 time.sleep(delay_s)
-                os.kill(child.pid, signal.SIGKILL)
+                os.kill(victim.pid, signal.SIGKILL)
                 return
-            time.sleep(0.01)
+            time.sleep(0.001)
 
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
     return thread
 
 
-@pytest.mark.parametrize("delay_s", [0.3, 2.0], ids=["spawning", "loading"])
-def test_rank_dead_at_start_up(delay_s, tiny_dir):
+@pytest.mark.parametrize(
+    "delay_s, freeze", [(0.0, None), (2.0, "dserve-rank-0")], ids=["forked", "waiting"]
+)
+def test_rank_dead_at_start_up(delay_s, freeze, tiny_dir):
+    """Killed the moment it exists, or while it waits for a (frozen) peer at start-up."""
     before = {p.pid for p in mp.active_children()}
-    watcher = kill_rank_when_up("dserve-rank-1", delay_s)
+    watcher = kill_rank_when_up("dserve-rank-1", delay_s, freeze)
     start = time.monotonic()
     with pytest.raises(RankFailure, match="rank 1 died"):
         Engine(tiny_dir("deepseek_v3"), device="cpu", load_progress=False, tp_size=2)

@@ -6,12 +6,12 @@ receives were posted settles them first, so a late sender writes nothing into th
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 
 import pytest
 import torch
 
+from dserve.runtime.worker import rank_processes
 from dserve.scheduler.kv_pool import KVLayout
 from dserve.transfer.mapping import held_heads
 
@@ -105,7 +105,7 @@ class Side:
         self.slots = [(s, r) for s in range(len(stages)) for r in range(tp)]
         side = "p" if prefill else "d"
         self.dumps = [str(tmp_path / f"{side}{s}-{r}.pt") for s, r in self.slots]
-        ctx = mp.get_context("spawn")
+        ctx = rank_processes()  # as the engine starts its ranks
         self.procs = []
         for (stage, r), dump in zip(self.slots, self.dumps):
             args = (self.manager.address, kind, r, tp, prefill, dump)

@@ -1,5 +1,7 @@
 """On a host with 2 GPUs: prefill on GPU 0, decode on GPU 1, KV over UCX between the GPUs (CUDA IPC /
-NVLink); greedy float32 output equals the colocated engine's on the GPU."""
+NVLink); greedy float32 output equals the colocated engine's on the GPU. And speculation in a
+pipelined decode instance: prefill TP 2 over both GPUs, decode pp 2 over both with MTP (the draft
+on the last stage), the tokens of the colocated engine without speculation."""
 
 from __future__ import annotations
 
@@ -32,13 +34,41 @@ def test_pair_across_gpus_matches_colocated(arch, tiny_dir, tmp_path, make_engin
         prefill_env={"CUDA_VISIBLE_DEVICES": "0"},
         decode_env={"CUDA_VISIBLE_DEVICES": "1"},
     )
+    check_answers(cluster, prompts, expected)
+
+
+def test_prefill_tp2_to_decode_pp2_with_mtp(tiny_dir, tmp_path, make_engine):
+    model = tiny_dir("deepseek_v3", mtp=True)
+    prompts = random_prompts(4, 512, [9, 70, 130, 200], seed=8)
+    flags = ["--device", "cuda", "--dtype", "float32", "--max-total-tokens", "8192"]
+    engine = make_engine(model, device="cuda", dtype="float32", max_total_tokens=8192)
+    expected = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    mtp = ["--speculative-algorithm", "mtp", "--speculative-num-steps", "2"]
+    both = {"CUDA_VISIBLE_DEVICES": "0,1"}
+    cluster = start_cluster(
+        model,
+        tmp_path,
+        [*flags, *mtp, "--tp", "2"],  # the prefill computes the draft's KV too
+        [*flags, *mtp, "--pp-size", "2"],
+        prefill_env=both,
+        decode_env=both,
+    )
+    answers = check_answers(cluster, prompts, expected)
+    assert all(meta["spec_accept_length"] >= 1.0 for meta in answers), answers
+
+
+def check_answers(cluster, prompts, expected) -> list[dict]:
+    """Each prompt through the router gives the expected tokens; every page is free after; the
+    cluster is stopped. Returns each answer's meta_info."""
+    metas = []
     try:
         for ids, local in zip(prompts, expected):
-            status, body = post(
-                cluster.url + "/generate", {"input_ids": ids, "sampling_params": GREEDY}
-            )
-            assert status == 200, body
-            assert body["output_ids"] == local.output_ids
+            body = {"input_ids": ids, "sampling_params": GREEDY}
+            status, answer = post(cluster.url + "/generate", body)
+            assert status == 200, answer
+            assert answer["output_ids"] == local.output_ids
+            metas.append(answer["meta_info"])
         assert_all_pages_free(cluster.prefill, cluster.decode)
     finally:
         cluster.stop()
+    return metas
