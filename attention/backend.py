@@ -142,8 +142,10 @@ class PassShape:
 
 
 class AttentionBackend(ABC):
-    def __init__(self, pool: KVPool):
+    def __init__(self, pool: KVPool, index_pool: KVPool | None = None):
         self.pool = pool
+        self.index_pool = index_pool
+        """A sparse-attention (DSA) model's indexer keys, page for page beside `pool`."""
 
     def runs_static(self, shape: PassShape) -> bool:
         """Whether the layers can run a pass of this shape from its device tensors alone, with no
@@ -171,14 +173,36 @@ class AttentionBackend(ABC):
         scale: float,
     ) -> torch.Tensor:
         """Absorbed MLA: q_latent [T, H, R], q_rope [T, H, P], latent [T, R + P] (normalised c_kv
-        then roped k_pe) -> attention-weighted latents [T, H, R]; stores latent first."""
+        then roped k_pe) -> attention-weighted latents [T, H, R]; stores latent first. A sparse
+        (DSA) model passes `selection` too: per token the context positions it attends to,
+        [T, K] (-1: none), from `forward_indexer`."""
+
+    def forward_indexer(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        weights: torch.Tensor,
+        scale: float,
+        topk: int,
+    ) -> torch.Tensor:
+        """DSA's lightning indexer: q [T, H, D], the tokens' keys k [T, D] (stored first in
+        `index_pool`'s `layer`), head weights [T, H] (float32) -> per token the `topk` visible
+        context positions of the highest sum over heads of weight x ReLU(scale x q.k), [T,
+        topk], -1 where fewer are visible."""
+        raise NotImplementedError(f"{type(self).__name__} has no sparse attention (DSA) yet")
 
 
-def create_backend(name: str, pool: KVPool) -> AttentionBackend:
+def create_backend(name: str, pool: KVPool, index_pool: KVPool | None = None) -> AttentionBackend:
     if name == "torch":
         from dserve.attention.torch_backend import TorchBackend
 
-        return TorchBackend(pool)
+        return TorchBackend(pool, index_pool)
+    if index_pool is not None:
+        raise ValueError(
+            f"attention_backend={name!r} has no sparse attention (DSA) yet: serve this model "
+            f"with attention_backend='torch'"
+        )
     if name == "triton":
         from dserve.attention.triton_backend import TritonBackend
 

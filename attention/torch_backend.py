@@ -48,11 +48,13 @@ class TorchBackend(AttentionBackend):
             out[rows] = torch.einsum("hqk,khd->qhd", probs, values)
         return out
 
-    def forward_mla(self, layer, q_latent, q_rope, latent, scale):
+    def forward_mla(self, layer, q_latent, q_rope, latent, scale, selection=None):
         self.pool.write(layer, 0, self.batch.out_slots, latent)
         rank = q_latent.shape[-1]
         out = q_latent.new_empty(q_latent.shape)
         for rows, slots, mask in self._spans():
+            if selection is not None:
+                mask = mask & selected(selection[rows], mask.shape[1])
             ctx = self.pool.read(layer, 0, slots).to(q_latent.dtype)  # [S, R + P]
             c_kv, k_rope = ctx[:, :rank], ctx[:, rank:]
             scores = (
@@ -66,3 +68,24 @@ class TorchBackend(AttentionBackend):
             )
             out[rows] = torch.einsum("hqk,kr->qhr", probs, c_kv)
         return out
+
+    def forward_indexer(self, layer, q, k, weights, scale, topk):
+        self.index_pool.write(layer, 0, self.batch.out_slots, k)
+        out = torch.full((q.shape[0], topk), -1, dtype=torch.int64, device=q.device)
+        for rows, slots, mask in self._spans():
+            keys = self.index_pool.read(layer, 0, slots).float()  # [S, D]
+            # as the references: per head scores, ReLU, then the weighted sum over heads
+            scores = torch.relu(torch.matmul(q[rows].float(), keys.T) * scale)  # [q, H, S]
+            index = torch.matmul(weights[rows].unsqueeze(1), scores).squeeze(1)  # [q, S]
+            index = index.masked_fill(~mask, float("-inf"))
+            best = index.topk(min(topk, index.shape[1]), dim=-1)
+            chosen = best.indices.masked_fill(best.values == float("-inf"), -1)
+            out[rows, : chosen.shape[1]] = chosen
+        return out
+
+
+def selected(positions: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[q, seq_len] bool: True at each row's `positions` (-1 entries select nothing)."""
+    mask = torch.zeros(positions.shape[0], seq_len + 1, dtype=torch.bool, device=positions.device)
+    mask.scatter_(1, torch.where(positions < 0, seq_len, positions), True)
+    return mask[:, :seq_len]

@@ -26,7 +26,13 @@ import time
 import torch
 from torch import nn
 
-from dserve.models.tiny import _hf_config, _model_class, append_mtp_layer, train_tokenizer
+from dserve.models.tiny import (
+    _hf_config,
+    _model_class,
+    append_mtp_layer,
+    one_layer_more,
+    train_tokenizer,
+)
 
 VOCAB = 512
 
@@ -54,7 +60,12 @@ class NextN(nn.Module):
     def forward(self, emb_next: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         x = self.eh_proj(torch.cat([self.enorm(emb_next), self.hnorm(hidden)], dim=-1))
         pos = torch.arange(x.shape[1])[None]
-        y = self.layer(x, position_ids=pos, position_embeddings=self.rotary(x, pos))
+        mask = None  # sdpa: causal
+        if getattr(self.layer.self_attn, "indexer", None) is not None:  # its scores need one
+            n = x.shape[1]
+            mask = torch.full((n, n), torch.finfo(x.dtype).min).triu(1)[None, None]
+        kwargs = dict(position_ids=pos, attention_mask=mask)
+        y = self.layer(x, position_embeddings=self.rotary(x, pos), **kwargs)
         return self.head(self.norm(y[0] if isinstance(y, tuple) else y))
 
 
@@ -86,7 +97,7 @@ def train(
         cfg = type(cfg)(**{**cfg.to_dict(), **shapes})
     cfg._attn_implementation = "sdpa"  # causal without a mask, in training and in the draft's layer
     target = _model_class(arch)(cfg)
-    donor = _model_class(arch)(type(cfg)(**{**cfg.to_dict(), "num_hidden_layers": 3}))
+    donor = _model_class(arch)(one_layer_more(cfg))
     donor.config._attn_implementation = "sdpa"
     nextn = NextN(donor, cfg)
     params = list(target.parameters()) + list(nextn.parameters())
@@ -196,7 +207,9 @@ def measure(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="checkpoint directory to write")
-    parser.add_argument("--arch", default="deepseek_v3", choices=["deepseek_v3", "glm4_moe"])
+    parser.add_argument(
+        "--arch", default="deepseek_v3", choices=["deepseek_v3", "glm4_moe", "glm_moe_dsa"]
+    )
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--json", default="bench/results/train_mtp.json")
     args = parser.parse_args()

@@ -75,6 +75,14 @@ class ModelConfig:
     scoring_func: str = "sigmoid"
     topk_method: str = "noaux_tc"  # "noaux_tc" (V3, GLM), "greedy" / "group_limited_greedy" (V2)
     num_nextn_predict_layers: int = 0
+    # DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): the lightning indexer; 0: dense MLA
+    index_topk: int = 0
+    index_head_dim: int = 0
+    index_n_heads: int = 0
+    indexer_types: tuple[str, ...] = ()
+    """Per layer "full" (runs its indexer) or "shared" (reuses the previous full layer's
+    selection; GLM-5)."""
+    indexer_rope_interleaved: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -89,6 +97,13 @@ class ModelConfig:
             and layer_id >= self.first_k_dense_replace
             and layer_id % self.moe_layer_freq == 0
         )
+
+    def has_indexer(self, layer_id: int) -> bool:
+        """A sparse-attention layer with its own indexer; an MTP (NextN) layer, after the
+        model's layers, always has one."""
+        if not self.index_topk:
+            return False
+        return layer_id >= len(self.indexer_types) or self.indexer_types[layer_id] == "full"
 
     @property
     def softmax_scale(self) -> float:
@@ -179,7 +194,7 @@ def _common(raw: dict[str, Any], arch: str) -> dict[str, Any]:
     )
 
 
-def parse_deepseek(raw: dict[str, Any], arch: str) -> ModelConfig:
+def parse_deepseek(raw: dict[str, Any], arch: str, **extra) -> ModelConfig:
     is_v2 = raw.get("model_type") == "deepseek_v2" or arch == "DeepseekV2ForCausalLM"
     rope = _rope_config(raw, raw["qk_rope_head_dim"], interleaved=raw.get("rope_interleave", True))
     topk_method = raw.get("topk_method", "greedy" if is_v2 else "noaux_tc")
@@ -195,7 +210,45 @@ def parse_deepseek(raw: dict[str, Any], arch: str) -> ModelConfig:
         v_head_dim=raw["v_head_dim"],
         scoring_func=scoring,
         topk_method=topk_method,
+        **extra,
     )
+
+
+def parse_dsa(raw: dict[str, Any], arch: str) -> ModelConfig:
+    """DeepSeek-V3.2 and GLM-5: DeepSeek's MLA and MoE plus the lightning indexer. GLM-5 ropes
+    the indexer's keys in interleaved pairs, V3.2 in halves (`indexer_rope_interleave`, else by
+    architecture, as the reference implementations do)."""
+    glm = arch == "GlmMoeDsaForCausalLM"
+    return parse_deepseek(
+        raw,
+        arch,
+        index_topk=raw["index_topk"],
+        index_head_dim=raw["index_head_dim"],
+        index_n_heads=raw["index_n_heads"],
+        indexer_types=_indexer_types(raw),
+        indexer_rope_interleaved=bool(raw.get("indexer_rope_interleave", glm)),
+    )
+
+
+def _indexer_types(raw: dict[str, Any]) -> tuple[str, ...]:
+    """GLM-5's per-layer indexer modes as its config spells them (a list, a "FS.." pattern, or
+    a frequency and offset); every layer "full" for V3.2."""
+    n = raw["num_hidden_layers"]
+    types = raw.get("indexer_types")
+    pattern = raw.get("index_topk_pattern")
+    if types is None and isinstance(pattern, str):
+        types = [{"F": "full", "S": "shared"}[c] for c in pattern]
+    elif types is None and pattern is not None:
+        types = list(pattern)
+    elif types is None:
+        freq = max(raw.get("index_topk_freq", 1), 1)
+        offset = raw.get("index_skip_topk_offset", 2)
+        types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+    if len(types) < n or types[0] != "full" or set(types) - {"full", "shared"}:
+        raise ValueError(
+            f"indexer_types {types}: one of 'full' / 'shared' per layer, the first 'full'"
+        )
+    return tuple(types[:n])
 
 
 def parse_glm4_moe(raw: dict[str, Any], arch: str) -> ModelConfig:

@@ -78,12 +78,21 @@ class MLAttention(nn.Module):
         ]  # W_UK [H,N,R], W_UV [H,V,R]
 
     def forward(self, x: torch.Tensor, cos_sin, backend) -> torch.Tensor:
+        q_latent, q_rope, latent, _ = self.project(x, cos_sin)
+        o_latent = backend.forward_mla(self.layer_id, q_latent, q_rope, latent, self.scale)
+        return self.output(o_latent)
+
+    def project(self, x: torch.Tensor, cos_sin):
+        """(q_latent [T, H, R], q_rope [T, H, P], the tokens' latents [T, R + P], and the
+        normalised q-LoRA latent [T, q_lora_rank] or None)."""
         cfg, rotary = self.cfg, self._rotary
+        q_resid = None
         if cfg.q_lora_rank:
             q_a, kv_a = self.fused_qkv_a_proj(x).split(
                 [cfg.q_lora_rank, cfg.kv_lora_rank + cfg.qk_rope_head_dim], -1
             )
-            q = self.q_b_proj(self.q_a_layernorm(q_a))
+            q_resid = self.q_a_layernorm(q_a)
+            q = self.q_b_proj(q_resid)
         else:
             q, kv_a = self.q_proj(x), self.kv_a_proj_with_mqa(x)
         q = q.view(-1, self.num_heads, cfg.qk_head_dim)
@@ -93,10 +102,14 @@ class MLAttention(nn.Module):
         q_rope = rotary.apply(q_rope, cos, sin)
         k_rope = rotary.apply(k_rope.unsqueeze(1), cos, sin).squeeze(1)
         latent = torch.cat([self.kv_a_layernorm(c_kv), k_rope], dim=-1)
-        w_uk, w_uv = self._absorbed_weights()
+        w_uk, _ = self._absorbed_weights()
         # per head [T, N] @ [N, R], read and written in place through strides (no copies of q)
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
-        o_latent = backend.forward_mla(self.layer_id, q_latent, q_rope, latent, self.scale)
+        return q_latent, q_rope, latent, q_resid
+
+    def output(self, o_latent: torch.Tensor) -> torch.Tensor:
+        """The attention-weighted latents [T, H, R] out through W_UV and o_proj."""
+        _, w_uv = self._absorbed_weights()
         out = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
         return self.o_proj(out.flatten(1))
 

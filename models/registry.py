@@ -5,12 +5,20 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from dserve.models.config import ModelConfig, load_raw_config, parse_deepseek, parse_glm4_moe
+from dserve.models.config import (
+    ModelConfig,
+    load_raw_config,
+    parse_deepseek,
+    parse_dsa,
+    parse_glm4_moe,
+)
 
 _ARCHITECTURES: dict[str, tuple[Any, str]] = {
     "DeepseekV3ForCausalLM": (parse_deepseek, "dserve.models.deepseek:DeepseekForCausalLM"),
     "DeepseekV2ForCausalLM": (parse_deepseek, "dserve.models.deepseek:DeepseekForCausalLM"),
     "Glm4MoeForCausalLM": (parse_glm4_moe, "dserve.models.glm4_moe:Glm4MoeForCausalLM"),
+    "DeepseekV32ForCausalLM": (parse_dsa, "dserve.models.dsa:DsaForCausalLM"),
+    "GlmMoeDsaForCausalLM": (parse_dsa, "dserve.models.dsa:DsaForCausalLM"),
 }
 
 

@@ -12,7 +12,29 @@ import os
 
 import torch
 
-ARCHES = ("deepseek_v3", "deepseek_v2", "glm4_moe")
+ARCHES = (
+    "deepseek_v3",
+    "deepseek_v2",
+    "glm4_moe",
+    "deepseek_v32",
+    "glm_moe_dsa",
+    "glm_moe_dsa_full",
+)
+# DeepSeek-V3's and the sparse models' latent attention and routing, tiny
+MLA = dict(
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    q_lora_rank=48,
+    qk_rope_head_dim=16,
+    qk_nope_head_dim=16,
+    v_head_dim=24,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+)
+# sparse attention (DSA): a top-k well below the tests' prompts, and enough indexer heads that
+# no two context positions tie on the indexer's score (ReLU zeroes every head's term with
+# probability 2^-heads), which would leave the selection to the top-k's tie order
+DSA = dict(index_topk=6, index_head_dim=32, index_n_heads=16)
 SPECIAL_TOKENS = [
     "<|begin_of_text|>",
     "<|end_of_text|>",
@@ -85,16 +107,9 @@ def _hf_config(arch: str, vocab_size: int, bos: int, eos: int, num_layers: int):
     if arch == "deepseek_v3":
         return tf.DeepseekV3Config(
             **common,
-            num_key_value_heads=4,
-            kv_lora_rank=32,
-            q_lora_rank=48,
-            qk_rope_head_dim=16,
-            qk_nope_head_dim=16,
-            v_head_dim=24,
+            **MLA,
             n_group=4,
             topk_group=2,
-            norm_topk_prob=True,
-            routed_scaling_factor=2.5,
             num_nextn_predict_layers=0,
             rope_scaling={
                 "type": "yarn",
@@ -107,6 +122,8 @@ def _hf_config(arch: str, vocab_size: int, bos: int, eos: int, num_layers: int):
                 "mscale_all_dim": 1.0,
             },
         )
+    if arch in ("deepseek_v32", "glm_moe_dsa", "glm_moe_dsa_full"):
+        return _dsa_config(arch, common)
     if arch == "deepseek_v2":
         return tf.DeepseekV2Config(
             **common,
@@ -138,6 +155,23 @@ def _hf_config(arch: str, vocab_size: int, bos: int, eos: int, num_layers: int):
     raise ValueError(f"unknown tiny architecture {arch!r}; choose from {', '.join(ARCHES)}")
 
 
+def _dsa_config(arch: str, common: dict):
+    """DeepSeek-V3.2 (yarn RoPE, every layer indexed) or GLM-5 (its layers "full" or, in
+    `glm_moe_dsa`, the middle one "shared": it reuses the first layer's selection)."""
+    import transformers as tf
+
+    mla = dict(MLA, **DSA)
+    if arch == "deepseek_v32":
+        rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
+        rope.update(rope_theta=10000.0, beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)
+        return tf.DeepseekV32Config(**common, **mla, n_group=4, topk_group=2, rope_parameters=rope)
+    n = common["num_hidden_layers"]
+    types = ["full"] * n
+    if arch == "glm_moe_dsa":
+        types = ["full" if i % 2 == 0 else "shared" for i in range(n)]
+    return tf.GlmMoeDsaConfig(**common, **mla, n_group=2, topk_group=1, indexer_types=types)
+
+
 def _model_class(arch: str):
     import transformers as tf
 
@@ -145,6 +179,9 @@ def _model_class(arch: str):
         "deepseek_v3": tf.DeepseekV3ForCausalLM,
         "deepseek_v2": tf.DeepseekV2ForCausalLM,
         "glm4_moe": tf.Glm4MoeForCausalLM,
+        "deepseek_v32": tf.DeepseekV32ForCausalLM,
+        "glm_moe_dsa": tf.GlmMoeDsaForCausalLM,
+        "glm_moe_dsa_full": tf.GlmMoeDsaForCausalLM,
     }[arch]
 
 
@@ -182,11 +219,21 @@ def make_tiny(
     return out
 
 
+def one_layer_more(cfg):
+    """`cfg` with one more decoder layer (where a checkpoint's NextN layer sits)."""
+    more = {**cfg.to_dict(), "num_hidden_layers": cfg.num_hidden_layers + 1}
+    for per_layer in ("mlp_layer_types", "layer_types"):  # derived again for n + 1 layers
+        more.pop(per_layer, None)
+    if "indexer_types" in more:  # sparse attention: the NextN layer has its own indexer
+        more["indexer_types"] = [*more["indexer_types"], "full"]
+    return type(cfg)(**more)
+
+
 def _append_mtp_layer(arch: str, cfg, out: str, seed: int) -> None:
     """One more decoder layer (from a deeper random model) plus the NextN projection tensors."""
     torch.manual_seed(seed + 1)
-    n, h, v = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size
-    deeper = _model_class(arch)(type(cfg)(**{**cfg.to_dict(), "num_hidden_layers": n + 1}))
+    h, v = cfg.hidden_size, cfg.vocab_size
+    deeper = _model_class(arch)(one_layer_more(cfg))
     std = cfg.initializer_range
     append_mtp_layer(
         out,

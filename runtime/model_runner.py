@@ -60,6 +60,15 @@ def kv_layout(
     )
 
 
+def index_layout(model, page_size: int, dtype: torch.dtype) -> KVLayout | None:
+    """A sparse-attention (DSA) model's indexer pool: one key per token for each of its (this
+    stage's) layers with an indexer; None for other models."""
+    layers = getattr(model, "index_layers", 0)  # (model may be None: no draft)
+    if not layers:
+        return None
+    return KVLayout("index", layers, page_size, dtype, latent_dim=model.cfg.index_head_dim)
+
+
 def pool_pages(
     config: EngineConfig, layouts: list[KVLayout], device: torch.device, reserved: int = 0
 ) -> int:
@@ -155,8 +164,10 @@ class ModelRunner:
         dtype, attn = config.torch_dtype, ctx.attn.size
         own_layers = len(self.model.layers)  # a pipeline stage's pool holds its layers only
         layouts = [kv_layout(self.model_config, config.page_size, dtype, attn, own_layers)]
+        indexed = index_layout(self.model, config.page_size, dtype)
         self.draft = load_draft(config, self.model, self.device, ctx)
-        self.draft_pool = self.last_hidden = None
+        draft_indexed = index_layout(self.draft, config.page_size, dtype)
+        self.draft_pool = self.draft_index_pool = self.last_hidden = None
         # EAGLE-3 reads their outputs
         self.aux_layers = aux_layers(config, self.model_config.num_hidden_layers)
         if self.draft is not None:
@@ -164,16 +175,23 @@ class ModelRunner:
         static = uses_static_steps(config)
         widths = self._static_widths() if static else []
         reserved = sum(output_bytes(self, self.graph_tokens, w) for w in widths)
-        self.num_pages = pool_pages(config, layouts, self.device, reserved)
+        sized = layouts + [lay for lay in (indexed, draft_indexed) if lay]
+        self.num_pages = pool_pages(config, sized, self.device, reserved)
         num_pages = self.num_pages + static  # and a scratch page for static steps' padding
         max_context = self.model_config.max_position_embeddings
         self.max_pages = max_pages_per_seq(config, max_context, self.num_pages)
         self.pool = KVPool(layouts[0], num_pages, self.device)
-        self.backend = create_backend(config.attention_backend, self.pool)
+        self.index_pool = KVPool(indexed, num_pages, self.device) if indexed else None
+        self.backend = create_backend(config.attention_backend, self.pool, self.index_pool)
         self._use_kernels()
         if self.draft is not None:
             self.draft_pool = KVPool(layouts[1], num_pages, self.device)
-            self.draft_backend = create_backend(config.attention_backend, self.draft_pool)
+            self.draft_index_pool = None
+            if draft_indexed:
+                self.draft_index_pool = KVPool(draft_indexed, num_pages, self.device)
+            self.draft_backend = create_backend(
+                config.attention_backend, self.draft_pool, self.draft_index_pool
+            )
         slots = config.max_running_requests
         self.last_token = torch.zeros(slots, dtype=torch.int64, device=self.device)
         lay = layouts[0]
@@ -235,13 +253,31 @@ class ModelRunner:
 
     @property
     def transfer_pools(self) -> list:
-        """(pool, config of its model, the model's layers it holds or None for all) for the
-        transfer agent: the target's (a pipeline stage's layers), then the draft's."""
-        layers = self.ctx.stage.layer_range(self.model_config.num_hidden_layers)
-        pools = [(self.pool, self.model_config, layers)]
+        """The pools the transfer agent moves (`TransferPool`): the target's (a pipeline stage's
+        layers), a sparse-attention model's indexer keys, then the draft's."""
+        from dserve.transfer.descriptor import TransferPool
+
+        cfg = self.model_config
+        layers = self.ctx.stage.layer_range(cfg.num_hidden_layers)
+        pools = [
+            TransferPool(
+                "target", self.pool, cfg.num_key_value_heads, layers, cfg.num_hidden_layers
+            )
+        ]
+        if self.index_pool is not None:
+            held, total = self.model.index_layer_range, self.model.total_index_layers
+            pools.append(TransferPool("index", self.index_pool, 0, held, total))
         if self.draft_pool is not None:
-            pools.append((self.draft_pool, self.draft.cfg, None))
+            heads = self.draft.cfg.num_key_value_heads
+            pools.append(TransferPool("draft", self.draft_pool, heads))
+        if self.draft_pool is not None and self.draft_index_pool is not None:
+            pools.append(TransferPool("draft-index", self.draft_index_pool, 0))
         return pools
+
+    @property
+    def verified_pools(self) -> list[KVPool]:
+        """The target's pools whose entries follow a verified draft tree's accepted path."""
+        return [p for p in (self.pool, self.index_pool) if p is not None]
 
     @property
     def parameter_bytes(self) -> int:

@@ -213,8 +213,8 @@ class StepRunner:
             moves.append((span.slot, span.start, accepted_path(span, emitted)))
         for slot in group.ended:
             self.trees.pop(slot, None)
-        tables, pool = self.requests.tables, self.runner.pool
-        move_paths(moves, tables, self.page_size, pool)
+        tables, pools = self.requests.tables, self.runner.verified_pools
+        move_paths(moves, tables, self.page_size, pools)
 
     def _spans(self, group: GroupPlan) -> list[RankSpan]:
         spans, row, logits_row = [], 0, 0
@@ -278,6 +278,6 @@ class StepRunner:
         verify_spans(verifying, logits, self.sampler)
         for span in verifying:
             span.req.tokens.extend(span.emitted)
-        tables, pool = self.requests.tables, self.runner.pool
-        move_accepted(verifying, tables, self.page_size, pool)
+        tables, pools = self.requests.tables, self.runner.verified_pools
+        move_accepted(verifying, tables, self.page_size, pools)
         self.drafter.propose(plan, pending.spans, draft_logits)

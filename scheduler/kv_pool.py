@@ -1,8 +1,10 @@
 """Physical KV cache of one model: per layer, `num_pages` pages of `page_size` token slots.
 
-Two layouts, described by a `KVLayout` so transfer and sizing read one description:
+Three layouts, described by a `KVLayout` so transfer and sizing read one description:
 MLA stores one latent vector per token (`kv_lora_rank + qk_rope_head_dim`, replicated over
-attention-TP ranks); MHA/GQA stores K and V per KV head this rank holds. A pool is page-major in
+attention-TP ranks); MHA/GQA stores K and V per KV head this rank holds; "index" is a sparse
+attention (DSA) model's indexer keys, one vector of `latent_dim` per token and indexer layer,
+replicated like MLA's latent. A pool is page-major in
 memory: one page holds its slots of every layer and buffer, back to back, so a run of
 consecutive pages is one contiguous block and moves as one copy (one UCX message) for all layers.
 Each layer's buffers are views of that block, [num_pages, page_size, *token_shape] with a page stride
@@ -18,11 +20,11 @@ import torch
 
 @dataclass(frozen=True)
 class KVLayout:
-    kind: str  # "mla" or "mha"
+    kind: str  # "mla", "mha" or "index"
     num_layers: int
     page_size: int
     dtype: torch.dtype
-    latent_dim: int = 0  # MLA: kv_lora_rank + qk_rope_head_dim
+    latent_dim: int = 0  # MLA: kv_lora_rank + qk_rope_head_dim; index: index_head_dim
     kv_lora_rank: int = 0
     num_kv_heads: int = 0  # MHA: heads this rank holds
     head_dim: int = 0
@@ -30,11 +32,11 @@ class KVLayout:
 
     @property
     def buffers_per_layer(self) -> int:
-        return 1 if self.kind == "mla" else 2
+        return 2 if self.kind == "mha" else 1
 
     def token_shapes(self) -> list[tuple[int, ...]]:
         """Per-token shape of each buffer of a layer."""
-        if self.kind == "mla":
+        if self.kind != "mha":
             return [(self.latent_dim,)]
         return [(self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.v_head_dim)]
 

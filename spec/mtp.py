@@ -47,6 +47,10 @@ class MTPDraft(nn.Module):
         self.eh_proj = ReplicatedLinear(2 * h, h)
         self.layer = DecoderLayer(cfg, self.layer_index, target.attention_cls, ctx)
         self.layer.self_attn.layer_id = 0  # the draft pool holds this one layer
+        if cfg.index_topk:  # sparse attention: its own indexer, layer 0 of its indexer pool
+            from dserve.models.dsa import number_indexers
+
+            self.index_layers = number_indexers(self.layer)
         object.__setattr__(self.layer.self_attn, "_rotary", target.rotary)
         self.rotary = target.rotary
         self.final_norm = RMSNorm(h, cfg.rms_norm_eps)  # shared_head.norm

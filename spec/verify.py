@@ -34,14 +34,15 @@ def verify_spans(spans: list[RankSpan], logits: torch.Tensor, sampler: Sampler) 
         span.path, span.emitted = path, tokens
 
 
-def move_accepted(spans: list[RankSpan], tables: PageTables, page_size: int, pool) -> None:
-    """Copy the KV of each accepted path's nodes, computed at their tree rows, to the positions
-    right after the span's first token (a chain's are there already)."""
+def move_accepted(spans: list[RankSpan], tables: PageTables, page_size: int, pools) -> None:
+    """Copy the KV (in each of `pools`: the latents, a sparse model's indexer keys) of each
+    accepted path's nodes, computed at their tree rows, to the positions right after the span's
+    first token (a chain's are there already)."""
     moves = [(span.plan.slot, span.plan.start, span.path) for span in spans]
-    move_paths(moves, tables, page_size, pool)
+    move_paths(moves, tables, page_size, pools)
 
 
-def move_paths(moves: list[tuple[int, int, list[int]]], tables: PageTables, page_size, pool):
+def move_paths(moves: list[tuple[int, int, list[int]]], tables: PageTables, page_size, pools):
     """`move_accepted` for (slot, start of the span, accepted nodes) triples."""
     src, dst = [], []
     for slot, start, path in moves:
@@ -52,7 +53,7 @@ def move_paths(moves: list[tuple[int, int, list[int]]], tables: PageTables, page
                     out.append(
                         int(pages[positions // page_size]) * page_size + positions % page_size
                     )
-    if src:
+    for pool in pools if src else []:
         device = pool.device
         pool.move(device_ints(src, device), device_ints(dst, device))
 

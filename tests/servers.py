@@ -260,3 +260,22 @@ def assert_all_pages_free(*procs: Proc, timeout: float = 15) -> None:
             f"{p.args[0]} frees every page (now {kv_state(p)})",
         )
         assert kv_state(p)["invariants"] == "ok", kv_state(p)
+
+
+def check_and_stop(cluster: Cluster, prompts, expected, sampling_params: dict) -> list[dict]:
+    """Post each prompt (one at a time) through the router: 200 and `expected` tokens (per
+    prompt a list, or a function of the prompt); every page free after; the cluster stopped
+    whatever happened. Returns each answer's meta_info."""
+    metas = []
+    try:
+        for i, ids in enumerate(prompts):
+            want = expected(ids) if callable(expected) else expected[i]
+            body = {"input_ids": ids, "sampling_params": sampling_params}
+            status, answer = post(cluster.url + "/generate", body)
+            assert status == 200, answer
+            assert answer["output_ids"] == want, ids
+            metas.append(answer["meta_info"])
+        assert_all_pages_free(cluster.prefill, cluster.decode)
+    finally:
+        cluster.stop()
+    return metas

@@ -64,21 +64,21 @@ class AgentConfig:
 def start_agent(
     config: AgentConfig, pools: list, dp_rank: int, attn_rank: int, attn_tp: int, stage: int = 0
 ) -> "TransferAgent":
-    """The rank's agent over its pools: `pools` lists (KVPool, ModelConfig, the model's layers the
-    pool holds or None for all), the target's first, then with speculation the draft's (same page
-    ids, maybe another layout). `stage`: the rank's pipeline stage."""
+    """The rank's agent over its pools (`TransferPool`s, the target's first; the same page ids,
+    maybe other layouts). `stage`: the rank's pipeline stage."""
     described = []
-    for name, (p, model_config, layers) in zip(("target", "draft"), pools):
+    for offered in pools:
+        p, heads = offered.pool, offered.num_kv_heads
         mha = p.layout.kind == "mha"
-        held = held_heads(attn_rank, attn_tp, model_config.num_key_value_heads) if mha else []
+        held = held_heads(attn_rank, attn_tp, heads) if mha else []
         desc = PoolDescriptor.from_layout(
-            name,
+            offered.name,
             p.layout,
-            model_config.num_key_value_heads if mha else 0,
+            heads if mha else 0,
             held,
             message_pages(p.layout, config.message_mib),
-            first_layer=layers.start if layers is not None else 0,
-            model_layers=model_config.num_hidden_layers if layers is not None else 0,
+            first_layer=offered.layers.start if offered.layers is not None else 0,
+            model_layers=offered.total_layers if offered.layers is not None else 0,
         )
         described.append((desc, p))
     where = Placement(dp_rank, attn_rank, attn_tp, stage)

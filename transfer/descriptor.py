@@ -1,8 +1,9 @@
 """What a rank tells its transfer peers about itself, once, at registration.
 
 A `RankDescriptor` names the rank (pipeline stage, DP group, attention-TP rank of how many), its
-UCX worker address, and one `PoolDescriptor` per KV pool it holds: the target model's pool first, a
-draft model's pool (possibly of another layout) as a further list entry. A pool says which of the
+UCX worker address, and one `PoolDescriptor` per KV pool it holds: the target model's pool first,
+then a sparse-attention model's indexer pool, then a draft model's pool (possibly of another
+layout). A pool says which of the
 model's layers it holds (a pipeline stage holds a contiguous range), so ranks pair by global layer
 id whatever the two sides' partitions. Decode and prefill compare descriptors before any page moves
 and refuse a peer whose pools would not line up, naming the difference.
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from dserve.scheduler.kv_pool import KVLayout
+from dserve.scheduler.kv_pool import KVLayout, KVPool
 
 
 class IncompatiblePeer(ValueError):
@@ -23,9 +24,21 @@ PAGE_ORDER = "page-major: layer, buffer, slot, head, dim"
 
 
 @dataclass(frozen=True)
+class TransferPool:
+    """A pool a rank offers its transfer agent: "target", "index" (a sparse-attention model's
+    indexer keys) or "draft", all indexed by the same page ids."""
+
+    name: str
+    pool: KVPool
+    num_kv_heads: int  # the model's KV heads (MHA: a rank holds its share); 0 otherwise
+    layers: range | None = None  # the pool's layers this rank holds (a pipeline stage's)
+    total_layers: int = 0  # the pool's layers in the whole model (with `layers`)
+
+
+@dataclass(frozen=True)
 class PoolDescriptor:
-    name: str  # "target", "draft"
-    kind: str  # "mla" or "mha"
+    name: str  # "target", "index", "draft"
+    kind: str  # "mla", "mha" or "index"
     num_layers: int  # layers this rank holds
     page_size: int
     dtype: str

@@ -58,11 +58,11 @@ def plan_routes(
         raise ValueError(
             f"attention TP sizes must be >= 1, got prefill {prefill_tp}, decode {decode_tp}"
         )
-    if kind == "mla":
+    if kind in ("mla", "index"):  # replicated over attention-TP ranks: one sender each
         return _mla_routes(prefill_tp, decode_tp, room)
     if kind == "mha":
         return _mha_routes(prefill_tp, decode_tp, room, num_kv_heads)
-    raise ValueError(f"unknown KV layout kind {kind!r} (mla or mha)")
+    raise ValueError(f"unknown KV layout kind {kind!r} (mla, mha or index)")
 
 
 def _mla_routes(prefill_tp: int, decode_tp: int, room: int) -> list[Route]:

@@ -201,19 +201,12 @@ def test_disaggregated_fp8_pair(fp8_dir, tmp_path):
     """Prefill TP 2 and decode TP 1 on the same FP8 checkpoint (the KV stays in the model's
     dtype): the reference tokens through the router, no page left used."""
     pytest.importorskip("ucxx")
-    from tests.servers import assert_all_pages_free, post, start_cluster
+    from tests.servers import check_and_stop, start_cluster
 
     path, reference = fp8_dir("deepseek_v3", "block", (32, 16))
     cluster = start_cluster(path, tmp_path, ["--tp", "2"], [])
-    try:
-        for prompt in random_prompts(2, 512, [12, 31], seed=2):
-            body = {"input_ids": prompt, "sampling_params": GREEDY}
-            status, answer = post(cluster.url + "/generate", body)
-            assert status == 200, answer
-            assert answer["output_ids"] == hf_greedy(reference, prompt, NEW_TOKENS)
-        assert_all_pages_free(cluster.prefill, cluster.decode)
-    finally:
-        cluster.stop()
+    prompts = random_prompts(2, 512, [12, 31], seed=2)
+    check_and_stop(cluster, prompts, lambda ids: hf_greedy(reference, ids, NEW_TOKENS), GREEDY)
 
 
 @pytest.mark.gpu

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.conftest import random_prompts
-from tests.servers import assert_all_pages_free, post, start_cluster
+from tests.servers import check_and_stop, start_cluster
 
 pytestmark = [
     pytest.mark.gpu,
@@ -34,7 +34,7 @@ def test_pair_across_gpus_matches_colocated(arch, tiny_dir, tmp_path, make_engin
         prefill_env={"CUDA_VISIBLE_DEVICES": "0"},
         decode_env={"CUDA_VISIBLE_DEVICES": "1"},
     )
-    check_answers(cluster, prompts, expected)
+    check_and_stop(cluster, prompts, [r.output_ids for r in expected], GREEDY)
 
 
 def test_prefill_tp2_to_decode_pp2_with_mtp(tiny_dir, tmp_path, make_engine):
@@ -53,22 +53,5 @@ def test_prefill_tp2_to_decode_pp2_with_mtp(tiny_dir, tmp_path, make_engine):
         prefill_env=both,
         decode_env=both,
     )
-    answers = check_answers(cluster, prompts, expected)
+    answers = check_and_stop(cluster, prompts, [r.output_ids for r in expected], GREEDY)
     assert all(meta["spec_accept_length"] >= 1.0 for meta in answers), answers
-
-
-def check_answers(cluster, prompts, expected) -> list[dict]:
-    """Each prompt through the router gives the expected tokens; every page is free after; the
-    cluster is stopped. Returns each answer's meta_info."""
-    metas = []
-    try:
-        for ids, local in zip(prompts, expected):
-            body = {"input_ids": ids, "sampling_params": GREEDY}
-            status, answer = post(cluster.url + "/generate", body)
-            assert status == 200, answer
-            assert answer["output_ids"] == local.output_ids
-            metas.append(answer["meta_info"])
-        assert_all_pages_free(cluster.prefill, cluster.decode)
-    finally:
-        cluster.stop()
-    return metas
