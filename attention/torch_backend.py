@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from dserve.attention.backend import AttentionBackend, ForwardBatch
+from dserve.attention.index_cache import read_keys, write_keys
 
 
 class TorchBackend(AttentionBackend):
@@ -70,10 +71,10 @@ class TorchBackend(AttentionBackend):
         return out
 
     def forward_indexer(self, layer, q, k, weights, scale, topk):
-        self.index_pool.write(layer, 0, self.batch.out_slots, k)
+        write_keys(self.index_pool, layer, self.batch.out_slots, k)
         out = torch.full((q.shape[0], topk), -1, dtype=torch.int64, device=q.device)
         for rows, slots, mask in self._spans():
-            keys = self.index_pool.read(layer, 0, slots).float()  # [S, D]
+            keys = read_keys(self.index_pool, layer, slots)  # [S, D]
             # as the references: per head scores, ReLU, then the weighted sum over heads
             scores = torch.relu(torch.matmul(q[rows].float(), keys.T) * scale)  # [q, H, S]
             index = torch.matmul(weights[rows].unsqueeze(1), scores).squeeze(1)  # [q, S]

@@ -38,6 +38,9 @@ class EngineConfig:
     quantization: str | None = None
     """`fp8` with `load_format="dummy"`: random block-FP8 weights (blocks of 128) at real shapes,
     for benchmarks. A checkpoint's own FP8 format is read from its config.json."""
+    indexer_cache_dtype: str = "auto"
+    """Sparse-attention models (DeepSeek-V3.2, GLM-5): the indexer's keys in the model's dtype
+    (`auto`), or `fp8`: e4m3 with a float32 scale per token, as those models serve them."""
     attention_backend: str = "auto"
     """`torch` (reference, any device); `triton` (kernels, CUDA graphs); `flashinfer`
     (FlashInfer's kernels, bf16/fp16, eager); `auto`: triton on a GPU, torch on the CPU."""
@@ -139,6 +142,10 @@ class EngineConfig:
             raise ValueError(
                 f"quantization={self.quantization!r}: only 'fp8' with load_format='dummy' (an FP8 "
                 f"checkpoint's format is read from its config.json)"
+            )
+        if self.indexer_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(
+                f"indexer_cache_dtype must be auto or fp8, got {self.indexer_cache_dtype!r}"
             )
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError(

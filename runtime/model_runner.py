@@ -15,6 +15,7 @@ from dataclasses import replace
 import torch
 
 from dserve.attention.backend import ForwardBatch, PassShape, create_backend
+from dserve.attention.index_cache import stored_width
 from dserve.models.config import ModelConfig
 from dserve.models.layers.moe import Experts
 from dserve.models.layers.norm import RMSNorm
@@ -60,13 +61,17 @@ def kv_layout(
     )
 
 
-def index_layout(model, page_size: int, dtype: torch.dtype) -> KVLayout | None:
+def index_layout(model, config: EngineConfig) -> KVLayout | None:
     """A sparse-attention (DSA) model's indexer pool: one key per token for each of its (this
-    stage's) layers with an indexer; None for other models."""
+    stage's) layers with an indexer, stored as `indexer_cache_dtype` says
+    (`attention/index_cache.py`); None for other models."""
     layers = getattr(model, "index_layers", 0)  # (model may be None: no draft)
     if not layers:
         return None
-    return KVLayout("index", layers, page_size, dtype, latent_dim=model.cfg.index_head_dim)
+    fp8 = config.indexer_cache_dtype == "fp8"
+    width = stored_width(model.cfg.index_head_dim, fp8)
+    dtype = torch.uint8 if fp8 else config.torch_dtype
+    return KVLayout("index", layers, config.page_size, dtype, latent_dim=width)
 
 
 def pool_pages(
@@ -164,9 +169,9 @@ class ModelRunner:
         dtype, attn = config.torch_dtype, ctx.attn.size
         own_layers = len(self.model.layers)  # a pipeline stage's pool holds its layers only
         layouts = [kv_layout(self.model_config, config.page_size, dtype, attn, own_layers)]
-        indexed = index_layout(self.model, config.page_size, dtype)
+        indexed = index_layout(self.model, config)
         self.draft = load_draft(config, self.model, self.device, ctx)
-        draft_indexed = index_layout(self.draft, config.page_size, dtype)
+        draft_indexed = index_layout(self.draft, config)
         self.draft_pool = self.draft_index_pool = self.last_hidden = None
         # EAGLE-3 reads their outputs
         self.aux_layers = aux_layers(config, self.model_config.num_hidden_layers)

@@ -1,0 +1,42 @@
+"""How a sparse-attention (DSA) model's indexer keys are stored in the indexer pool.
+
+In the model's dtype by default (exact against the reference implementations), or with
+`indexer_cache_dtype="fp8"` in the production layout DeepSeek-V3.2 and GLM-5 serve with: per
+token the key in float8 e4m3 scaled to its largest magnitude, followed by that scale as a
+float32, in one row of bytes (132 bytes per token at head dim 128); the pool's dtype is then
+uint8."""
+
+from __future__ import annotations
+
+import torch
+
+from dserve.scheduler.kv_pool import KVPool
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+SCALE_BYTES = 4
+
+
+def stored_width(head_dim: int, fp8: bool) -> int:
+    """Elements of a pool row per token: the key, or its FP8 bytes and scale."""
+    return head_dim + SCALE_BYTES if fp8 else head_dim
+
+
+def write_keys(pool: KVPool, layer: int, slots: torch.Tensor, keys: torch.Tensor) -> None:
+    """Store `keys` [T, D] at `slots` of the pool's `layer`."""
+    if pool.layout.dtype != torch.uint8:
+        pool.write(layer, 0, slots, keys)
+        return
+    scale = keys.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    q = (keys.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    row = torch.cat([q.view(torch.uint8), scale.view(torch.uint8)], dim=-1)
+    pool.write(layer, 0, slots, row)
+
+
+def read_keys(pool: KVPool, layer: int, slots: torch.Tensor) -> torch.Tensor:
+    """The keys at `slots`, [S, D], float32."""
+    rows = pool.read(layer, 0, slots)
+    if pool.layout.dtype != torch.uint8:
+        return rows.float()
+    q, scale = rows[:, :-SCALE_BYTES], rows[:, -SCALE_BYTES:]
+    return q.contiguous().view(FP8).float() * scale.contiguous().view(torch.float32)
