@@ -198,17 +198,17 @@ def create_backend(name: str, pool: KVPool, index_pool: KVPool | None = None) ->
         from dserve.attention.torch_backend import TorchBackend
 
         return TorchBackend(pool, index_pool)
-    if index_pool is not None:
-        raise ValueError(
-            f"attention_backend={name!r} has no sparse attention (DSA) yet: serve this model "
-            f"with attention_backend='torch'"
-        )
     if name == "triton":
         from dserve.attention.triton_backend import TritonBackend
 
-        return TritonBackend(pool)
+        return TritonBackend(pool, index_pool)
     if name == "flashinfer":
         from dserve.attention.flashinfer_backend import FlashInferBackend
 
+        if index_pool is not None:
+            raise ValueError(
+                "attention_backend='flashinfer' has no sparse attention (DSA) yet: serve this "
+                "model with attention_backend='triton' or 'torch'"
+            )
         return FlashInferBackend(pool)
     raise ValueError(f"unknown attention backend {name!r} (choose from: torch, triton, flashinfer)")

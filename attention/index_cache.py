@@ -1,4 +1,5 @@
-"""How a sparse-attention (DSA) model's indexer keys are stored in the indexer pool.
+"""How a sparse-attention (DSA) model's indexer keys are stored in the indexer pool, and how the
+top-k of the indexer's scores becomes a selection (shared by the backends).
 
 In the model's dtype by default (exact against the reference implementations), or with
 `indexer_cache_dtype="fp8"` in the production layout DeepSeek-V3.2 and GLM-5 serve with: per
@@ -40,3 +41,14 @@ def read_keys(pool: KVPool, layer: int, slots: torch.Tensor) -> torch.Tensor:
         return rows.float()
     q, scale = rows[:, :-SCALE_BYTES], rows[:, -SCALE_BYTES:]
     return q.contiguous().view(FP8).float() * scale.contiguous().view(torch.float32)
+
+
+def select_top(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """Per row the positions of the `topk` highest scores, best first, -1 where fewer are
+    finite, [T, topk] int64."""
+    out = torch.full((scores.shape[0], topk), -1, dtype=torch.int64, device=scores.device)
+    if scores.shape[1]:
+        best = scores.topk(min(topk, scores.shape[1]), dim=-1)
+        chosen = best.indices.masked_fill(best.values == float("-inf"), -1)
+        out[:, : chosen.shape[1]] = chosen
+    return out

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from dserve.attention.backend import AttentionBackend, ForwardBatch
-from dserve.attention.index_cache import read_keys, write_keys
+from dserve.attention.index_cache import read_keys, select_top, write_keys
 
 
 class TorchBackend(AttentionBackend):
@@ -72,16 +72,13 @@ class TorchBackend(AttentionBackend):
 
     def forward_indexer(self, layer, q, k, weights, scale, topk):
         write_keys(self.index_pool, layer, self.batch.out_slots, k)
-        out = torch.full((q.shape[0], topk), -1, dtype=torch.int64, device=q.device)
+        out = torch.empty((q.shape[0], topk), dtype=torch.int64, device=q.device)
         for rows, slots, mask in self._spans():
             keys = read_keys(self.index_pool, layer, slots)  # [S, D]
             # as the references: per head scores, ReLU, then the weighted sum over heads
             scores = torch.relu(torch.matmul(q[rows].float(), keys.T) * scale)  # [q, H, S]
             index = torch.matmul(weights[rows].unsqueeze(1), scores).squeeze(1)  # [q, S]
-            index = index.masked_fill(~mask, float("-inf"))
-            best = index.topk(min(topk, index.shape[1]), dim=-1)
-            chosen = best.indices.masked_fill(best.values == float("-inf"), -1)
-            out[rows, : chosen.shape[1]] = chosen
+            out[rows] = select_top(index.masked_fill(~mask, float("-inf")), topk)
         return out
 
 

@@ -7,16 +7,20 @@ chunks, extends and draft trees run `triton_extend` (blocks of query tokens, cau
 New tokens' KV goes into the pages through `triton_store`. Select it with `--attention-backend
 triton`; on a GPU the choice also puts the model's RMSNorms (fused with the residual add,
 `triton_norm.py`), rotary embeddings (`triton_rotary.py`) and routed experts (grouped GEMMs,
-`triton_moe.py`) on their Triton kernels.
+`triton_moe.py`) on their Triton kernels. Sparse attention (DSA): the indexer's scores by
+`triton_dsa.indexer_scores`, the top-k by torch, and the sparse MLA by `mla_decode` over each
+token's selected positions, one row per token (prompt chunks too).
 """
 
 from __future__ import annotations
 
 import os
 
+import torch
 import triton
 
 from dserve.attention.backend import AttentionBackend, ForwardBatch, PassShape
+from dserve.attention.index_cache import select_top
 from dserve.attention.triton_store import store_tokens
 
 MAX_DECODE_LIKE = 8  # spans up to this many tokens go through the decode kernel, one row per token
@@ -31,13 +35,18 @@ EXTEND_TUNE = {
 
 
 class TritonBackend(AttentionBackend):
-    def __init__(self, pool):
+    def __init__(self, pool, index_pool=None):
         if pool.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(
                 "attention_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1, which "
                 "runs its kernels in Triton's interpreter, for tests); use the torch backend on the CPU"
             )
-        super().__init__(pool)
+        if index_pool is not None and index_pool.layout.dtype == torch.uint8:
+            raise ValueError(
+                "attention_backend='triton' reads the indexer keys in the model's dtype: "
+                "indexer_cache_dtype='fp8' runs on the torch backend so far"
+            )
+        super().__init__(pool, index_pool)
         self.extend_tune = {
             kind: dict(tune) for kind, tune in EXTEND_TUNE.items()
         }  # benches may change it
@@ -99,10 +108,54 @@ class TritonBackend(AttentionBackend):
             num_stages=tune["num_stages"],
         )
 
-    def forward_mla(self, layer, q_latent, q_rope, latent, scale):
+    def forward_indexer(self, layer, q, k, weights, scale, topk):
+        from dserve.attention.triton_dsa import indexer_scores
+
+        b = self.batch
+        keys = self.index_pool.buffers[layer][0]
+        store_tokens(b.out_slots, [(keys, k)])
+        scores = indexer_scores(
+            q.contiguous(),
+            weights.contiguous(),
+            keys,
+            b.page_table,
+            b.token_seqs,
+            b.token_ctx_lens,
+            scale,
+            self.max_len,
+        )
+        if b.tree_masks is not None:  # draft trees see their ancestors only
+            scores = scores.masked_fill(~self._visible(), float("-inf"))
+        return select_top(scores, topk)
+
+    def _visible(self) -> torch.Tensor:
+        """[T, max_len]: which context positions each token sees (causal, or its tree)."""
+        b, rows = self.batch, []
+        for i, (q_len, seq_len) in enumerate(zip(b.q_lens, b.seq_lens)):
+            positions = torch.arange(self.max_len, device=b.page_table.device)
+            queries = torch.arange(seq_len - q_len, seq_len, device=positions.device)
+            mask = b.span_mask(i, queries, positions[:seq_len])
+            rows.append(torch.nn.functional.pad(mask, (0, self.max_len - seq_len)))
+        return torch.cat(rows)
+
+    def forward_mla(self, layer, q_latent, q_rope, latent, scale, selection=None):
         b = self.batch
         cache = self.pool.buffers[layer][0]
         store_tokens(b.out_slots, [(cache, latent)])
+        if selection is not None:  # sparse: every token a row over its selected positions
+            from dserve.attention.triton_mla import mla_decode
+
+            return mla_decode(
+                _unit_stride(q_latent),
+                _unit_stride(q_rope),
+                cache,
+                b.page_table,
+                (selection >= 0).sum(-1, dtype=torch.int32),
+                scale,
+                max_len=selection.shape[1],
+                row_seqs=b.token_seqs,
+                selected=selection.contiguous(),
+            )
         if self.decode:
             from dserve.attention.triton_mla import mla_decode
 

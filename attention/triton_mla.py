@@ -25,8 +25,10 @@ def _split_kernel(
     PageTable,
     RowSeqs,
     SeqLens,
+    Selected,
     MidO,
     MidLse,
+    s_sel_b,
     s_ql_b,
     s_ql_h,
     s_qr_b,
@@ -52,6 +54,7 @@ def _split_kernel(
     NUM_SPLITS: tl.constexpr,
     IEEE: tl.constexpr,
     TMA: tl.constexpr,
+    SELECT: tl.constexpr,
 ):
     b, split = tl.program_id(0), tl.program_id(2)
     # a program owns BLOCK_V of the R value columns: the scores need all R (+ P) columns, the
@@ -96,7 +99,11 @@ def _split_kernel(
             m, l, acc = _online_softmax_step(s * scale, whole[None, :], c_own, m, l, acc, IEEE)
         start = whole_end
     for n0 in range(start, end, BLOCK_N):
-        toks, tmask, page, off = _context_block(table, n0, end, page_size, BLOCK_N)
+        if SELECT:  # sparse attention: the row's selected positions, not its whole context
+            sel_row = Selected + b.to(tl.int64) * s_sel_b
+            toks, tmask, page, off = _selected_block(table, sel_row, n0, end, page_size, BLOCK_N)
+        else:
+            toks, tmask, page, off = _context_block(table, n0, end, page_size, BLOCK_N)
         base = page * s_c_page + off * s_c_tok
         c_own = tl.load(Cache + base[:, None] + own[None, :], mask=tmask[:, None], other=0.0)
         kr = tl.load(Cache + base[:, None] + R + p[None, :], mask=tmask[:, None], other=0.0)
@@ -126,6 +133,17 @@ def _context_block(table, n0, end, page_size, BLOCK_N: tl.constexpr):
     page-table row `table` (int64) and their offsets in them."""
     pos = n0 + tl.arange(0, BLOCK_N)
     valid = pos < end
+    page = tl.load(table + pos // page_size, mask=valid, other=0).to(tl.int64)
+    return pos, valid, page, pos % page_size
+
+
+@triton.jit
+def _selected_block(table, sel_row, n0, end, page_size, BLOCK_N: tl.constexpr):
+    """`_context_block` for entries n0 .. n0 + BLOCK_N (valid below `end`) of a row's selected
+    context positions `sel_row`."""
+    idx = n0 + tl.arange(0, BLOCK_N)
+    valid = idx < end
+    pos = tl.load(sel_row + idx, mask=valid, other=0)
     page = tl.load(table + pos // page_size, mask=valid, other=0).to(tl.int64)
     return pos, valid, page, pos % page_size
 
@@ -258,6 +276,7 @@ def mla_decode(
     min_split: int | None = None,
     block_v: int | None = None,
     tma: bool | None = None,
+    selected: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q_latent [B, H, R], q_rope [B, H, P] (one query row per decode token); `cache` one layer's
     latent pages [num_pages, page_size, R + P] (any page stride); `seq_lens` [B] tokens in KV each row
@@ -268,7 +287,8 @@ def mla_decode(
     short (none under `min_split` tokens, by default 2 * block_n). A program accumulates `block_v` of
     the R value columns (by default all). `tma` reads whole blocks through tensor descriptors (Hopper's
     TMA; half the value columns per program, blocks within a page). Parameters left None come from
-    `default_tune`."""
+    `default_tune`. Sparse attention: `selected` [B, K] lists each row's context positions to
+    attend (valid ones first), and `seq_lens` counts them."""
     batch, heads, rank = q_latent.shape
     tune = default_tune(heads, rank, cache.shape[1], q_latent.device)
     block_n, block_h, num_warps = (
@@ -277,6 +297,7 @@ def mla_decode(
         num_warps or tune["num_warps"],
     )
     tma = tune.get("tma", False) if tma is None else tma
+    tma = tma and selected is None  # selected positions are gathered, not whole blocks
     block_v = block_v or (rank // 2 if tma else rank)
     if num_splits is None:
         longest, device = max_len or 1 << 16, q_latent.device
@@ -313,8 +334,10 @@ def mla_decode(
         page_table,
         row_seqs,
         seq_lens,
+        selected if selected is not None else seq_lens,
         mid_out,
         mid_lse,
+        selected.stride(0) if selected is not None else 0,
         q_latent.stride(0),
         q_latent.stride(1),
         q_rope.stride(0),
@@ -340,6 +363,7 @@ def mla_decode(
         NUM_SPLITS=num_splits,
         IEEE=q_latent.dtype == torch.float32,
         TMA=tma,
+        SELECT=selected is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -3,7 +3,8 @@ greedy tokens equal transformers' in float32 on tiny checkpoints whose `index_to
 below the prompts, in the deployment shapes that touch the indexer pool (page size 1, chunked
 prefill, a prefix-cache hit, preemption, TP 2, DP attention, pipeline stages); the same weights
 with a top-k above every context (dense attention) give other tokens; what is not supported
-yet stops with an error that says so. MTP: tests/spec/test_dsa_mtp.py."""
+yet stops with an error that says so. MTP: tests/spec/test_dsa_mtp.py; the Triton kernels:
+tests/attention/test_triton_dsa.py."""
 
 from __future__ import annotations
 
@@ -117,10 +118,14 @@ def test_disaggregated_pair_moves_the_indexer_keys(pair, tiny_dir, tmp_path):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(attention_backend="triton"), "no sparse attention"),
+        (
+            dict(attention_backend="triton", indexer_cache_dtype="fp8"),
+            "runs on the torch backend so far",
+        ),
+        (dict(attention_backend="flashinfer"), "no sparse attention"),
         (dict(pp_size=2, pp_layer_partition="1,2"), "start at 'full' indexer layers"),
     ],
-    ids=["triton", "pp-at-shared-layer"],
+    ids=["triton-fp8-cache", "flashinfer", "pp-at-shared-layer"],
 )
 def test_what_is_not_supported_yet_is_refused(kwargs, message, tiny_dir, make_engine):
     from dserve.runtime.executor import RankFailure
