@@ -1,4 +1,4 @@
-"""Where steps run: on one rank in this process, or on spawned rank processes.
+"""Where steps run: on one rank in this process, or on rank processes of their own.
 
 The front `submit`s a `StepPlan` and later `collect`s the oldest step's `StepResult`s (one per DP
 group); in between it may submit the next plan (overlapped scheduling: a plan that `overlaps`

@@ -71,3 +71,19 @@ def test_serving_benchmark_against_a_server(tiny_dir, tmp_path):
         assert all(r["output_tokens"] == 6 for r in json.loads(out.read_text())["requests"])
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+def test_pd_overhead_benchmark(tiny_dir, tmp_path):
+    """`bench.pd_overhead` starts a colocated instance, then a pair with its router, and reports
+    TTFT and ITL per prompt length for both (the numbers mean something on a GPU only)."""
+    pytest.importorskip("ucxx")
+    from bench.pd_overhead import main
+
+    out = tmp_path / "pd.json"
+    argv = ["--lengths", "16,40", "--requests", "2", "--warmup", "1", "--output-len", "4"]
+    argv += ["--model-path", tiny_dir("deepseek_v3"), "--device", "cpu", "--vocab", "500"]
+    rows = main([*argv, "--out", str(out)])
+    assert [r["length"] for r in rows] == [16, 40]
+    assert all(r["ttft_co_p50"] > 0 and r["ttft_pd_p50"] > 0 and r["itl_pd_p50"] > 0 for r in rows)
+    assert json.loads(out.read_text())["rows"] == rows

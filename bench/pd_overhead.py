@@ -1,0 +1,235 @@
+"""What disaggregation costs a user: time to first token and inter-token latency of one request
+at a time, served colocated (`dserve serve`) and disaggregated (`dserve prefill` + `dserve
+decode` + `dserve router`) on the same device(s), per prompt length, and their ratio.
+
+    python -m bench.pd_overhead [--lengths 1024,4096,16384] [--requests 8] [--output-len 32]
+                                [--model-path DIR | --layers 4 --experts 32] [--device cuda]
+                                [--prefill-env CUDA_VISIBLE_DEVICES=0 --decode-env ...=1]
+
+Without `--model-path` the model is DeepSeek-V3-shaped with random weights (`--load-format
+dummy`, `bench.spec_verify.deepseek_v3_config_dir`). The colocated instance runs first, alone,
+then the pair; each serves two warm-up requests per length before the timed ones (streamed
+`/generate`, `ignore_eos`, random tokens, greedy, `--max-concurrency 1` as `bench.serving` would
+run them). Prints a table (p50 / p99 of TTFT and ITL, ms), writes JSON and, with matplotlib, a
+PNG of the TTFT ratio by length. The issue's goal: disaggregated TTFT <= 1.05x colocated at 1k,
+4k and 16k prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import aiohttp
+
+from bench.serving import one, percentiles
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One `dserve` process (and its ranks), its output in a log file."""
+
+    def __init__(self, args: list[str], log_dir: str, env: dict | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(os.path.join(log_dir, f"{args[0]}-{self.port}.log"), "w")  # noqa: SIM115
+        cmd = [sys.executable, "-m", "dserve.runtime.cli", *args, "--port", str(self.port)]
+        self.popen = subprocess.Popen(
+            cmd,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+
+    def wait_ready(self, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"{self.popen.args[3]} exited; see {self.log.name}")
+            health = self.url + "/health"
+            with contextlib.suppress(OSError), urllib.request.urlopen(health, timeout=2) as r:
+                if r.status == 200:
+                    return
+            time.sleep(0.3)
+        raise TimeoutError(f"not ready in {timeout} s; see {self.log.name}")
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.popen.wait(30)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        self.popen.wait()
+        self.log.close()
+
+
+def start(mode: str, model: list[str], args, log_dir: str) -> tuple[str, list[Server]]:
+    """The URL clients use and every process started, ready."""
+    if mode == "colocated":
+        servers = [Server(["serve", *model], log_dir, env_of(args.prefill_env))]
+    else:
+        boot = ["--bootstrap-port", str(free_port())]
+        prefill = Server(["prefill", *model, *boot], log_dir, env_of(args.prefill_env))
+        decode = Server(["decode", *model], log_dir, env_of(args.decode_env))
+        servers = [prefill, decode]
+    try:
+        for s in servers:
+            s.wait_ready()
+        if mode != "colocated":
+            ends = ["--prefill", servers[0].url, "--decode", servers[1].url]
+            router = Server(["router", *ends], log_dir)
+            servers.append(router)
+            router.wait_ready()
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+    return servers[-1].url, servers
+
+
+def env_of(pairs: list[str]) -> dict:
+    return dict(p.split("=", 1) for p in pairs)
+
+
+async def measure(url: str, args) -> dict:
+    """Per length: the TTFT and ITL percentiles of `--requests` requests, one at a time."""
+    rng = random.Random(args.seed)
+    client = argparse.Namespace(url=url, endpoint="/generate", model=None)
+    out = {}
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        for length in args.lengths:
+            results = []
+            for i in range(args.warmup + args.requests):
+                ids = [rng.randrange(10, args.vocab) for _ in range(length)]
+                result = await one(session, client, ids, args.output_len)
+                if result["error"]:
+                    raise RuntimeError(f"{length}-token request failed: {result['error']}")
+                if i >= args.warmup:
+                    results.append(result)
+            out[length] = {
+                "ttft_s": percentiles([r["ttft"] for r in results]),
+                "itl_s": percentiles([x for r in results for x in r["itl"]]),
+            }
+    return out
+
+
+def model_flags(args) -> list[str]:
+    if args.model_path:
+        path, dummy = args.model_path, []
+    else:
+        from bench.spec_verify import deepseek_v3_config_dir
+
+        path, dummy = deepseek_v3_config_dir(args.layers, args.experts), ["--load-format", "dummy"]
+    flags = ["--model", path, *dummy, "--device", args.device, "--no-load-progress"]
+    return flags + args.server_args.split()
+
+
+def table(rows: list[dict]) -> None:
+    head = ("len", "TTFT co", "TTFT pd", "ratio", "p99 co", "p99 pd", "ITL co", "ITL pd")
+    print("{:>6} {:>8} {:>8} {:>6} {:>8} {:>8} {:>7} {:>7}   (ms, p50 unless p99)".format(*head))
+    for r in rows:
+        print(
+            f"{r['length']:>6} {r['ttft_co_p50']:>8.1f} {r['ttft_pd_p50']:>8.1f} "
+            f"{r['ttft_ratio']:>6.2f} {r['ttft_co_p99']:>8.1f} {r['ttft_pd_p99']:>8.1f} "
+            f"{r['itl_co_p50']:>7.2f} {r['itl_pd_p50']:>7.2f}",
+            flush=True,
+        )
+
+
+def rows_of(results: dict, lengths: list[int]) -> list[dict]:
+    rows = []
+    for length in lengths:
+        co, pd = results["colocated"][length], results["disaggregated"][length]
+        row = {"length": length}
+        for name, got in (("co", co), ("pd", pd)):
+            for q in ("p50", "p99"):
+                row[f"ttft_{name}_{q}"] = 1e3 * got["ttft_s"][q]
+                row[f"itl_{name}_{q}"] = 1e3 * got["itl_s"].get(q, 0.0)
+        row["ttft_ratio"] = row["ttft_pd_p50"] / row["ttft_co_p50"]
+        row["itl_ratio"] = row["itl_pd_p50"] / max(row["itl_co_p50"], 1e-9)
+        rows.append(row)
+    return rows
+
+
+def plot(rows: list[dict], out: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    lengths = [r["length"] for r in rows]
+    ax.plot(lengths, [r["ttft_ratio"] for r in rows], marker="o", label="TTFT p50, pd / co")
+    ax.plot(lengths, [r["itl_ratio"] for r in rows], marker="o", label="ITL p50, pd / co")
+    ax.axhline(1.05, color="gray", linestyle="--", label="goal 1.05")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("disaggregated / colocated")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out.replace(".json", ".png"), dpi=120)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    parser.add_argument("--lengths", type=ints, default=[1024, 4096, 16384])
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--model-path", help="a checkpoint (default: DeepSeek-V3 shapes, dummy)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--vocab", type=int, default=32000, help="token ids drawn below this")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--server-args", default="", help="more flags for every instance")
+    parser.add_argument("--prefill-env", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--decode-env", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="bench/results/pd_overhead.json")
+    args = parser.parse_args(argv)
+    model = model_flags(args)
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="pd-overhead-") as logs:
+        for mode in ("colocated", "disaggregated"):
+            url, servers = start(mode, model, args, logs)
+            try:
+                results[mode] = asyncio.run(measure(url, args))
+            finally:
+                for s in reversed(servers):
+                    s.stop()
+    rows = rows_of(results, args.lengths)
+    table(rows)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        meta = {k: v for k, v in vars(args).items() if k != "out"}
+        json.dump({**meta, "rows": rows}, f, indent=2)
+    plot(rows, args.out)
+    print(f"wrote {args.out}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
