@@ -4,6 +4,9 @@ Routes: POST /generate, /v1/completions, /v1/chat/completions (JSON or SSE with 
 /v1/models, /metrics, /server_info. Bad input is HTTP 400 with a message; a request that fails inside
 (transfer failure, timeout, dead rank) is HTTP 500 or an SSE error event. A client that goes away
 aborts its request, which frees its pages. The engine runs on its own thread (`EngineLoop`).
+The port listens from the start (one in use stops the start before any weight is read); until
+the instance has loaded and warmed up (`warm_up`: every kernel a step launches compiled), GET
+/health answers 503 {"status": "starting"} and the other routes 503.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import time
 
 from aiohttp import web
@@ -30,6 +34,7 @@ from dserve.runtime.protocol import (
     stream_piece,
 )
 from dserve.runtime.server_config import ServerConfig
+from dserve.scheduler.request import SamplingParams
 from dserve.transfer.descriptor import IncompatiblePeer
 
 log = logging.getLogger("dserve.server")
@@ -43,11 +48,24 @@ def front_host(engine_kwargs: dict) -> str | None:
     return engine_kwargs["dist_init_addr"].rsplit(":", 1)[0]
 
 
+def warm_up(engine: Engine) -> None:
+    """Before the instance reports ready: a few prompts of different shapes (one token, a few
+    pages, a long chunk) and their first decode steps, so every kernel a step launches is
+    compiled (or loaded from Triton's cache) before the first request, not during it."""
+    page = engine.config.page_size
+    lengths = sorted({1, page + 3, min(engine.config.chunked_prefill_size, 4 * page + 5)})
+    prompts = [[1 + i % 7 for i in range(n)] for n in lengths]
+    params = SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True)
+    engine.generate(input_ids=prompts, sampling_params=params)
+
+
 class Instance:
     """Engine + engine thread + role side + transfer manager of one serving instance."""
 
-    def __init__(self, model_path: str, config: ServerConfig, **engine_kwargs):
-        self.config, self.metrics = config, Metrics()
+    def __init__(
+        self, model_path: str, config: ServerConfig, metrics: Metrics | None = None, **engine_kwargs
+    ):
+        self.config, self.metrics = config, metrics or Metrics()
         self.manager = self.side = self.peers = None
         transfer = None
         if config.role != "colocated":
@@ -66,6 +84,7 @@ class Instance:
             self.manager.wait_for_agents(self.engine.config.world_size)
             side_class = pd.PrefillSide if config.role == "prefill" else pd.DecodeSide
             self.side = side_class(self.engine, self.manager, config, self.metrics)
+        warm_up(self.engine)
         self.loop = EngineLoop(self.engine, self.side)
         self.model_name = config.served_model_name or os.path.basename(os.path.normpath(model_path))
         g = self.engine.groups
@@ -141,18 +160,37 @@ class Instance:
 
 
 class Server:
-    def __init__(self, instance: Instance):
-        self.instance, self.metrics = instance, instance.metrics
-        self.app = web.Application(client_max_size=instance.config.max_request_bytes)
+    """The HTTP API, listening from the start: until `attach` gives it the instance (loaded and
+    warmed up), `/health` answers 503 "starting" and every other route 503."""
+
+    def __init__(self, config: ServerConfig, metrics: Metrics):
+        self.instance, self.metrics = None, metrics
+        self.app = web.Application(client_max_size=config.max_request_bytes)
         for path, kind in ROUTES.items():
-            self.app.router.add_post(path, self._generation(kind))
+            self.app.router.add_post(path, self._when_ready(self._generation(kind)))
         self.app.router.add_get("/health", self.health)
-        self.app.router.add_get("/v1/models", self.models)
-        self.app.router.add_get("/metrics", self.metrics_text)
-        self.app.router.add_get("/server_info", self.server_info)
-        self.app.router.add_get("/debug/kv", self.kv_state)
+        for path, handler in (
+            ("/v1/models", self.models),
+            ("/metrics", self.metrics_text),
+            ("/server_info", self.server_info),
+            ("/debug/kv", self.kv_state),
+        ):
+            self.app.router.add_get(path, self._when_ready(handler))
+
+    def attach(self, instance: Instance) -> None:
+        self.instance = instance
+
+    def _when_ready(self, handler):
+        async def guarded(request: web.Request) -> web.StreamResponse:
+            if self.instance is None:
+                return _error("the instance is starting (loading the model, warming up)", 503)
+            return await handler(request)
+
+        return guarded
 
     async def health(self, _: web.Request) -> web.Response:
+        if self.instance is None:
+            return web.json_response({"status": "starting"}, status=503)
         failure = self.instance.loop.failure
         if failure:
             return web.json_response({"status": "failed", "error": failure}, status=503)
@@ -335,17 +373,8 @@ async def run_apps(apps: list[tuple[web.Application, str, int]], on_stop=None) -
     """Serve each app on its host:port until SIGINT/SIGTERM; clients that leave cancel their handler."""
     runners = []
     for app, host, port in apps:
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, host, port).start()
-        runners.append(runner)
-        log.info("listening on http://%s:%d", host, port)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    print("dserve: ready", flush=True)
-    await stop.wait()
+        runners.append(await start_site(app, listening_socket(host, port, "the HTTP API")))
+    await until_stopped()
     for runner in runners:
         await runner.cleanup()
     if on_stop is not None:
@@ -353,15 +382,61 @@ async def run_apps(apps: list[tuple[web.Application, str, int]], on_stop=None) -
 
 
 def serve(model_path: str, config: ServerConfig, **engine_kwargs) -> None:
-    instance = Instance(model_path, config, **engine_kwargs)
-    apps = [(Server(instance).app, config.host, config.port)]
+    """Listen at once (a port in use fails before any weight is read), answer 503 while the
+    instance loads and warms up, then serve until SIGINT/SIGTERM."""
+    sockets = [listening_socket(config.host, config.port, "the HTTP API")]
     if config.role == "prefill":
-        from dserve.runtime.bootstrap import bootstrap_app
+        sockets.append(listening_socket(config.host, config.bootstrap_port, "the bootstrap server"))
+    metrics = Metrics()
+    server = Server(config, metrics)
+    asyncio.run(_serve(server, sockets, model_path, config, metrics, engine_kwargs))
 
-        apps.append(
-            (bootstrap_app(instance.loop, instance.side), config.host, config.bootstrap_port)
-        )
+
+async def _serve(server: Server, sockets, model_path, config, metrics, engine_kwargs) -> None:
+    runners = [await start_site(server.app, sockets[0])]
+    instance = None
     try:
-        asyncio.run(run_apps(apps))
+        instance = await asyncio.to_thread(
+            Instance, model_path, config, metrics=metrics, **engine_kwargs
+        )
+        server.attach(instance)
+        if config.role == "prefill":
+            from dserve.runtime.bootstrap import bootstrap_app
+
+            app = bootstrap_app(instance.loop, instance.side)
+            runners.append(await start_site(app, sockets[1]))
+        await until_stopped()
     finally:
-        instance.shutdown()
+        for runner in runners:
+            await runner.cleanup()
+        if instance is not None:
+            instance.shutdown()
+
+
+def listening_socket(host: str, port: int, what: str) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise SystemExit(f"dserve: cannot listen on {host}:{port} for {what}: {e.strerror}") from e
+    return sock
+
+
+async def start_site(app: web.Application, sock: socket.socket) -> web.AppRunner:
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.SockSite(runner, sock).start()
+    host, port = sock.getsockname()[:2]
+    log.info("listening on http://%s:%d", host, port)
+    return runner
+
+
+async def until_stopped() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print("dserve: ready", flush=True)
+    await stop.wait()

@@ -7,7 +7,8 @@ If the prefill fails before the decode answers, the decode request is dropped (w
 the client gets the prefill's error. Instances are probed on `/health`. One that is gone (connection
 refused or dropped) or says it is unhealthy is out of rotation at once; one that is only slow to answer
 stays in until `SLOW_PROBES_TO_REMOVE` probes in a row time out (a busy instance on a loaded host is
-not a dead one). Either comes back at its next good answer.
+not a dead one). Either comes back at its next good answer; a request that finds no instance of a
+kind in rotation has every instance probed again before it is refused.
 """
 
 from __future__ import annotations
@@ -125,6 +126,16 @@ class Router:
             return min(pool, key=lambda b: b.in_flight)
         return pool[next(self.turns[kind]) % len(pool)]
 
+    async def pick_pair(self) -> tuple[Backend | None, Backend | None]:
+        """A prefill and a decode instance; where either kind has none in rotation, every
+        instance is probed again first (one out of rotation since a slow or stale probe may be
+        back: the request should not fail on a probe's old news)."""
+        prefill, decode = self.pick("prefill"), self.pick("decode")
+        if prefill is None or decode is None:
+            await self.check_all()
+            prefill, decode = self.pick("prefill"), self.pick("decode")
+        return prefill, decode
+
     async def health(self, _: web.Request) -> web.Response:
         ok = any(b.healthy for b in self.prefills) and any(b.healthy for b in self.decodes)
         body = {
@@ -155,7 +166,7 @@ class Router:
             return self._error(endpoint, "the body is too large", 400)
         except (ValueError, UnicodeDecodeError) as e:
             return self._error(endpoint, f"the body is not a JSON object: {e}", 400)
-        prefill, decode = self.pick("prefill"), self.pick("decode")
+        prefill, decode = await self.pick_pair()
         if prefill is None or decode is None:
             return self._error(
                 endpoint, "no healthy prefill and decode instance to serve the request", 503

@@ -78,7 +78,9 @@ def rank_processes():
     """Where rank processes come from: a fork server that imported torch and the rank's modules
     once (`RANK_MODULES`), so a rank starts in a fraction of a second instead of importing them
     again as a spawned process does (seconds of CPU each). The server itself never touches a
-    GPU, so its children may, and it leaves when the process that started it does."""
+    GPU, so its children may, and it leaves when the process that started it does. Ranks see
+    the environment the server started with (at this process's first engine of several ranks):
+    settings reach them through their `EngineConfig`, not environment changes made later."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(RANK_MODULES)
     return ctx

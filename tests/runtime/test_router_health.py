@@ -1,7 +1,8 @@
 """The router's health probes over real HTTP, against small aiohttp servers standing in for the
 instances' `/health` (the router's policy is under test, not the instances): an instance that is
 slow to answer stays in rotation for a while, one that is gone or says it is unhealthy leaves at
-once, and either comes back at its next good answer."""
+once, and either comes back at its next good answer (or when a request finding none of its kind
+in rotation has them probed again)."""
 
 from __future__ import annotations
 
@@ -63,7 +64,8 @@ def test_slow_gone_and_unhealthy_instances():
             await router.check_all()
             assert not router.decodes[0].healthy and router.pick("decode") is None
             decode.delay_s = 0.0
-            await router.check_all()
+            # a request meanwhile probes again rather than fail on the last probe's news
+            assert await router.pick_pair() == (router.prefills[0], router.decodes[0])
             assert router.decodes[0].healthy, "back at its first good answer"
 
             decode.status = 503  # the instance says it is broken: out at once
@@ -76,6 +78,7 @@ def test_slow_gone_and_unhealthy_instances():
             await prefill.stop()  # gone: connection refused, out at once
             await router.check_all()
             assert not router.prefills[0].healthy and router.pick("prefill") is None
+            assert (await router.pick_pair())[0] is None, "probed again, still gone"
         finally:
             await router.session.close()
             await decode.stop()

@@ -1,0 +1,57 @@
+"""An instance's start, as a client and an operator see it: it listens at once and answers 503
+("starting") to `/health` and to requests while the model loads and the kernels warm up, then
+200; a port already in use stops it before any weight is read, with a message naming the port."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.servers import free_port, get, post, start_instance
+
+pytestmark = pytest.mark.slow
+
+
+def test_health_says_starting_until_the_instance_is_ready(tiny_dir, tmp_path):
+    proc = start_instance("serve", tiny_dir("deepseek_v3"), tmp_path)
+    seen, refused_request = [], None
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and (not seen or seen[-1] != 200):
+            try:
+                status, body = get(proc.url + "/health", timeout=2)
+            except OSError:
+                time.sleep(0.02)  # not listening yet: the interpreter is still importing
+                continue
+            seen.append(status)
+            if status == 503 and refused_request is None:
+                assert body == {"status": "starting"}
+                refused_request = post(proc.url + "/generate", {"input_ids": [5, 6, 7]})
+        assert seen and seen[-1] == 200, seen
+        assert 503 in seen, "the port answers before the instance is ready"
+        status, body = refused_request
+        assert status == 503 and "starting" in body["error"]["message"], body
+        params = {"max_new_tokens": 2, "temperature": 0}
+        status, body = post(
+            proc.url + "/generate", {"input_ids": [5, 6], "sampling_params": params}
+        )
+        assert status == 200 and len(body["output_ids"]) == 2, body
+    finally:
+        proc.stop()
+
+
+def test_a_port_in_use_fails_before_the_model_loads(tiny_dir, tmp_path):
+    port = free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        cmd = [sys.executable, "-m", "dserve.runtime.cli", "serve", "--model"]
+        cmd += [tiny_dir("deepseek_v3"), "--port", str(port), "--device", "cpu"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert f"cannot listen on 127.0.0.1:{port} for the HTTP API" in done.stderr, done.stderr[-2000:]
+    assert "loaded" not in done.stderr, "no weight is read"
