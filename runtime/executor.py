@@ -214,7 +214,7 @@ class MultiprocessExecutor:
             try:
                 conn.send_bytes(data)
             except (BrokenPipeError, OSError):
-                self._fail(f"rank {rank} is gone (exit code {self.procs[rank].exitcode})")
+                self._dead(rank, "the handover of a step")
 
     def _gather(self, timeout: float, what: str) -> list[tuple]:
         """One reply from every rank, or RankFailure as soon as any rank dies or reports an
