@@ -33,3 +33,19 @@ def test_mtp_on_sparse_attention_is_lossless(shape, trained_dsa, make_engine):
     assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
     accepted = [r.meta["spec_accept_length"] for r in spec]
     assert min(accepted) > 1.5, accepted  # accepted drafts: tree paths moved in both pools
+
+
+@pytest.mark.slow
+def test_disaggregated_mtp_on_sparse_attention(trained_dsa, tmp_path, make_engine):
+    """A pair with MTP: the draft's latents and its indexer keys travel ("draft" and
+    "draft-index" pools) with the target's; tokens equal the plain engine's and, both sides of
+    one rank, every step accepts what the colocated engine accepts (the decode's draft selects
+    over the prompt's draft keys as the colocated one does)."""
+    pytest.importorskip("ucxx")
+    from tests.spec.test_pd_spec import check_pair
+
+    path, info = trained_dsa
+    spec = {"speculative_algorithm": "mtp", **SHAPES["tree"]}
+    args = dict(path=path, prompts=info["prompts"][:3], spec_kwargs=spec)
+    check_pair(**args, prefill_tp=1, decode_tp=1, tmp_path=tmp_path, make_engine=make_engine,
+               min_accept_length=1.5)  # fmt: skip
