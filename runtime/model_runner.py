@@ -259,7 +259,8 @@ class ModelRunner:
     @property
     def transfer_pools(self) -> list:
         """The pools the transfer agent moves (`TransferPool`): the target's (a pipeline stage's
-        layers), a sparse-attention model's indexer keys, then the draft's."""
+        layers), a sparse-attention model's indexer keys, then the draft's and, for a sparse
+        model's MTP layer, its indexer keys."""
         from dserve.transfer.descriptor import TransferPool
 
         cfg = self.model_config
