@@ -110,12 +110,14 @@ class ForwardBatch:
             moe_real_tokens=move(self.moe_real_tokens),
         )
 
-    def span_mask(self, i: int, causal_from: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Span i's [q_len, seq_len] visibility: causal over cache positions `positions` for queries
-        at `causal_from`, or its tree mask over the tail."""
+    def span_mask(self, i: int) -> torch.Tensor:
+        """Span i's [q_len, seq_len] visibility: causal (each new token sees the context up to
+        its own position), or its tree mask over the tail."""
         tree = None if self.tree_masks is None else self.tree_masks[i]
         if tree is None:
-            return positions[None, :] <= causal_from[:, None]
+            q_len, seq_len = self.q_lens[i], self.seq_lens[i]
+            positions = torch.arange(seq_len, device=self.page_table.device)
+            return positions[None, :] <= positions[seq_len - q_len :, None]
         mask = torch.ones(tree.shape[0], self.seq_lens[i], dtype=torch.bool, device=tree.device)
         mask[:, self.seq_lens[i] - tree.shape[1] :] = tree
         return mask

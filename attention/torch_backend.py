@@ -21,8 +21,7 @@ class TorchBackend(AttentionBackend):
         for i, (q_len, seq_len) in enumerate(zip(batch.q_lens, batch.seq_lens)):
             pos = torch.arange(seq_len, device=batch.page_table.device)
             self.ctx_slots.append(batch.page_table[i, pos // ps] * ps + pos % ps)
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=pos.device)
-            self.masks.append(batch.span_mask(i, q_pos, pos))  # [q_len, seq_len]
+            self.masks.append(batch.span_mask(i))  # [q_len, seq_len]
             self.q_starts.append(start)
             start += q_len
 

@@ -130,19 +130,19 @@ class TritonBackend(AttentionBackend):
 
     def _visible(self) -> torch.Tensor:
         """[T, max_len]: which context positions each token sees (causal, or its tree)."""
-        b, rows = self.batch, []
-        for i, (q_len, seq_len) in enumerate(zip(b.q_lens, b.seq_lens)):
-            positions = torch.arange(self.max_len, device=b.page_table.device)
-            queries = torch.arange(seq_len - q_len, seq_len, device=positions.device)
-            mask = b.span_mask(i, queries, positions[:seq_len])
-            rows.append(torch.nn.functional.pad(mask, (0, self.max_len - seq_len)))
-        return torch.cat(rows)
+        b, pad = self.batch, torch.nn.functional.pad
+        masks = [b.span_mask(i) for i in range(len(b.q_lens))]
+        return torch.cat([pad(m, (0, self.max_len - m.shape[1])) for m in masks])
 
     def forward_mla(self, layer, q_latent, q_rope, latent, scale, selection=None):
         b = self.batch
         cache = self.pool.buffers[layer][0]
         store_tokens(b.out_slots, [(cache, latent)])
+        lens, width = b.token_ctx_lens, self.max_len
         if selection is not None:  # sparse: every token a row over its selected positions
+            lens, width = (selection >= 0).sum(-1, dtype=torch.int32), selection.shape[1]
+            selection = selection.contiguous()
+        if selection is not None or self.decode:
             from dserve.attention.triton_mla import mla_decode
 
             return mla_decode(
@@ -150,24 +150,11 @@ class TritonBackend(AttentionBackend):
                 _unit_stride(q_rope),
                 cache,
                 b.page_table,
-                (selection >= 0).sum(-1, dtype=torch.int32),
+                lens,
                 scale,
-                max_len=selection.shape[1],
+                max_len=width,
                 row_seqs=b.token_seqs,
-                selected=selection.contiguous(),
-            )
-        if self.decode:
-            from dserve.attention.triton_mla import mla_decode
-
-            return mla_decode(
-                _unit_stride(q_latent),
-                _unit_stride(q_rope),
-                cache,
-                b.page_table,
-                b.token_ctx_lens,
-                scale,
-                max_len=self.max_len,
-                row_seqs=b.token_seqs,
+                selected=selection,
             )
         from dserve.attention.triton_extend import mla_extend
 

@@ -276,7 +276,7 @@ class ModelRunner:
         if self.draft_pool is not None:
             heads = self.draft.cfg.num_key_value_heads
             pools.append(TransferPool("draft", self.draft_pool, heads))
-        if self.draft_pool is not None and self.draft_index_pool is not None:
+        if self.draft_index_pool is not None:
             pools.append(TransferPool("draft-index", self.draft_index_pool, 0))
         return pools
 

@@ -53,9 +53,12 @@ def move_paths(moves: list[tuple[int, int, list[int]]], tables: PageTables, page
                     out.append(
                         int(pages[positions // page_size]) * page_size + positions % page_size
                     )
-    for pool in pools if src else []:
-        device = pool.device
-        pool.move(device_ints(src, device), device_ints(dst, device))
+    if not src:
+        return
+    device = pools[0].device  # a rank's pools share its device
+    src, dst = device_ints(src, device), device_ints(dst, device)
+    for pool in pools:
+        pool.move(src, dst)
 
 
 def accepted_path(span: PlannedSpan, emitted: list[int]) -> list[int]:
