@@ -13,6 +13,7 @@ import sys
 import textwrap
 import typing
 
+from dserve.models.tiny import ARCHES as TINY_ARCHES
 from dserve.runtime.config import EngineConfig
 
 SHORT_FLAGS = {"tp_size": ["--tp"], "dp_size": ["--dp"], "ep_size": ["--ep"]}
@@ -256,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tiny.add_argument(
         "--arch",
-        choices=["deepseek_v3", "deepseek_v2", "glm4_moe"],
+        choices=TINY_ARCHES,
         help="architecture of the checkpoint to write",
     )
     tiny.add_argument("--out", required=True, help="output directory")

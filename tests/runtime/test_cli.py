@@ -37,3 +37,10 @@ def test_engine_flag_help_comes_from_the_field_docstring():
     help_of = {a.dest: a.help for a in serve._actions}
     assert help_of["speculative_num_steps"].startswith("draft passes per step")
     assert help_of["enable_prefix_caching"].endswith("(default: on)")
+
+
+def test_make_tiny_offers_every_tiny_architecture():
+    from dserve.models.tiny import ARCHES
+
+    arch = next(a for a in subcommands()["make-tiny"]._actions if a.dest == "arch")
+    assert list(arch.choices) == list(ARCHES) and "glm_moe_dsa" in arch.choices
