@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.servers import free_port, get, post, start_instance
+from tests.servers import assert_all_pages_free, free_port, get, post, start_instance
 
 pytestmark = pytest.mark.slow
 
@@ -40,6 +40,7 @@ def test_health_says_starting_until_the_instance_is_ready(tiny_dir, tmp_path):
             proc.url + "/generate", {"input_ids": [5, 6], "sampling_params": params}
         )
         assert status == 200 and len(body["output_ids"]) == 2, body
+        assert_all_pages_free(proc)  # the warm-up's requests too
     finally:
         proc.stop()
 
