@@ -7,8 +7,11 @@ BLOCK_M run of one expert and a BLOCK_N slice of the output: gate/up for every p
 SiLU(gate) * up, then down scaled by the pair's routing weight; the slots of a token are summed last.
 Same arithmetic as `models.layers.moe.Experts.forward` up to rounding (float32 accumulation, one
 rounding to the activation dtype per GEMM). FP8 experts (`models/quant.py`) are read as FP8, one
-byte per weight, and scaled per output row and K block in the program before the product with
-the activations (weight-only FP8: a decode step's experts are bound by the bytes they read).
+byte per weight. With bf16/fp16 activations the GEMMs are W8A8, as for the FP8 linears: each
+GEMM's input is quantized per token and K block (`triton_fp8.quantize_activations`), the
+tensor cores multiply FP8 tiles, and each K block's product is scaled by the token's and the
+weight row's scales. With float32 activations the weights are dequantized in the program instead
+(weight-only: exact against the dequantized reference).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from dserve.attention.triton_fp8 import quantize_activations
 
 
 @triton.jit
@@ -28,6 +33,7 @@ def _grouped_gemm(
     block_expert_ptr,
     scale_ptr,
     ws_ptr,
+    as_ptr,
     num_pairs,
     N,
     K,
@@ -38,8 +44,12 @@ def _grouped_gemm(
     stride_om,
     stride_wse,
     stride_wsn,
+    stride_wsk,
+    stride_asm,
+    stride_ask,
     group_k,
     FP8: tl.constexpr,
+    W8A8: tl.constexpr,
     TOP_K: tl.constexpr,
     ROWS_PER_TOKEN: tl.constexpr,
     SCALE: tl.constexpr,
@@ -73,12 +83,25 @@ def _grouped_gemm(
             )
             if FP8:  # this K block's scale of each output row
                 s = tl.load(
-                    ws_ptr + expert * stride_wse + offs_n * stride_wsn + k0 // group_k,
+                    ws_ptr
+                    + expert * stride_wse
+                    + offs_n * stride_wsn
+                    + (k0 // group_k) * stride_wsk,
                     mask=offs_n < N,
                     other=0.0,
                 )
-                w = (w.to(tl.float32) * s[None, :]).to(a.dtype)
-            acc += tl.dot(a, w, input_precision=PRECISION)
+                if W8A8:  # and of each token
+                    a_s = tl.load(
+                        as_ptr + row * stride_asm + (k0 // group_k) * stride_ask,
+                        mask=valid,
+                        other=0.0,
+                    )
+                    acc += tl.dot(a, w) * (a_s[:, None] * s[None, :])
+                else:
+                    w = (w.to(tl.float32) * s[None, :]).to(a.dtype)
+                    acc += tl.dot(a, w, input_precision=PRECISION)
+            else:
+                acc += tl.dot(a, w, input_precision=PRECISION)
         if SCALE:
             acc *= tl.load(scale_ptr + pair, mask=valid, other=0.0)[:, None]
         tl.store(
@@ -142,10 +165,12 @@ def fused_experts(
     block_k: int = 64,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     fp8_block: int = 0,
+    **launch_options,
 ) -> torch.Tensor:
     """sum over slots s of weights[t, s] * down_e(SiLU(gate_e(x_t)) * up_e(x_t)), e = ids[t, s], for
     the experts held here (w13 [E, 2I, H] gate then up, w2 [E, H, I], experts first .. first+E-1).
-    FP8 weights come with `scales` (w13's and w2's, [E, rows, K blocks]) of `fp8_block` inputs."""
+    FP8 weights come with `scales` (w13's and w2's, [E, rows, K blocks]) of `fp8_block` inputs.
+    `launch_options`: Triton's num_warps / num_stages for both GEMMs."""
     tokens, top_k = ids.shape
     num_local, two_i, hidden = w13.shape
     n = tokens * top_k
@@ -156,13 +181,20 @@ def fused_experts(
     gate_up = torch.empty(n, two_i, dtype=x.dtype, device=x.device)
     down = torch.zeros(n, hidden, dtype=x.dtype, device=x.device)
     scale = weights.reshape(-1).float().contiguous()
-    if scales is not None and scales[0].shape[-1] > 1:
-        block_k = min(block_k, fp8_block)  # one scale per K tile
+    fp8 = scales is not None
+    per_channel = fp8 and scales[0].shape[-1] == 1
+    if fp8 and not per_channel:
+        block_k = min(128, fp8_block)  # one scale per K tile
+    w8a8 = fp8 and x.dtype != torch.float32 and (per_channel or fp8_block >= 32)
 
-    def launch(a, w, out, rows_per_token, use_scale, N, K, ws):
-        fp8 = ws is not None
-        ws = ws if fp8 else scale  # any tensor: not read
-        group = (K if ws.shape[-1] == 1 else fp8_block) if fp8 else 1  # one column: per channel
+    def k_group(K: int) -> int:  # inputs per scale
+        return K if per_channel else max(fp8_block, 1)
+
+    def launch(a, w, out, rows_per_token, use_scale, N, K, ws, a_s=None):
+        if w8a8 and a_s is None:
+            a, a_s = quantize_activations(a, k_group(K))
+        a_s = scale if a_s is None else a_s  # any tensor: not read
+        ws = ws if fp8 else scale
         grid = (block_expert.numel(), triton.cdiv(N, block_n))
         _grouped_gemm[grid](
             a,
@@ -172,6 +204,7 @@ def fused_experts(
             block_expert,
             scale,
             ws,
+            a_s,
             n,
             N,
             K,
@@ -182,8 +215,12 @@ def fused_experts(
             out.stride(0),
             ws.stride(0),
             ws.stride(1) if fp8 else 0,
-            group,
+            ws.stride(2) if fp8 else 0,
+            a_s.stride(0),
+            a_s.stride(1) if w8a8 else 0,
+            k_group(K),
             FP8=fp8,
+            W8A8=w8a8,
             TOP_K=top_k,
             ROWS_PER_TOKEN=rows_per_token,
             SCALE=use_scale,
@@ -191,11 +228,17 @@ def fused_experts(
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
+            **launch_options,
         )
 
-    ws13, ws2 = scales if scales is not None else (None, None)
+    ws13, ws2 = scales if fp8 else (None, None)
     launch(x.contiguous(), w13, gate_up, True, False, two_i, hidden, ws13)
-    gate, up = gate_up.chunk(2, dim=-1)
-    act = (F.silu(gate) * up).contiguous()
-    launch(act, w2, down, False, True, hidden, two_i // 2, ws2)
+    inter = two_i // 2
+    if w8a8:  # SiLU(gate) * up quantized in one pass
+        act, act_s = quantize_activations(gate_up, k_group(inter), gated=True)
+        launch(act, w2, down, False, True, hidden, inter, ws2, act_s)
+    else:
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = (F.silu(gate) * up).contiguous()
+        launch(act, w2, down, False, True, hidden, inter, ws2)
     return down.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)

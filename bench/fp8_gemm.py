@@ -3,12 +3,15 @@ fills the FP8 kernel's table.
 
 For each N x K of DeepSeek-V3's quantized linears (one GPU holding whole matrices, as DP attention
 and the dense layers do) and M = 1 .. 4096 tokens, it times the BF16 product (torch, cuBLAS) and
-the FP8 one (`attention/triton_fp8.py`: activation quantization included), each on its own
+the FP8 one (`attention/fp8_gemm.py`: activation quantization included), each on its own
 dequantized-equal weights, CUDA-graph replays so the host's launch cost is left out. With
-`--sweep` it tries every launch configuration of a small grid per shape and M bucket, keeps the
-fastest and writes the table (`attention/fp8_gemm_configs.json`) the kernel reads.
+`--sweep` it tries cuBLAS's scaled GEMM (where it takes the shape) against the table's Triton
+launch configuration (`--sweep-grid`: every configuration of a small grid) per shape and M
+bucket, keeps the fastest and writes the table (`attention/fp8_gemm_configs.json`) the GEMM
+reads; without it, the table's choice.
+The weight scales are held column-major, as a loaded model holds them.
 
-    python -m bench.fp8_gemm [--sweep] [--ms 1,16,64,256,4096] [--block 128]
+    python -m bench.fp8_gemm [--sweep [--sweep-grid]] [--ms 1,16,64,256,4096] [--block 128]
 
 Prints a table (times in microseconds, speedup = BF16 / FP8) and writes JSON.
 """
@@ -48,7 +51,7 @@ def weights(n: int, k: int, block: int):
     scheme = Fp8Scheme("block", (block, block))
     q, scale = quantize(w.cpu(), scheme)
     rows = per_row(scale, scheme, n).contiguous()
-    q, rows = q.cuda(), rows.cuda()
+    q, rows = q.cuda(), rows.t().contiguous().t().cuda()  # column-major, as `finish_fp8`
     return q, rows, dequantize(q, rows, block, torch.bfloat16)
 
 
@@ -58,10 +61,13 @@ def fits(cfg: dict, m: int) -> bool:
 
 
 def time_case(x, q, scale, dense, block: int, configs: list[dict]) -> tuple[float, float, dict]:
-    """(BF16 seconds, best FP8 seconds, its configuration)."""
-    from dserve.attention.triton_fp8 import fp8_matmul, launch_config
+    """(BF16 seconds, best FP8 seconds, its configuration); no `configs`: the table's."""
+    from dserve.attention.fp8_gemm import cublas_takes, fp8_matmul, launch_config
 
     bf16 = graph_seconds(lambda: torch.nn.functional.linear(x, dense), 20)
+    if not configs:
+        (m, k), n = x.shape, q.shape[0]
+        configs = [launch_config(m, n, k, cublas_takes(n, k, block, False, x.device))]
     best, best_cfg = float("inf"), None
     for cfg in configs:
         try:
@@ -70,29 +76,39 @@ def time_case(x, q, scale, dense, block: int, configs: list[dict]) -> tuple[floa
             continue
         if t < best:
             best, best_cfg = t, cfg
-    if not configs:
-        cfg = launch_config(x.shape[0], q.shape[0], q.shape[1])
-        best, best_cfg = graph_seconds(lambda: fp8_matmul(x, q, scale, block), 20), cfg
     return bf16, best, best_cfg
 
 
+def candidates(m: int, n: int, k: int, block: int, grid: bool) -> list[dict]:
+    """cuBLAS where it takes the shape, and the table's Triton launch configuration (`grid`:
+    the Triton grid's tiles that suit M)."""
+    from dserve.attention.fp8_gemm import CUBLAS, cublas_takes, launch_config
+
+    triton = [c for c in GRID if fits(c, m)] if grid else [launch_config(m, n, k, False)]
+    return ([CUBLAS] if cublas_takes(n, k, block, False, "cuda") else []) + triton
+
+
 def main() -> None:
-    from dserve.attention.triton_fp8 import CONFIGS, m_bucket
+    from dserve.attention.fp8_gemm import CONFIGS, m_bucket
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ms", type=lambda s: [int(x) for x in s.split(",")], default=MS)
     parser.add_argument("--block", type=int, default=128)
-    parser.add_argument("--sweep", action="store_true", help="sweep launch parameters")
+    parser.add_argument("--sweep", action="store_true", help="cuBLAS against the table's Triton")
+    parser.add_argument("--sweep-grid", action="store_true", help="sweep Triton's grid too")
     parser.add_argument("--table", default=CONFIGS, help="where --sweep writes the table")
     parser.add_argument("--out", default="bench/results/fp8_gemm.json")
     args = parser.parse_args()
     rows, table = [], {}
-    print(f"{'shape':<20} {'N x K':>12} {'M':>5} {'bf16 us':>8} {'fp8 us':>8} {'speedup':>7}")
+    print(
+        f"{'shape':<20} {'N x K':>12} {'M':>5} {'bf16 us':>8} {'fp8 us':>8} {'speedup':>7} "
+        f"{'gemm':>7}"
+    )
     for name, (n, k) in SHAPES.items():
         q, scale, dense = weights(n, k, args.block)
         for m in args.ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            grid = [c for c in GRID if fits(c, m)] if args.sweep else []
+            grid = candidates(m, n, k, args.block, args.sweep_grid) if args.sweep else []
             bf16, fp8, cfg = time_case(x, q, scale, dense, args.block, grid)
             table.setdefault(f"{n}x{k}", {})[str(m_bucket(m))] = cfg
             row = dict(shape=name, n=n, k=k, m=m, bf16_us=bf16 * 1e6, fp8_us=fp8 * 1e6)
@@ -100,7 +116,7 @@ def main() -> None:
             rows.append(row)
             print(
                 f"{name:<20} {f'{n}x{k}':>12} {m:>5} {row['bf16_us']:>8.1f} "
-                f"{row['fp8_us']:>8.1f} {row['speedup']:>7.2f}",
+                f"{row['fp8_us']:>8.1f} {row['speedup']:>7.2f} {cfg.get('backend', 'triton'):>7}",
                 flush=True,
             )
         del q, scale, dense

@@ -1,6 +1,7 @@
 """Where one step's GPU time goes: kernel time by kernel name, against the step's replayed time.
 
     python -m bench.step_profile [--layers 4 --experts 32] [--batch 1] [--q-len 1] [--context 1024]
+                                 [--quantization fp8]
 
 Profiles one step of the DeepSeek-V3-shaped model (`load_format=dummy`, triton backend) with
 `torch.profiler`, sums the device time of each kernel name, and prints the top kernels with their
@@ -46,6 +47,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--q-len", type=int, default=1)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--quantization", choices=["fp8"], default=None)
     parser.add_argument(
         "--host-profile", action="store_true", help="also cProfile the host side of 50 steps"
     )
@@ -58,6 +60,7 @@ def main() -> None:
         args.context,
         "triton",
         tokens,
+        args.quantization,
     )
     batch = step_batch(kv, args.batch, args.context, args.q_len)
     times = kernel_times(runner, batch)

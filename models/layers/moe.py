@@ -110,9 +110,7 @@ class Experts(nn.Module):
         if self.use_kernel and x.is_cuda:  # the triton backend: grouped GEMMs, no host sync
             from dserve.attention.triton_moe import fused_experts
 
-            if self.w13.dtype != FP8:
-                return fused_experts(x, self.w13, self.w2, weights, ids, self.first)
-            scales = (self.w13_scale, self.w2_scale)
+            fp8 = self.w13.dtype == FP8
             return fused_experts(
                 x,
                 self.w13,
@@ -120,8 +118,8 @@ class Experts(nn.Module):
                 weights,
                 ids,
                 self.first,
-                scales=scales,
-                fp8_block=self.w13_scale.block,
+                scales=(self.w13_scale, self.w2_scale) if fp8 else None,
+                fp8_block=self.w13_scale.block if fp8 else 0,
             )
         out = torch.zeros_like(x)
         for expert in torch.unique(ids).tolist():
