@@ -8,8 +8,12 @@ the padding rows quantized as zeros.
 
 `triton_matmul` multiplies FP8 tiles on the tensor cores with float32 accumulation and applies the
 two scales per K block: a token's group scale and the weight's scale of that output row and block
-(weights hold their scales per row and K block, any strides: `models/quant.py`). Per-channel
-weights have one K block: the scales are applied once, at the end.
+(weights hold their scales per row and K block, any strides: `models/quant.py`), optionally
+splitting K over several programs per output tile. Per-channel weights have one K block: the
+scales are applied once, at the end. Measured slower on an H100 and so not done: quantizing the
+inputs in the GEMM's own program instead of in a launch before it (it stalls the pipelined
+loads), and W8A16 for a few tokens (bf16 inputs times the weights widened from e4m3: slower
+than cuBLAS's W8A8 at every shape, M = 1 to 16).
 """
 
 from __future__ import annotations
@@ -92,26 +96,31 @@ def _fp8_gemm(
     group_k,
     stride_cm,
     PER_CHANNEL: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    pid, split = tl.program_id(0), tl.program_id(1)
     grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     width = GROUP_M * grid_n
     first_m = (pid // width) * GROUP_M
     rows = min(grid_m - first_m, GROUP_M)
     pid_m = first_m + (pid % width) % rows
     pid_n = (pid % width) // rows
+    # this split's share of K, whole K tiles
+    k_share = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_start = split * k_share
+    k_end = min(K, k_start + k_share)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_ok, n_ok = offs_m < M, offs_n < N
-    a_ptrs = a_ptr + offs_m[:, None] * K + offs_k[None, :]
-    b_ptrs = b_ptr + offs_n[None, :] * K + offs_k[:, None]
+    a_ptrs = a_ptr + offs_m[:, None] * K + k_start + offs_k[None, :]
+    b_ptrs = b_ptr + offs_n[None, :] * K + k_start + offs_k[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         k_ok = k0 + offs_k < K
         a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
@@ -128,8 +137,25 @@ def _fp8_gemm(
         a_s = tl.load(as_ptr + offs_m * stride_asm, mask=m_ok, other=0.0)
         b_s = tl.load(bs_ptr + offs_n * stride_bsn, mask=n_ok, other=0.0)
         acc = acc * a_s[:, None] * b_s[None, :]
-    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    mask = m_ok[:, None] & n_ok[None, :]
+    if SPLIT_K == 1:
+        c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+    else:  # float32 partial sums [SPLIT_K, M, N], summed by `_sum_splits`
+        c_ptrs = c_ptr + (split * M + offs_m[:, None]) * N + offs_n[None, :]
+        tl.store(c_ptrs, acc, mask=mask)
+
+
+@triton.jit
+def _sum_splits(p_ptr, c_ptr, M, N, stride_cm, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out = the sum of the split-K partial products, in split order (deterministic)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < M * N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(p_ptr + s * M * N + offs, mask=ok, other=0.0)
+    row, col = offs // N, offs % N
+    tl.store(c_ptr + row * stride_cm + col, acc.to(c_ptr.dtype.element_ty), mask=ok)
 
 
 def triton_matmul(
@@ -144,16 +170,23 @@ def triton_matmul(
 ) -> torch.Tensor:
     """out[:m] = (q x s)[:m] @ (w x w_scale).T: q [>= m, K] FP8 with its scales per token and
     `group` inputs (from `quantize_activations`), w [N, K] FP8 with w_scale [N, K blocks] (one
-    column: per channel)."""
+    column: per channel). `config["SPLIT_K"]` > 1 splits K over that many programs per output
+    tile and sums their float32 partials in a second launch (for narrow N at small M, where the
+    output tiles alone leave SMs idle)."""
     n, k = w.shape
     per_channel = w_scale.shape[1] == 1
-    grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)
-    _fp8_gemm[grid](
+    config = dict(config)
+    split_k = config.pop("SPLIT_K", 1)
+    target = out
+    if split_k > 1:
+        target = torch.empty((split_k, m, n), dtype=torch.float32, device=q.device)
+    tiles = triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
+    _fp8_gemm[(tiles, split_k)](
         q,
         s,
         w,
         w_scale,
-        out,
+        target,
         m,
         n,
         k,
@@ -164,7 +197,12 @@ def triton_matmul(
         group,
         out.stride(0),
         PER_CHANNEL=per_channel,
+        SPLIT_K=split_k,
         BLOCK_K=128 if per_channel else group,
         **config,
     )
+    if split_k > 1:
+        block = 1024
+        grid = (triton.cdiv(m * n, block),)
+        _sum_splits[grid](target, out, m, n, out.stride(0), SPLIT_K=split_k, BLOCK=block)
     return out

@@ -1,15 +1,17 @@
 """Triton fused MoE: the routed experts of a batch as two grouped GEMMs, with no host sync.
 
-The (token, slot) pairs are sorted by expert on the device into a buffer of static size (each
-expert's run padded to a multiple of BLOCK_M, pairs of experts this rank does not hold left out), so
-the launch shape depends only on the batch size: a CUDA graph can hold it. Each program takes one
-BLOCK_M run of one expert and a BLOCK_N slice of the output: gate/up for every pair, then
-SiLU(gate) * up, then down scaled by the pair's routing weight; the slots of a token are summed last.
+The (token, slot) pairs are sorted by expert on the device (`triton_routing.sort_pairs`) into a
+buffer of static size (each expert's run padded to a multiple of BLOCK_M, pairs of experts this
+rank does not hold left out), so the launch shape depends only on the batch size: a CUDA graph
+can hold it. Each program takes one BLOCK_M run of one expert and a BLOCK_N slice of the output:
+gate/up for every pair, then SiLU(gate) * up, then down scaled by the pair's routing weight; the
+slots of a token are summed last.
 Same arithmetic as `models.layers.moe.Experts.forward` up to rounding (float32 accumulation, one
 rounding to the activation dtype per GEMM). FP8 experts (`models/quant.py`) are read as FP8, one
 byte per weight. With bf16/fp16 activations the GEMMs are W8A8, as for the FP8 linears: each
-GEMM's input is quantized per token and K block (`triton_fp8.quantize_activations`), the
-tensor cores multiply FP8 tiles, and each K block's product is scaled by the token's and the
+GEMM's input is quantized per token and K block (`triton_fp8.quantize_activations`: a separate
+launch measured faster than quantizing in the GEMM's program, which stalls its pipelined loads),
+the tensor cores multiply FP8 tiles, and each K block's product is scaled by the token's and the
 weight row's scales. With float32 activations the weights are dequantized in the program instead
 (weight-only: exact against the dequantized reference).
 """
@@ -22,6 +24,7 @@ import triton
 import triton.language as tl
 
 from dserve.attention.triton_fp8 import quantize_activations
+from dserve.attention.triton_routing import sort_pairs
 
 
 @triton.jit
@@ -97,9 +100,9 @@ def _grouped_gemm(
                         other=0.0,
                     )
                     acc += tl.dot(a, w) * (a_s[:, None] * s[None, :])
-                else:
-                    w = (w.to(tl.float32) * s[None, :]).to(a.dtype)
-                    acc += tl.dot(a, w, input_precision=PRECISION)
+                else:  # e4m3 values are exact in a's dtype: the scales come after
+                    w = w.to(a.dtype)
+                    acc += tl.dot(a, w, input_precision=PRECISION) * s[None, :]
             else:
                 acc += tl.dot(a, w, input_precision=PRECISION)
         if SCALE:
@@ -109,40 +112,6 @@ def _grouped_gemm(
             acc.to(out_ptr.dtype.element_ty),
             mask=valid[:, None] & (offs_n[None, :] < N),
         )
-
-
-def sort_pairs(
-    ids: torch.Tensor, first: int, num_local: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pairs, block_expert): the flat (token, slot) pair indices grouped by local expert, each
-    expert's run padded to `block_m` with the sentinel `ids.numel()`, in a buffer of static size;
-    and per BLOCK_M run its local expert (-1: padding past the last run). Pairs routed to experts
-    outside [first, first + num_local) are left out."""
-    flat = ids.reshape(-1) - first
-    flat = torch.where((flat >= 0) & (flat < num_local), flat, num_local)  # num_local: not here
-    n = flat.numel()
-    capacity = -(-(n + num_local * (block_m - 1)) // block_m) * block_m
-    order = torch.argsort(flat, stable=True)
-    expert = flat[order]
-    # not bincount: it syncs on CUDA
-    counts = torch.zeros(num_local + 1, dtype=torch.int64, device=ids.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts[:num_local] + block_m - 1) // block_m * block_m
-    padded_end = torch.cumsum(padded, 0)
-    start = torch.cumsum(counts, 0) - counts
-    here = expert < num_local
-    clamped = expert.clamp(max=num_local - 1)
-    position = (
-        padded_end[clamped] - padded[clamped] + torch.arange(n, device=ids.device) - start[expert]
-    )
-    # the pairs not here all land in one dropped slot
-    position = torch.where(here, position, capacity)
-    pairs = torch.full((capacity + 1,), n, dtype=torch.int64, device=ids.device)
-    pairs.scatter_(0, position, order)
-    block_start = torch.arange(0, capacity, block_m, device=ids.device)
-    block_expert = torch.searchsorted(padded_end, block_start, right=True)
-    block_expert = torch.where(block_expert < num_local, block_expert, -1)
-    return pairs[:capacity], block_expert
 
 
 def default_block_m(pairs: int, num_experts: int) -> int:

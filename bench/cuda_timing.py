@@ -26,13 +26,22 @@ def median_seconds(fn, repeats: int, warmup: int = 3) -> float:
 def graph_seconds(fn, repeats: int, warmup: int = 3) -> float:
     """Median seconds of one replay of `fn` captured in a CUDA graph: the GPU time of its kernels
     without the host's launch cost, as a step inside a captured decode step sees it."""
+    return graph_seconds_each([fn], repeats, warmup)
+
+
+def graph_seconds_each(fns: list, repeats: int, warmup: int = 3) -> float:
+    """Median seconds per call of `fns` captured back to back in one CUDA graph. Calls that
+    each read their own copy of the operands (more bytes in all than the L2 cache holds) are
+    timed as a step reads its weights: from memory, one after another."""
     for _ in range(warmup):
-        fn()
+        for fn in fns:
+            fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
-    return median_seconds(graph.replay, repeats)
+        for fn in fns:
+            fn()
+    return median_seconds(graph.replay, repeats) / len(fns)
 
 
 def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> float:

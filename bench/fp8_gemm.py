@@ -4,14 +4,17 @@ fills the FP8 kernel's table.
 For each N x K of DeepSeek-V3's quantized linears (one GPU holding whole matrices, as DP attention
 and the dense layers do) and M = 1 .. 4096 tokens, it times the BF16 product (torch, cuBLAS) and
 the FP8 one (`attention/fp8_gemm.py`: activation quantization included), each on its own
-dequantized-equal weights, CUDA-graph replays so the host's launch cost is left out. With
-`--sweep` it tries cuBLAS's scaled GEMM (where it takes the shape) against the table's Triton
-launch configuration (`--sweep-grid`: every configuration of a small grid) per shape and M
-bucket, keeps the fastest and writes the table (`attention/fp8_gemm_configs.json`) the GEMM
-reads; without it, the table's choice.
+dequantized-equal weights, CUDA-graph replays so the host's launch cost is left out, each call
+reading its own copy of the weight from memory (copies past the L2 cache's size, back to back in
+one graph, as the GEMMs of a captured step run). With
+`--sweep` it tries cuBLAS's scaled GEMM (where it takes the shape) against Triton launch
+configurations per shape and M bucket (up to 256 tokens a grid of tiles with split-K; beyond,
+the table's, or with `--sweep-grid` a grid of tiles), keeps the fastest and updates the table
+(`attention/fp8_gemm_configs.json`) the GEMM reads; without it, the table's choice.
 The weight scales are held column-major, as a loaded model holds them.
 
     python -m bench.fp8_gemm [--sweep [--sweep-grid]] [--ms 1,16,64,256,4096] [--block 128]
+                             [--shapes 'q_b,o_proj']
 
 Prints a table (times in microseconds, speedup = BF16 / FP8) and writes JSON.
 """
@@ -25,7 +28,7 @@ import os
 
 import torch
 
-from bench.cuda_timing import graph_seconds
+from bench.cuda_timing import graph_seconds_each
 
 SHAPES = {  # name: (N, K)
     "q_a + kv_a (fused)": (2112, 7168),
@@ -41,6 +44,11 @@ GRID = [
     dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=w, num_stages=s)
     for bm, bn, w, s in itertools.product((16, 32, 64, 128), (64, 128), (4, 8), (3, 4))
 ]
+SMALL_M = 256  # up to here the sweep tries split-K tiles
+SPLIT_GRID = [
+    dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=1, num_warps=4, num_stages=s, SPLIT_K=sk)
+    for bm, bn, s, sk in itertools.product((16, 32, 64), (64, 128), (3, 4), (1, 2, 4, 8))
+]
 
 
 def weights(n: int, k: int, block: int):
@@ -55,23 +63,37 @@ def weights(n: int, k: int, block: int):
     return q, rows, dequantize(q, rows, block, torch.bfloat16)
 
 
+COLD_BYTES = 256 << 20  # BF16 weight copies per shape: 5x the L2 of an H100 or H200
+
+
+def weight_copies(n: int, k: int, block: int) -> list[tuple]:
+    """Enough copies of `weights(n, k, block)` that their BF16 bytes exceed COLD_BYTES: timed
+    in turn, each GEMM reads its weight from memory, as in a model's step."""
+    first = weights(n, k, block)
+    count = max(1, -(-COLD_BYTES // (n * k * 2)))
+    return [first] + [tuple(t.clone() for t in first) for _ in range(count - 1)]
+
+
 def fits(cfg: dict, m: int) -> bool:
     """Leave out tiles far taller than M (they only waste the sweep's time)."""
     return cfg["BLOCK_M"] <= max(16, 2 * m)
 
 
-def time_case(x, q, scale, dense, block: int, configs: list[dict]) -> tuple[float, float, dict]:
-    """(BF16 seconds, best FP8 seconds, its configuration); no `configs`: the table's."""
+def time_case(x, copies, block: int, configs: list[dict]) -> tuple[float, float, dict]:
+    """(BF16 seconds, best FP8 seconds, its configuration) per GEMM, each call on its own copy
+    of the weight (`weight_copies`); no `configs`: the table's."""
     from dserve.attention.fp8_gemm import cublas_takes, fp8_matmul, launch_config
 
-    bf16 = graph_seconds(lambda: torch.nn.functional.linear(x, dense), 20)
+    linear = torch.nn.functional.linear
+    bf16 = graph_seconds_each([lambda d=d: linear(x, d) for _, _, d in copies], 10)
     if not configs:
-        (m, k), n = x.shape, q.shape[0]
+        (m, k), n = x.shape, copies[0][0].shape[0]
         configs = [launch_config(m, n, k, cublas_takes(n, k, block, False, x.device))]
     best, best_cfg = float("inf"), None
     for cfg in configs:
+        calls = [lambda q=q, s=s, cfg=cfg: fp8_matmul(x, q, s, block, cfg) for q, s, _ in copies]
         try:
-            t = graph_seconds(lambda cfg=cfg: fp8_matmul(x, q, scale, block, cfg), 20)
+            t = graph_seconds_each(calls, 10)
         except Exception:  # noqa: BLE001 - a configuration the GPU cannot run (shared memory)
             continue
         if t < best:
@@ -80,11 +102,16 @@ def time_case(x, q, scale, dense, block: int, configs: list[dict]) -> tuple[floa
 
 
 def candidates(m: int, n: int, k: int, block: int, grid: bool) -> list[dict]:
-    """cuBLAS where it takes the shape, and the table's Triton launch configuration (`grid`:
-    the Triton grid's tiles that suit M)."""
+    """cuBLAS where it takes the shape, and Triton: up to SMALL_M tokens the split-K tiles that
+    suit M, beyond it the table's launch configuration (`grid`: the Triton grid's tiles)."""
     from dserve.attention.fp8_gemm import CUBLAS, cublas_takes, launch_config
 
-    triton = [c for c in GRID if fits(c, m)] if grid else [launch_config(m, n, k, False)]
+    if m <= SMALL_M:
+        triton = [c for c in SPLIT_GRID if fits(c, m)]
+    elif grid:
+        triton = [c for c in GRID if fits(c, m)]
+    else:
+        triton = [launch_config(m, n, k, False)]
     return ([CUBLAS] if cublas_takes(n, k, block, False, "cuda") else []) + triton
 
 
@@ -95,21 +122,29 @@ def main() -> None:
     parser.add_argument("--ms", type=lambda s: [int(x) for x in s.split(",")], default=MS)
     parser.add_argument("--block", type=int, default=128)
     parser.add_argument("--sweep", action="store_true", help="cuBLAS against the table's Triton")
-    parser.add_argument("--sweep-grid", action="store_true", help="sweep Triton's grid too")
+    parser.add_argument(
+        "--sweep-grid", action="store_true", help="sweep Triton's grid beyond SMALL_M too"
+    )
+    parser.add_argument("--shapes", default=None, help="comma-separated names (default: all)")
     parser.add_argument("--table", default=CONFIGS, help="where --sweep writes the table")
     parser.add_argument("--out", default="bench/results/fp8_gemm.json")
     args = parser.parse_args()
     rows, table = [], {}
+    if args.sweep and os.path.isfile(args.table):  # entries not swept now are kept
+        with open(args.table) as f:
+            table = json.load(f)
     print(
         f"{'shape':<20} {'N x K':>12} {'M':>5} {'bf16 us':>8} {'fp8 us':>8} {'speedup':>7} "
         f"{'gemm':>7}"
     )
-    for name, (n, k) in SHAPES.items():
-        q, scale, dense = weights(n, k, args.block)
+    chosen = args.shapes.split(",") if args.shapes else list(SHAPES)
+    for name in chosen:
+        n, k = SHAPES[name]
+        copies = weight_copies(n, k, args.block)
         for m in args.ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             grid = candidates(m, n, k, args.block, args.sweep_grid) if args.sweep else []
-            bf16, fp8, cfg = time_case(x, q, scale, dense, args.block, grid)
+            bf16, fp8, cfg = time_case(x, copies, args.block, grid)
             table.setdefault(f"{n}x{k}", {})[str(m_bucket(m))] = cfg
             row = dict(shape=name, n=n, k=k, m=m, bf16_us=bf16 * 1e6, fp8_us=fp8 * 1e6)
             row.update(speedup=bf16 / fp8, config=cfg)
@@ -119,7 +154,7 @@ def main() -> None:
                 f"{row['fp8_us']:>8.1f} {row['speedup']:>7.2f} {cfg.get('backend', 'triton'):>7}",
                 flush=True,
             )
-        del q, scale, dense
+        del copies
     if args.sweep:
         with open(args.table, "w") as f:
             json.dump(table, f, indent=1, sort_keys=True)

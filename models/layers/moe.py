@@ -163,9 +163,15 @@ class MoE(nn.Module):
         """`real_tokens` (nonzero per real row) marks a padded step's padding rows: routed nowhere, they
         pull in no expert's weights."""
         logits = F.linear(x.float(), self.gate_weight.float())
-        weights, ids = route(logits, self.correction_bias, self.cfg)
-        if real_tokens is not None:
-            ids = torch.where(real_tokens[:, None] != 0, ids, -1)
+        bias = self.correction_bias
+        if self.experts.use_kernel and x.is_cuda:  # one launch, padding rows included
+            from dserve.attention import triton_routing
+
+            weights, ids = triton_routing.route(logits, bias, self.cfg, real_tokens)
+        else:
+            weights, ids = route(logits, bias, self.cfg)
+            if real_tokens is not None:
+                ids = torch.where(real_tokens[:, None] != 0, ids, -1)
         out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")  # tests/conftest.py sets TRITON_INTERPRET=1 on a CPU host
 
-from dserve.attention.triton_moe import fused_experts, sort_pairs  # noqa: E402
+from dserve.attention.triton_moe import fused_experts  # noqa: E402
 from dserve.models.layers.moe import Experts  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -36,19 +36,6 @@ def check(tokens, top_k, total_experts, num_local, first, hidden, inter, dtype, 
     got = fused_experts(x, w13, w2, weights, ids, first)
     want = reference(x, w13, w2, weights, ids, first)
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
-
-
-def test_pairs_are_grouped_by_expert_in_padded_runs():
-    ids = torch.tensor([[2, 0], [0, 5], [2, 1]])  # expert 5 is not here (4 local experts)
-    pairs, block_expert = sort_pairs(ids, first=0, num_local=4, block_m=4)
-    n = ids.numel()
-    assert block_expert.tolist()[:3] == [0, 1, 2] and all(
-        e == -1 for e in block_expert.tolist()[3:]
-    )
-    runs = pairs.view(-1, 4).tolist()
-    assert runs[0] == [1, 2, n, n]  # expert 0: pairs (0, 1) and (1, 0)
-    assert runs[1] == [5, n, n, n] and runs[2] == [0, 4, n, n]
-    assert 3 not in pairs.tolist()  # the pair routed to expert 5
 
 
 @pytest.mark.parametrize("first,num_local", [(0, 8), (4, 4)])

@@ -214,8 +214,8 @@ def test_disaggregated_fp8_pair(fp8_dir, tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("kind,block", [("block", 32), ("block", 128), ("channel", None)])
 def test_fp8_gemm_against_the_dequantized_product(kind, block):
-    """Both FP8 GEMMs (Triton's, and cuBLAS's where it takes the weight) within one e4m3
-    rounding of the activations (2^-4) of the float32 product with the dequantized weight,
+    """The FP8 GEMMs (Triton's, whole K or split, and cuBLAS's where it takes the weight)
+    within one e4m3 rounding of the activations (2^-4) of the float32 product with the dequantized weight,
     partial blocks at the edges of N and K included, scales row- or column-major, token counts
     cuBLAS pads."""
     from dserve.attention.fp8_gemm import CUBLAS, TRITON_DEFAULTS, cublas_takes, fp8_matmul
@@ -230,7 +230,10 @@ def test_fp8_gemm_against_the_dequantized_product(kind, block):
         rows = per_row(scale, scheme, n).contiguous().cuda()
         q = q.cuda()
         dense = dequantize(q, rows, bk)
-        backends = {"triton": TRITON_DEFAULTS[16]}
+        backends = {
+            "triton": TRITON_DEFAULTS[16],
+            "triton split-K": {**TRITON_DEFAULTS[64], "SPLIT_K": 3},
+        }
         if cublas_takes(n, k, bk, rows.shape[1] == 1, q.device):
             backends["cublas"] = CUBLAS
         for (name, config), layout in itertools.product(backends.items(), ("row", "column")):
@@ -243,7 +246,7 @@ def test_fp8_gemm_against_the_dequantized_product(kind, block):
             ran.add(name)
     hopper = torch.cuda.get_device_capability()[0] == 9
     if hopper and block != 32:
-        assert ran == {"triton", "cublas"}
+        assert ran == {"triton", "triton split-K", "cublas"}
 
 
 @pytest.mark.gpu
