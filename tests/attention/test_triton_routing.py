@@ -128,3 +128,26 @@ def test_route_matches_the_torch_route(name):
         weights[:-2].gather(1, order), want_weights[:-2].gather(1, want_order)
     )
     assert (route(logits, bias, cfg, real)[1][-2:] == -1).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("tokens", [1, 128, 4096])
+def test_at_deepseek_v3_shapes(tokens):
+    """256 experts in 8 groups, top 4 groups, top 8: the router and the sort (all experts
+    here, and one expert-parallel rank of 8) against torch on the GPU."""
+    cfg = SimpleNamespace(**V3)
+    gen = torch.Generator().manual_seed(tokens)
+    logits = torch.randn(tokens, 256, generator=gen).cuda()
+    bias = (torch.rand(256, generator=gen) * 0.1).cuda()
+    weights, ids = route(logits, bias, cfg)
+    want_weights, want_ids = moe.route(logits, bias, cfg)
+    ids, order = ids.sort(dim=-1)
+    want_ids, want_order = want_ids.sort(dim=-1)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights.gather(1, order), want_weights.gather(1, want_order))
+    for first, num_local in ((0, 256), (96, 32)):
+        got = sort_pairs(want_ids, first, num_local, 16)
+        want = torch_sort(want_ids, first, num_local, 16)
+        assert torch.equal(got[0], want[0])
+        assert torch.equal(got[1].long(), want[1])
