@@ -12,8 +12,10 @@ byte per weight. With bf16/fp16 activations the GEMMs are W8A8, as for the FP8 l
 GEMM's input is quantized per token and K block (`triton_fp8.quantize_activations`: a separate
 launch measured faster than quantizing in the GEMM's program, which stalls its pipelined loads),
 the tensor cores multiply FP8 tiles, and each K block's product is scaled by the token's and the
-weight row's scales. With float32 activations the weights are dequantized in the program instead
-(weight-only: exact against the dequantized reference).
+weight row's scales. With float32 activations (or scale blocks under 32) the GEMMs are
+weight-only: the program widens the e4m3 weights to the activations' dtype (exactly) and scales
+each K block's product by the weight rows' scales (float32's rounding against the dequantized
+reference).
 """
 
 from __future__ import annotations

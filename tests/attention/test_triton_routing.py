@@ -63,6 +63,7 @@ def test_pairs_are_grouped_by_expert_in_padded_runs():
         (37, 2, 8, 4, 4, 4),  # an expert-parallel slice
         (300, 8, 64, 0, 64, 16),  # several chunks
         (5, 8, 256, 0, 256, 16),  # many experts, most runs empty
+        (20, 8, 160, 40, 40, 16),  # GLM-4.5's 160 experts, a rank of 40 (not a power of 2)
     ],
 )
 def test_sort_matches_the_torch_sort(tokens, top_k, total, first, num_local, block_m):
