@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test,$(UCX_EXTRA)]"
+	$(PY) -m pip install -q -e ".[test,bench,$(UCX_EXTRA)]"
 	touch $@
 
 demo: install

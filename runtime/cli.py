@@ -67,15 +67,27 @@ def _add_dataclass_flags(group, cls, skip=(), short=None) -> None:
                 help=f"{text} (default: {'on' if field.default else 'off'})".strip(),
             )
         else:
-            base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
+            base, choices = _flag_type(hint)
             default = "" if field.default is None else f" (default: {field.default})"
             group.add_argument(
                 *flags,
                 dest=field.name,
                 type=base,
+                choices=choices,
                 default=field.default,
                 help=(text + default).strip(),
             )
+
+
+def _flag_type(hint) -> tuple[type, list | None]:
+    """A field's value type and, for a Literal, its choices (`X | None` gives X's)."""
+    if typing.get_origin(hint) is not typing.Literal:
+        args = [t for t in typing.get_args(hint) if t is not type(None)]
+        hint = args[0] if args else hint
+    if typing.get_origin(hint) is typing.Literal:
+        choices = list(typing.get_args(hint))
+        return type(choices[0]), choices
+    return hint, None
 
 
 def add_server_flags(parser: argparse.ArgumentParser, role: str) -> None:
@@ -130,8 +142,22 @@ def _cmd_make_tiny(args: argparse.Namespace) -> None:
     print(f"wrote a tiny {args.arch} checkpoint{' with an MTP layer' if args.mtp else ''} to {out}")
 
 
+def preflight(args: argparse.Namespace) -> None:
+    """The checks before any port is bound or weight read (`StartupError`: one line, exit 2)."""
+    from dserve.runtime.startup import check_device, check_model_dir
+
+    check_model_dir(args.model_path)
+    if args.speculative_draft_model_path:
+        check_model_dir(
+            args.speculative_draft_model_path, "--speculative-draft-model-path", target=False
+        )
+    check_device(args.device)
+
+
 def _cmd_generate(args: argparse.Namespace) -> None:
     from dserve.runtime.engine import Engine
+
+    preflight(args)
     from dserve.scheduler.request import SamplingParams
 
     params = SamplingParams(
@@ -157,6 +183,7 @@ def _cmd_generate(args: argparse.Namespace) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> None:
+    preflight(args)
     kwargs = engine_kwargs(args)
     if kwargs["node_rank"] > 0:  # another host of a multi-host instance: its ranks only
         from dserve.runtime.nodes import run_node
@@ -237,18 +264,36 @@ def _add_router(sub) -> None:
     router.set_defaults(func=_cmd_router)
 
 
+LOG_LEVELS = ["debug", "info", "warning", "error"]
+
+
+def _log_level_flag(parser: argparse.ArgumentParser, default) -> None:
+    parser.add_argument(
+        "--log-level",
+        default=default,
+        choices=LOG_LEVELS,
+        help="logging threshold (default: info)",
+    )
+
+
+class _SubParsers(argparse._SubParsersAction):
+    """Every subcommand also takes --log-level (after its name, as after `dserve`)."""
+
+    def add_parser(self, name, **kwargs):
+        parser = super().add_parser(name, **kwargs)
+        _log_level_flag(parser, argparse.SUPPRESS)  # a value given before the name stays
+        return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dserve",
         description="Disaggregated LLM inference for DeepSeek-V3/R1 and GLM-4.5 class MoE models.",
     )
-    parser.add_argument(
-        "--log-level",
-        default="info",
-        choices=["debug", "info", "warning", "error"],
-        help="logging threshold (default: info)",
+    _log_level_flag(parser, "info")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", action=_SubParsers
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     tiny = sub.add_parser(
         "make-tiny",
@@ -329,15 +374,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from dserve.runtime.startup import StartupError
+
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
     try:
         args.func(args)
-    except ValueError as e:
+    except (StartupError, ValueError, FileNotFoundError) as e:
         print(f"dserve {args.command}: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # before the server's own handlers are in place
+        sys.exit(130)
 
 
 if __name__ == "__main__":

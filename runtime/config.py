@@ -4,6 +4,7 @@ kebab case, the CLI flags of `dserve serve|prefill|decode`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Literal
 
 import torch
 
@@ -17,7 +18,7 @@ class EngineConfig:
     model_path: str
     device: str = "auto"
     """`cpu`, `cuda`, `cuda:1`, or `auto` (cuda when available)."""
-    dtype: str = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """`float32`, `bfloat16`, `float16` or `auto` (float32 on CPU, bfloat16 on GPU)."""
     page_size: int | None = None
     """Tokens per KV page; default 16 on CPU, 64 on GPU."""
@@ -33,15 +34,15 @@ class EngineConfig:
     """Requests decoding at once per DP group; more wait in the queue."""
     enable_prefix_caching: bool = True
     """Reuse the KV pages of a prompt prefix seen before."""
-    load_format: str = "auto"
+    load_format: Literal["auto", "dummy"] = "auto"
     """`auto`: the checkpoint's weights; `dummy`: random ones from config.json alone."""
-    quantization: str | None = None
+    quantization: Literal["fp8"] | None = None
     """`fp8` with `load_format="dummy"`: random block-FP8 weights (blocks of 128) at real shapes,
     for benchmarks. A checkpoint's own FP8 format is read from its config.json."""
-    indexer_cache_dtype: str = "auto"
+    indexer_cache_dtype: Literal["auto", "fp8"] = "auto"
     """Sparse-attention models (DeepSeek-V3.2, GLM-5): the indexer's keys in the model's dtype
     (`auto`), or `fp8`: e4m3 with a float32 scale per token, as those models serve them."""
-    attention_backend: str = "auto"
+    attention_backend: Literal["auto", "torch", "triton", "flashinfer"] = "auto"
     """`torch` (reference, any device); `triton` (kernels, CUDA graphs); `flashinfer`
     (FlashInfer's kernels, bf16/fp16, eager); `auto`: triton on a GPU, torch on the CPU."""
     cuda_graph_max_bs: int = 256
@@ -83,7 +84,7 @@ class EngineConfig:
     """A collective waiting longer fails its rank."""
     step_timeout_s: float = 600.0
     """The front gives up on ranks that return no step result in this time."""
-    speculative_algorithm: str | None = None
+    speculative_algorithm: Literal["mtp", "eagle3"] | None = None
     """`mtp` (the checkpoint's NextN layer) or `eagle3` (a separate draft)."""
     speculative_draft_model_path: str | None = None
     """EAGLE-3 draft checkpoint."""

@@ -15,7 +15,6 @@ import asyncio
 import json
 import logging
 import os
-import signal
 import socket
 import time
 
@@ -34,6 +33,7 @@ from dserve.runtime.protocol import (
     stream_piece,
 )
 from dserve.runtime.server_config import ServerConfig
+from dserve.runtime.startup import listening_socket, stop_signals
 from dserve.scheduler.request import SamplingParams
 from dserve.transfer.descriptor import IncompatiblePeer
 
@@ -371,10 +371,12 @@ async def _read_json(request: web.Request) -> dict:
 
 async def run_apps(apps: list[tuple[web.Application, str, int]], on_stop=None) -> None:
     """Serve each app on its host:port until SIGINT/SIGTERM; clients that leave cancel their handler."""
+    stop = stop_signals()
     runners = []
     for app, host, port in apps:
         runners.append(await start_site(app, listening_socket(host, port, "the HTTP API")))
-    await until_stopped()
+    print("dserve: ready", flush=True)
+    await stop.wait()
     for runner in runners:
         await runner.cleanup()
     if on_stop is not None:
@@ -393,6 +395,7 @@ def serve(model_path: str, config: ServerConfig, **engine_kwargs) -> None:
 
 
 async def _serve(server: Server, sockets, model_path, config, metrics, engine_kwargs) -> None:
+    stop = stop_signals()
     runners = [await start_site(server.app, sockets[0])]
     instance = None
     try:
@@ -405,23 +408,14 @@ async def _serve(server: Server, sockets, model_path, config, metrics, engine_kw
 
             app = bootstrap_app(instance.loop, instance.side)
             runners.append(await start_site(app, sockets[1]))
-        await until_stopped()
+        if not stop.is_set():
+            print("dserve: ready", flush=True)
+        await stop.wait()
     finally:
         for runner in runners:
             await runner.cleanup()
         if instance is not None:
             instance.shutdown()
-
-
-def listening_socket(host: str, port: int, what: str) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise SystemExit(f"dserve: cannot listen on {host}:{port} for {what}: {e.strerror}") from e
-    return sock
 
 
 async def start_site(app: web.Application, sock: socket.socket) -> web.AppRunner:
@@ -431,12 +425,3 @@ async def start_site(app: web.Application, sock: socket.socket) -> web.AppRunner
     host, port = sock.getsockname()[:2]
     log.info("listening on http://%s:%d", host, port)
     return runner
-
-
-async def until_stopped() -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    print("dserve: ready", flush=True)
-    await stop.wait()

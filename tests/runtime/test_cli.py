@@ -44,3 +44,27 @@ def test_make_tiny_offers_every_tiny_architecture():
 
     arch = next(a for a in subcommands()["make-tiny"]._actions if a.dest == "arch")
     assert list(arch.choices) == list(ARCHES) and "glm_moe_dsa" in arch.choices
+
+
+def test_log_level_after_the_subcommand():
+    parser = build_parser()
+    assert parser.parse_args(["router", "--prefill", "u", "--decode", "v"]).log_level == "info"
+    after = parser.parse_args(["router", "--prefill", "u", "--decode", "v", "--log-level", "debug"])
+    assert after.log_level == "debug"
+    before = parser.parse_args(["--log-level", "error", "serve", "--model", "m"])
+    assert before.log_level == "error", "a value before the subcommand is kept"
+    assert parser.parse_args(["serve", "--model", "m", "--log-level", "warning"]).log_level == (
+        "warning"
+    )
+
+
+def test_flags_with_a_fixed_set_of_values_list_them():
+    serve = subcommands()["serve"]
+    choices = {a.dest: a.choices for a in serve._actions if a.choices}
+    assert choices["attention_backend"] == ["auto", "torch", "triton", "flashinfer"]
+    assert choices["speculative_algorithm"] == ["mtp", "eagle3"]
+    assert choices["dtype"] == ["auto", "float32", "bfloat16", "float16"]
+    assert "{auto,torch,triton,flashinfer}" in serve.format_help()
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["serve", "--model", "m", "--load-format", "bogus"])
+    assert exit_info.value.code == 2

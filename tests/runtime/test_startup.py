@@ -1,9 +1,12 @@
-"""An instance's start, as a client and an operator see it: it listens at once and answers 503
-("starting") to `/health` and to requests while the model loads and the kernels warm up, then
-200; a port already in use stops it before any weight is read, with a message naming the port."""
+"""An instance's start and stop, as a client and an operator see it: it listens at once and
+answers 503 ("starting") to `/health` and to requests while the model loads and the kernels warm
+up, then 200; what stops a start (a bad model path, a directory without a checkpoint, CUDA asked
+for on a host without it, a port in use) is one line on stderr and exit status 2, before any
+weight is read; one interrupt stops it cleanly, a second one at once."""
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import sys
@@ -41,8 +44,63 @@ def test_health_says_starting_until_the_instance_is_ready(tiny_dir, tmp_path):
         )
         assert status == 200 and len(body["output_ids"]) == 2, body
         assert_all_pages_free(proc)  # the warm-up's requests too
+        proc.popen.send_signal(signal.SIGINT)  # Ctrl-C: a clean stop
+        assert proc.popen.wait(30) == 0
+        assert "Traceback" not in proc.tail(200), proc.tail()
     finally:
         proc.stop()
+
+
+def test_a_second_interrupt_exits_at_once(tiny_dir, tmp_path):
+    """The first Ctrl-C while the model loads waits for the load to end; a second exits now."""
+    proc = start_instance("serve", tiny_dir("deepseek_v3"), tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if get(proc.url + "/health", timeout=2)[0] == 503:
+                    break
+            except OSError:
+                time.sleep(0.02)
+        proc.popen.send_signal(signal.SIGINT)
+        time.sleep(0.1)
+        proc.popen.send_signal(signal.SIGINT)
+        assert proc.popen.wait(10) == 128 + signal.SIGINT
+        assert "interrupted again, exiting now" in proc.tail(), proc.tail()
+    finally:
+        proc.stop()
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "dserve.runtime.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+def one_line_exit_2(done: subprocess.CompletedProcess, message: str) -> None:
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert message in lines[0], lines
+
+
+def test_start_errors_are_one_line_and_exit_2(tiny_dir, tmp_path):
+    model = tiny_dir("deepseek_v3")
+    (tmp_path / "empty").mkdir()
+    cases = {
+        "no such directory": ["--model", str(tmp_path / "missing")],
+        "not a model directory (it has no config.json)": ["--model", str(tmp_path / "empty")],
+        "--device cuda: CUDA is not available": ["--model", model, "--device", "cuda"],
+    }
+    for message, args in cases.items():
+        if "cuda" in args and torch_has_cuda():
+            continue  # a GPU host has CUDA: nothing to refuse
+        one_line_exit_2(run_cli("serve", *args, "--port", str(free_port())), message)
+
+
+def torch_has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def test_a_port_in_use_fails_before_the_model_loads(tiny_dir, tmp_path):
@@ -50,9 +108,10 @@ def test_a_port_in_use_fails_before_the_model_loads(tiny_dir, tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", port))
         taken.listen()
-        cmd = [sys.executable, "-m", "dserve.runtime.cli", "serve", "--model"]
-        cmd += [tiny_dir("deepseek_v3"), "--port", str(port), "--device", "cpu"]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0
-    assert f"cannot listen on 127.0.0.1:{port} for the HTTP API" in done.stderr, done.stderr[-2000:]
-    assert "loaded" not in done.stderr, "no weight is read"
+        model = ["--model", tiny_dir("deepseek_v3"), "--device", "cpu"]
+        done = run_cli("--log-level", "warning", "serve", *model, "--port", str(port))
+        router = ["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]
+        router_done = run_cli("router", *router, "--port", str(port))
+    # no weight is read: the one line is all it says (--log-level warning hides the listening line)
+    one_line_exit_2(done, f"cannot listen on 127.0.0.1:{port} for the HTTP API")
+    one_line_exit_2(router_done, f"cannot listen on 127.0.0.1:{port} for the HTTP API")
