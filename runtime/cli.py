@@ -197,16 +197,12 @@ def _cmd_serve(args: argparse.Namespace) -> None:
 
 def _cmd_router(args: argparse.Namespace) -> None:
     from dserve.runtime.router import run_router
+    from dserve.runtime.server_config import RouterConfig
 
     split = lambda values: [u for v in values for u in v.split(",") if u]
-    run_router(
-        split(args.prefill),
-        split(args.decode),
-        args.host,
-        args.port,
-        args.policy,
-        args.health_interval_s,
-    )
+    names = [f.name for f in dataclasses.fields(RouterConfig)]
+    config = RouterConfig(**{n: getattr(args, n) for n in names})
+    run_router(split(args.prefill), split(args.decode), config)
 
 
 INSTANCE_HELP = {
@@ -223,13 +219,14 @@ INSTANCE_HELP = {
 
 
 def _add_router(sub) -> None:
-    from dserve.runtime.router import POLICIES
+    from dserve.runtime.server_config import RouterConfig
 
     router = sub.add_parser(
         "router",
         help="route requests over prefill and decode instances",
         description="One OpenAI-compatible endpoint in front of prefill and decode instances. "
-        "Each request goes to one prefill and one decode instance at once.",
+        "Each request goes to one prefill and one decode instance at once, and to another "
+        "pair if one fails before any token went out.",
     )
     router.add_argument(
         "--prefill",
@@ -245,22 +242,7 @@ def _add_router(sub) -> None:
         metavar="URL[,URL...]",
         help="decode instance URL(s) (repeatable)",
     )
-    router.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
-    router.add_argument(
-        "--port", type=int, default=30000, help="HTTP port of the router (default: 30000)"
-    )
-    router.add_argument(
-        "--policy",
-        choices=POLICIES,
-        default="round_robin",
-        help="how to pick instances (default: round_robin)",
-    )
-    router.add_argument(
-        "--health-interval-s",
-        type=float,
-        default=2.0,
-        help="seconds between health probes of each instance (default: 2)",
-    )
+    _add_dataclass_flags(router.add_argument_group("router"), RouterConfig)
     router.set_defaults(func=_cmd_router)
 
 

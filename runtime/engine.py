@@ -89,6 +89,9 @@ class Engine:
             pipelined=pipelined,
         )
         self.in_flight: deque[LaunchedStep] = deque()
+        self.generated_tokens = 0
+        """Tokens this engine's steps sampled so far (not a decode's first token: its prefill
+        sampled it)."""
         self.depth = micro_batches if pipelined else 1 + (not c.disable_overlap_schedule)
         """Steps in flight at most: one, two with overlapped scheduling, a pipeline's micro-batches."""
 
@@ -198,6 +201,7 @@ class Engine:
 
     def _append(self, req: Request, token: int) -> None:
         req.output_ids.append(token)
+        self.generated_tokens += 1
         if req.first_token_time is None:
             req.first_token_time = time.perf_counter()
         self._check_finish(req, token)

@@ -40,9 +40,24 @@ class NullSide:
         return False
 
 
+class NullStats:
+    """No log lines or counters (an engine loop outside a server)."""
+
+    def finished(self, req: Request) -> None:
+        pass
+
+    def after_step(self) -> None:
+        pass
+
+    def idle(self) -> None:
+        pass
+
+
 class EngineLoop:
-    def __init__(self, engine: Engine, side=None):
+    def __init__(self, engine: Engine, side=None, stats=None):
+        """`stats` (runtime/stats.Stats) hears of every step and every request answered."""
         self.engine, self.side = engine, side or NullSide()
+        self.stats = stats or NullStats()
         self.inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self.subscribers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.failure: str | None = None
@@ -99,10 +114,12 @@ class EngineLoop:
             raise
 
     def _abort(self, rid: str) -> None:
-        self.subscribers.pop(rid, None)
+        subscribed = self.subscribers.pop(rid, None) is not None
         if not self.side.abort(rid):
             self.engine.abort(rid)
         req = self.engine.requests.get(rid)
+        if subscribed and req is not None:
+            self.stats.finished(req)
         if req is not None and req.finished and not self.side.busy(rid):
             self.engine.forget(rid)
 
@@ -114,6 +131,9 @@ class EngineLoop:
                 self.side.poll()
                 if self.engine.has_work and not self.failure:
                     self.engine.step()
+                    self.stats.after_step()
+                else:
+                    self.stats.idle()
             except RankFailure as e:
                 self.failure = str(e)
                 log.error("the instance failed: %s", e)
@@ -145,8 +165,10 @@ class EngineLoop:
             )
             if not (text or tokens or done):
                 continue
-            result = self.engine.pop_result(rid) if done else None
+            result = None
             if done:
+                self.stats.finished(req)
+                result = self.engine.pop_result(rid)
                 del self.subscribers[rid]
             loop.call_soon_threadsafe(q.put_nowait, StreamChunk(rid, text, tokens, done, result))
 

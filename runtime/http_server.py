@@ -22,7 +22,7 @@ from aiohttp import web
 
 from dserve.runtime.engine import Engine
 from dserve.runtime.engine_loop import EngineLoop
-from dserve.runtime.metrics import Metrics
+from dserve.runtime.metrics import CONTENT_TYPE, InstanceMetrics
 from dserve.runtime.protocol import (
     PARSERS,
     BadRequest,
@@ -34,6 +34,7 @@ from dserve.runtime.protocol import (
 )
 from dserve.runtime.server_config import ServerConfig
 from dserve.runtime.startup import listening_socket, stop_signals
+from dserve.runtime.stats import Stats
 from dserve.scheduler.request import SamplingParams
 from dserve.transfer.descriptor import IncompatiblePeer
 
@@ -63,9 +64,13 @@ class Instance:
     """Engine + engine thread + role side + transfer manager of one serving instance."""
 
     def __init__(
-        self, model_path: str, config: ServerConfig, metrics: Metrics | None = None, **engine_kwargs
+        self,
+        model_path: str,
+        config: ServerConfig,
+        metrics: InstanceMetrics | None = None,
+        **engine_kwargs,
     ):
-        self.config, self.metrics = config, metrics or Metrics()
+        self.config, self.metrics = config, metrics or InstanceMetrics()
         self.manager = self.side = self.peers = None
         transfer = None
         if config.role != "colocated":
@@ -85,33 +90,10 @@ class Instance:
             side_class = pd.PrefillSide if config.role == "prefill" else pd.DecodeSide
             self.side = side_class(self.engine, self.manager, config, self.metrics)
         warm_up(self.engine)
-        self.loop = EngineLoop(self.engine, self.side)
+        stats = Stats(self.engine, self.metrics, config.batch_log_interval_s)
+        self.loop = EngineLoop(self.engine, self.side, stats)
         self.model_name = config.served_model_name or os.path.basename(os.path.normpath(model_path))
-        g = self.engine.groups
-        self.metrics.gauges.update(
-            {
-                "num_running_requests": lambda: sum(len(x.scheduler.running) for x in g),
-                "num_queued_requests": lambda: sum(len(x.scheduler.waiting) for x in g),
-                "kv_pages_used": lambda: sum(x.kv.num_used_pages for x in g),
-                "kv_pages_total": lambda: sum(x.kv.num_pages for x in g),
-            }
-        )
-        spec = self.engine.speculation
-        if self.engine.config.speculative_algorithm:
-            algorithm = self.engine.config.speculative_algorithm
-            self.metrics.labeled.update(
-                {
-                    "spec_verify_steps_total": (
-                        "algorithm",
-                        lambda: {algorithm: spec.verify_steps},
-                    ),
-                    "spec_draft_tokens_total": ("position", lambda: dict(enumerate(spec.proposed))),
-                    "spec_accepted_tokens_total": (
-                        "position",
-                        lambda: dict(enumerate(spec.accepted)),
-                    ),
-                }
-            )
+        self.metrics.watch(self.engine)
 
     def shutdown(self) -> None:
         self.loop.stop()
@@ -163,7 +145,7 @@ class Server:
     """The HTTP API, listening from the start: until `attach` gives it the instance (loaded and
     warmed up), `/health` answers 503 "starting" and every other route 503."""
 
-    def __init__(self, config: ServerConfig, metrics: Metrics):
+    def __init__(self, config: ServerConfig, metrics: InstanceMetrics):
         self.instance, self.metrics = None, metrics
         self.app = web.Application(client_max_size=config.max_request_bytes)
         for path, kind in ROUTES.items():
@@ -206,7 +188,7 @@ class Server:
         return web.json_response({"object": "list", "data": [card]})
 
     async def metrics_text(self, _: web.Request) -> web.Response:
-        return web.Response(text=self.metrics.render(), content_type="text/plain")
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def kv_state(self, _: web.Request) -> web.Response:
         """Page accounting, checked on the engine thread: used pages, pages held past their request
@@ -329,7 +311,7 @@ class Server:
 
 
 class _Timer:
-    def __init__(self, metrics: Metrics):
+    def __init__(self, metrics: InstanceMetrics):
         self.metrics, self.start, self.last = metrics, time.perf_counter(), None
 
     def tokens(self, n: int) -> None:
@@ -337,14 +319,14 @@ class _Timer:
             return
         now = time.perf_counter()
         if self.last is None:
-            self.metrics.observe("time_to_first_token_seconds", now - self.start)
+            self.metrics.ttft.observe(now - self.start)
         else:
             for _ in range(n):
-                self.metrics.observe("inter_token_latency_seconds", (now - self.last) / n)
+                self.metrics.itl.observe((now - self.last) / n)
         self.last = now
 
     def done(self) -> None:
-        self.metrics.observe("e2e_request_latency_seconds", time.perf_counter() - self.start)
+        self.metrics.e2e.observe(time.perf_counter() - self.start)
 
 
 async def _event(resp: web.StreamResponse, payload: dict) -> None:
@@ -389,7 +371,7 @@ def serve(model_path: str, config: ServerConfig, **engine_kwargs) -> None:
     sockets = [listening_socket(config.host, config.port, "the HTTP API")]
     if config.role == "prefill":
         sockets.append(listening_socket(config.host, config.bootstrap_port, "the bootstrap server"))
-    metrics = Metrics()
+    metrics = InstanceMetrics()
     server = Server(config, metrics)
     asyncio.run(_serve(server, sockets, model_path, config, metrics, engine_kwargs))
 

@@ -21,7 +21,7 @@ from typing import Protocol
 
 from dserve.models.config import ModelConfig
 from dserve.runtime.engine import Engine, hold_key
-from dserve.runtime.metrics import Metrics
+from dserve.runtime.metrics import InstanceMetrics
 from dserve.runtime.server_config import ServerConfig
 from dserve.scheduler.request import Request
 from dserve.transfer.descriptor import InstanceDescriptor, check_compatible
@@ -71,7 +71,11 @@ class PrefillRoom:
 
 class PrefillSide:
     def __init__(
-        self, engine: Engine, manager: TransferManager, config: ServerConfig, metrics: Metrics
+        self,
+        engine: Engine,
+        manager: TransferManager,
+        config: ServerConfig,
+        metrics: InstanceMetrics,
     ):
         self.engine, self.manager, self.config, self.metrics = engine, manager, config, metrics
         self.rooms: dict[str, PrefillRoom] = {}  # by rid
@@ -265,7 +269,11 @@ class DecodeRoom:
 
 class DecodeSide:
     def __init__(
-        self, engine: Engine, manager: TransferManager, config: ServerConfig, metrics: Metrics
+        self,
+        engine: Engine,
+        manager: TransferManager,
+        config: ServerConfig,
+        metrics: InstanceMetrics,
     ):
         self.engine, self.manager, self.config, self.metrics = engine, manager, config, metrics
         self.rooms: dict[str, DecodeRoom] = {}

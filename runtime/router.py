@@ -1,49 +1,78 @@
 """`dserve router`: one HTTP endpoint in front of prefill and decode instances.
 
-For each request it picks a prefill and a decode instance (random, round_robin or least_load over the
-healthy ones), adds `bootstrap_host/port/room` (the bootstrap port is learned from the prefill's
-`/server_info`), sends the request to both at once and relays the decode's answer, streamed or whole.
-If the prefill fails before the decode answers, the decode request is dropped (which aborts it) and
-the client gets the prefill's error. Instances are probed on `/health`. One that is gone (connection
-refused or dropped) or says it is unhealthy is out of rotation at once; one that is only slow to answer
-stays in until `SLOW_PROBES_TO_REMOVE` probes in a row time out (a busy instance on a loaded host is
-not a dead one). Either comes back at its next good answer; a request that finds no instance of a
-kind in rotation has every instance probed again before it is refused.
+A request's body is checked first (JSON, field shapes and types, as an instance parses it), so
+bad input is a 400 whether or not any instance is up. Then the router picks a prefill and a
+decode instance (`router_policy.py`), adds `bootstrap_host/port/room` (the bootstrap port learned
+from the prefill's `/server_info`), sends the request to both at once and relays the decode's
+answer, streamed or whole.
+
+Retries: until the client has received a token, nothing is lost by starting again. A try whose
+prefill or decode fails before that (connection refused or lost, a 5xx answer, a KV transfer that
+failed, a stream whose first event is an error) is dropped (closing its connections aborts both
+requests and frees their pages) and the request goes to another pair, up to `retry_max_retries`
+times, instances not tried yet first. A 4xx answer is relayed as it is. An instance whose
+connection fails leaves rotation at once; the circuit breaker takes out one that keeps failing.
+
+Instances are probed on `/health`. One that is gone (connection refused or dropped) or says it is
+unhealthy is out of rotation at once; one that is only slow to answer stays in until
+`SLOW_PROBES_TO_REMOVE` probes in a row time out (a busy instance on a loaded host is not a dead
+one). Either comes back at its next good answer; a request that finds no instance of a kind in
+rotation has every instance probed again before it is refused.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import logging
 import random
+import time
 from dataclasses import dataclass
-from urllib.parse import urlparse
 
 import aiohttp
 from aiohttp import web
 
-from dserve.runtime.metrics import Metrics
-from dserve.runtime.protocol import error_body
+from dserve.runtime.metrics import CONTENT_TYPE, RouterMetrics
+from dserve.runtime.protocol import PARSERS, error_body
+from dserve.runtime.router_policy import Backend, Breaker, Picker, prompt_blocks
+from dserve.runtime.server_config import RouterConfig
+from dserve.scheduler.request import SamplingParams
 
 log = logging.getLogger("dserve.router")
-POLICIES = ("random", "round_robin", "least_load")
 SLOW_PROBES_TO_REMOVE = 3
+KINDS = {"/generate": "generate", "/v1/completions": "completions", "/v1/chat/completions": "chat"}
+BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+ANY_VOCABULARY = 2**62  # the router does not know the model: token ids are the instance's to check
 
 
 @dataclass
-class Backend:
-    url: str
-    healthy: bool = False
-    slow_probes: int = 0  # probes in a row that timed out
-    in_flight: int = 0
-    bootstrap_port: int | None = None
+class Failure:
+    """A try that ended before the client got anything: the status and message the client gets
+    if no other try succeeds, whether another try may succeed, and the instance at fault."""
 
-    @property
-    def host(self) -> str:
-        return urlparse(self.url).hostname or "127.0.0.1"
+    status: int
+    message: str
+    retry: bool
+    backend: Backend | None = None
+
+
+@dataclass
+class Opened:
+    """The decode's answer once it is sure to succeed or to be relayed as it is: its status and
+    the bytes read so far (a whole body, or a stream's first event)."""
+
+    upstream: aiohttp.ClientResponse
+    head: bytes
+    streamed: bool
+
+
+def check_body(endpoint: str, body: dict) -> None:
+    """What can be checked without the model: the body as an instance parses it, and the sampling
+    values (types and ranges); raises ValueError (the protocol's BadRequest) naming the field."""
+    clean = {k: v for k, v in body.items() if k not in BOOTSTRAP_FIELDS}
+    inp = PARSERS[KINDS[endpoint]](clean)
+    SamplingParams.from_dict(dict(inp.sampling)).validate(ANY_VOCABULARY)
 
 
 class Router:
@@ -51,29 +80,28 @@ class Router:
         self,
         prefill_urls: list[str],
         decode_urls: list[str],
-        policy: str = "round_robin",
-        health_interval_s: float = 2.0,
-        request_timeout_s: float = 3600.0,
-        max_request_bytes: int = 4 << 20,
+        config: RouterConfig | None = None,
     ):
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        self.config = c = config or RouterConfig()
         if not prefill_urls or not decode_urls:
             raise ValueError("the router needs at least one --prefill and one --decode URL")
-        self.prefills = [Backend(u.rstrip("/")) for u in prefill_urls]
-        self.decodes = [Backend(u.rstrip("/")) for u in decode_urls]
-        self.policy, self.health_interval_s = policy, health_interval_s
-        self.timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=10)
-        self.turns = {"prefill": itertools.count(), "decode": itertools.count()}
-        self.metrics = Metrics("dserve_router")
-        self.app = web.Application(client_max_size=max_request_bytes)
-        for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
+        self.picker = Picker(c)
+        self.prefills = [self._backend(u, "prefill") for u in prefill_urls]
+        self.decodes = [self._backend(u, "decode") for u in decode_urls]
+        self.timeout = aiohttp.ClientTimeout(total=c.request_timeout_s, sock_connect=10)
+        self.metrics = RouterMetrics(self.prefills + self.decodes)
+        self.app = web.Application(client_max_size=c.max_request_bytes)
+        for path in KINDS:
             self.app.router.add_post(path, self.forward)
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/metrics", self.metrics_text)
         self.app.on_startup.append(self._start)
         self.app.on_cleanup.append(self._stop)
+
+    def _backend(self, url: str, role: str) -> Backend:
+        breaker = Breaker(self.config.cb_failure_threshold, self.config.cb_timeout_s)
+        return Backend(url.rstrip("/"), role, breaker)
 
     # ---- lifecycle and health -------------------------------------------------------------------
     async def _start(self, _app) -> None:
@@ -87,19 +115,19 @@ class Router:
 
     async def _probe_forever(self) -> None:
         while True:
-            await asyncio.sleep(self.health_interval_s)
+            await asyncio.sleep(self.config.health_interval_s)
             await self.check_all()
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self._check(b) for b in self.prefills + self.decodes))
 
     async def _check(self, backend: Backend) -> None:
-        probe = aiohttp.ClientTimeout(total=max(self.health_interval_s, 1.0))
+        probe = aiohttp.ClientTimeout(total=max(self.config.health_interval_s, 1.0))
         slow = False
         try:
             async with self.session.get(backend.url + "/health", timeout=probe) as r:
                 ok = r.status == 200
-            if ok and backend in self.prefills and backend.bootstrap_port is None:
+            if ok and backend.role == "prefill" and backend.bootstrap_port is None:
                 async with self.session.get(backend.url + "/server_info", timeout=probe) as r:
                     backend.bootstrap_port = (await r.json())["bootstrap_port"]
         except asyncio.TimeoutError:
@@ -109,31 +137,31 @@ class Router:
         backend.slow_probes = backend.slow_probes + 1 if slow else 0
         healthy = ok or (backend.healthy and slow and backend.slow_probes < SLOW_PROBES_TO_REMOVE)
         if healthy != backend.healthy:
-            log.warning(
-                "%s is %s",
-                backend.url,
-                "back in rotation" if healthy else "out of rotation (not answering)",
-            )
+            what = "back in rotation" if healthy else "out of rotation (not answering)"
+            log.warning("%s is %s", backend.url, what)
+        if healthy and not backend.healthy:
+            backend.breaker.success()  # back from the dead (restarted): a fresh start
         backend.healthy = healthy
 
-    def pick(self, kind: str) -> Backend | None:
-        pool = [b for b in (self.prefills if kind == "prefill" else self.decodes) if b.healthy]
+    def pick(self, role: str, blocks=(), tried=frozenset()) -> Backend | None:
+        """An instance of `role` in rotation, one not in `tried` where there is one."""
+        now = time.monotonic()
+        every = self.prefills if role == "prefill" else self.decodes
+        pool = [b for b in every if b.available(now)]
+        fresh = [b for b in pool if b not in tried]
         if not pool:
             return None
-        if self.policy == "random":
-            return random.choice(pool)
-        if self.policy == "least_load":
-            return min(pool, key=lambda b: b.in_flight)
-        return pool[next(self.turns[kind]) % len(pool)]
+        return self.picker.pick(role, fresh or pool, list(blocks))
 
-    async def pick_pair(self) -> tuple[Backend | None, Backend | None]:
+    async def pick_pair(self, blocks=(), tried=frozenset()):
         """A prefill and a decode instance; where either kind has none in rotation, every
         instance is probed again first (one out of rotation since a slow or stale probe may be
         back: the request should not fail on a probe's old news)."""
-        prefill, decode = self.pick("prefill"), self.pick("decode")
+        prefill, decode = self.pick("prefill", blocks, tried), self.pick("decode", (), tried)
         if prefill is None or decode is None:
             await self.check_all()
-            prefill, decode = self.pick("prefill"), self.pick("decode")
+            prefill = self.pick("prefill", blocks, tried)
+            decode = self.pick("decode", (), tried)
         return prefill, decode
 
     async def health(self, _: web.Request) -> web.Response:
@@ -153,114 +181,227 @@ class Router:
             return web.json_response(await r.json(), status=r.status)
 
     async def metrics_text(self, _: web.Request) -> web.Response:
-        return web.Response(text=self.metrics.render(), content_type="text/plain")
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     # ---- forwarding --------------------------------------------------------------------------------
     async def forward(self, request: web.Request) -> web.StreamResponse:
-        endpoint = request.path
+        endpoint, start = request.path, time.perf_counter()
         try:
             body = json.loads(await request.read())
             if not isinstance(body, dict):
                 raise ValueError("the body must be a JSON object")
         except web.HTTPRequestEntityTooLarge:
-            return self._error(endpoint, "the body is too large", 400)
+            return self._error(endpoint, "the body is too large", 400, start)
         except (ValueError, UnicodeDecodeError) as e:
-            return self._error(endpoint, f"the body is not a JSON object: {e}", 400)
-        prefill, decode = await self.pick_pair()
-        if prefill is None or decode is None:
-            return self._error(
-                endpoint, "no healthy prefill and decode instance to serve the request", 503
-            )
-        body.update(
-            bootstrap_host=prefill.host,
-            bootstrap_port=prefill.bootstrap_port,
-            bootstrap_room=random.getrandbits(63),
-        )
-        prefill.in_flight += 1
+            return self._error(endpoint, f"the body is not a JSON object: {e}", 400, start)
+        try:
+            check_body(endpoint, body)
+        except ValueError as e:
+            return self._error(endpoint, str(e), 400, start)
+        blocks = prompt_blocks(body)
+        tried: set[Backend] = set()
+        failure = Failure(503, "no healthy prefill and decode instance to serve the request", False)
+        for attempt in range(1 + self.config.retry_max_retries):
+            prefill, decode = await self.pick_pair(blocks, tried)
+            if prefill is None or decode is None:
+                break
+            if attempt:
+                self.metrics.retries.inc()
+                log.info("retrying on %s + %s: %s", prefill.url, decode.url, failure.message)
+            tried |= {prefill, decode}
+            result = await self._try(request, endpoint, body, prefill, decode, start)
+            if not isinstance(result, Failure):
+                return result
+            failure = result
+            if not failure.retry:
+                break
+        return self._error(endpoint, failure.message, failure.status, start)
+
+    async def _try(
+        self, request, endpoint, body, prefill: Backend, decode: Backend, start: float
+    ) -> web.StreamResponse | Failure:
+        """One try on a pair: the client's response once the decode's answer is sure, else the
+        Failure (both requests dropped)."""
+        body = {
+            **body,
+            "bootstrap_host": prefill.host,
+            "bootstrap_port": prefill.bootstrap_port,
+            "bootstrap_room": random.getrandbits(63),
+        }
+        self.metrics.sent(prefill)
+        self.metrics.sent(decode)
         decode.in_flight += 1
+        prefill.in_flight += 1
+        prefill_task = asyncio.ensure_future(self._prefill(prefill, endpoint, body))
+        prefill_task.add_done_callback(lambda _: _leave(prefill))
+        decode_task = asyncio.ensure_future(self._open(decode, endpoint, body))
         try:
-            return await self._both(request, endpoint, body, prefill, decode)
+            opened = await self._settle(prefill_task, decode_task)
+            if isinstance(opened, Failure):
+                self._blame(opened)
+                return opened
+            try:
+                return await self._relay(request, endpoint, opened, decode, start)
+            finally:
+                opened.upstream.close()  # a client gone mid-stream: this aborts the decode's request
         finally:
-            prefill.in_flight -= 1
             decode.in_flight -= 1
-
-    async def _both(
-        self, request, endpoint, body, prefill: Backend, decode: Backend
-    ) -> web.StreamResponse:
-        prefill_task = asyncio.ensure_future(self._prefill(prefill.url + endpoint, body))
-        decode_cm = self.session.post(decode.url + endpoint, json=body)
-        decode_task = asyncio.ensure_future(decode_cm.__aenter__())
-        try:
-            await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
-            if prefill_task.done() and prefill_task.result() is not None and not decode_task.done():
-                decode_task.cancel()  # dropping the connection aborts the decode's request
-                status, message = prefill_task.result()
-                return self._error(endpoint, f"prefill {prefill.url} failed: {message}", status)
-            try:
-                upstream = await decode_task
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                return self._error(
-                    endpoint, f"decode {decode.url} failed: {type(e).__name__}: {e}", 502
-                )
-            try:
-                response = await self._relay(request, endpoint, upstream)
-            except BaseException:
-                upstream.close()  # the client left: dropping the decode's connection aborts its request
-                raise
-            upstream.release()
-            return response
-        finally:
             for task in (prefill_task, decode_task):
-                if not task.done():
-                    task.cancel()
+                task.cancel()
+            await _closed(decode_task)
 
-    async def _prefill(self, url: str, body: dict) -> tuple[int, str] | None:
-        """None when the prefill succeeded, else (HTTP status for the client, message)."""
+    async def _settle(self, prefill_task, decode_task) -> Opened | Failure:
+        """The decode's opened answer, unless either side failed first."""
+        await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
+        if prefill_task.done() and prefill_task.result() is not None:
+            return prefill_task.result()
+        opened = await decode_task
+        if isinstance(opened, Failure) and prefill_task.done() and prefill_task.result():
+            return prefill_task.result()  # the prefill's failure caused the decode's
+        return opened
+
+    def _blame(self, failure: Failure) -> None:
+        """A 5xx or a lost connection counts against the instance's circuit breaker."""
+        backend = failure.backend
+        if backend is None or failure.status < 500:
+            return
+        backend.breaker.failure(time.monotonic())
+        if backend.breaker.failures == self.config.cb_failure_threshold:
+            log.warning(
+                "%s: circuit open after %d failures in a row", backend.url, backend.breaker.failures
+            )
+
+    async def _prefill(self, backend: Backend, endpoint: str, body: dict) -> Failure | None:
+        """None when the prefill succeeded, else its Failure."""
         try:
-            async with self.session.post(url, json={**body, "stream": False}) as r:
+            async with self.session.post(
+                backend.url + endpoint, json={**body, "stream": False}
+            ) as r:
                 if r.status == 200:
+                    backend.breaker.success()
                     return None
-                text = await r.text()
-                with contextlib.suppress(ValueError, KeyError, TypeError):
-                    text = json.loads(text)["error"]["message"]
-                return (r.status if r.status < 500 else 502), text
+                return _answer_failure(backend, r.status, await r.read())
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            return 502, f"{type(e).__name__}: {e}"
+            return self._lost(backend, e)
+
+    async def _open(self, backend: Backend, endpoint: str, body: dict) -> Opened | Failure:
+        """POST to the decode and read until its answer is sure: a whole body, or a stream's
+        first event (an error event instead of tokens is a Failure)."""
+        try:
+            upstream = await self.session.post(backend.url + endpoint, json=body)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            return self._lost(backend, e)
+        try:
+            streamed = upstream.content_type.startswith("text/event-stream")
+            if upstream.status != 200 or not streamed:
+                head = await upstream.read()
+                if upstream.status >= 500:
+                    upstream.close()
+                    return _answer_failure(backend, upstream.status, head)
+                return Opened(upstream, head, False)
+            head = await _first_event(upstream)
+            error = _event_error(head)
+            if error is not None:
+                upstream.close()
+                return Failure(500, f"decode {backend.url}: {error}", True, backend)
+            return Opened(upstream, head, True)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            upstream.close()
+            return self._lost(backend, e)
+        except asyncio.CancelledError:
+            upstream.close()  # the prefill failed first: dropping the connection aborts the decode
+            raise
+
+    def _lost(self, backend: Backend, error: Exception) -> Failure:
+        """The connection failed: the instance leaves rotation until a probe finds it back."""
+        if backend.healthy:
+            log.warning("%s is out of rotation (%s)", backend.url, type(error).__name__)
+        backend.healthy = False
+        message = f"{backend.role} {backend.url} failed: {type(error).__name__}: {error}"
+        return Failure(502, message, True, backend)
 
     async def _relay(
-        self, request, endpoint, upstream: aiohttp.ClientResponse
+        self, request, endpoint: str, opened: Opened, decode: Backend, start: float
     ) -> web.StreamResponse:
-        outcome = "ok" if upstream.status == 200 else "error"
-        if not upstream.content_type.startswith("text/event-stream"):
-            data = await upstream.read()
-            self.metrics.request_done(endpoint, outcome)
+        upstream = opened.upstream
+        outcome = "ok" if upstream.status == 200 else "bad_request"
+        if upstream.status == 200:
+            decode.breaker.success()
+        if not opened.streamed:
+            self.metrics.answered(KINDS[endpoint], outcome, start, first=time.perf_counter())
             return web.Response(
-                body=data, status=upstream.status, content_type=upstream.content_type
+                body=opened.head, status=upstream.status, content_type=upstream.content_type
             )
         resp = web.StreamResponse(
             status=upstream.status,
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
         )
         await resp.prepare(request)
-        async for data in upstream.content.iter_any():
-            await resp.write(data)
-        self.metrics.request_done(endpoint, outcome)
+        await resp.write(opened.head)
+        first = time.perf_counter()
+        try:
+            async for data in upstream.content.iter_any():
+                await resp.write(data)
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.metrics.requests.labels(KINDS[endpoint], "client_gone").inc()
+            raise
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:  # tokens went out: no retry
+            outcome = "error"
+            message = f"decode {decode.url} failed mid-stream: {type(e).__name__}"
+            await resp.write(b"data: " + json.dumps(error_body(message, 502)).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+        self.metrics.answered(KINDS[endpoint], outcome, start, first)
         return resp
 
-    def _error(self, endpoint: str, message: str, status: int) -> web.Response:
-        self.metrics.request_done(endpoint, "bad_request" if status < 500 else "error")
+    def _error(self, endpoint: str, message: str, status: int, start: float) -> web.Response:
+        outcome = "bad_request" if status < 500 else "error"
+        self.metrics.answered(KINDS[endpoint], outcome, start)
         return web.json_response(error_body(message, status), status=status)
 
 
-def run_router(
-    prefill_urls: list[str],
-    decode_urls: list[str],
-    host: str,
-    port: int,
-    policy: str,
-    health_interval_s: float = 2.0,
-) -> None:
+def _leave(backend: Backend) -> None:
+    backend.in_flight -= 1
+
+
+async def _closed(task: asyncio.Task) -> None:
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+
+
+def _answer_failure(backend: Backend, status: int, raw: bytes) -> Failure:
+    """An instance's error answer: 4xx relayed as it is, 5xx tried again elsewhere."""
+    text = raw.decode(errors="replace")
+    with contextlib.suppress(ValueError, KeyError, TypeError):
+        text = json.loads(text)["error"]["message"]
+    message = f"{backend.role} {backend.url} failed: {text}"
+    if status < 500:
+        return Failure(status, text, False, backend)
+    return Failure(status if status == 503 else 502, message, True, backend)
+
+
+async def _first_event(upstream: aiohttp.ClientResponse) -> bytes:
+    """The bytes of a stream up to the end of its first event (maybe a few more)."""
+    head = b""
+    while b"\n\n" not in head:
+        chunk = await upstream.content.readany()
+        if not chunk:
+            raise aiohttp.ServerDisconnectedError("the stream ended before its first event")
+        head += chunk
+    return head
+
+
+def _event_error(head: bytes) -> str | None:
+    for line in head.splitlines():
+        if line.startswith(b"data: ") and line != b"data: [DONE]":
+            with contextlib.suppress(ValueError):
+                event = json.loads(line[6:])
+                if isinstance(event, dict) and "error" in event:
+                    return event["error"].get("message", "error")
+    return None
+
+
+def run_router(prefill_urls: list[str], decode_urls: list[str], config: RouterConfig) -> None:
     from dserve.runtime.http_server import run_apps
 
-    router = Router(prefill_urls, decode_urls, policy, health_interval_s)
-    asyncio.run(run_apps([(router.app, host, port)]))
+    router = Router(prefill_urls, decode_urls, config)
+    asyncio.run(run_apps([(router.app, config.host, config.port)]))

@@ -149,6 +149,8 @@ class Request:
     token_logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.perf_counter)
+    scheduled_time: float | None = None
+    """When a step first took it from the queue."""
     first_token_time: float | None = None
     finish_time: float | None = None
     extra_meta: dict = field(default_factory=dict)

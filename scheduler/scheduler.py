@@ -15,6 +15,7 @@ micro-batches (pipeline stages) each step in flight has requests of its own inst
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -102,6 +103,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.status, req.slot = Status.RUNNING, self.free_slots.pop()
+            if req.scheduled_time is None:
+                req.scheduled_time = time.perf_counter()
             self.running.append(req)
             spans.append(span)
             budget -= span.length

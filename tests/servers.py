@@ -235,6 +235,21 @@ def _decode(raw: bytes, content_type: str):
     return json.loads(raw) if content_type == "application/json" else raw.decode()
 
 
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """The value of one sample of a `/metrics` page (parsed by prometheus_client's parser),
+    summed over the samples whose labels include `labels`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = [
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    ]
+    assert values, f"{name} {labels} is not on the page"
+    return sum(values)
+
+
 def wait_for(predicate, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -12,6 +12,7 @@ import aiohttp
 from aiohttp import web
 
 from dserve.runtime.router import SLOW_PROBES_TO_REMOVE, Router
+from dserve.runtime.server_config import RouterConfig
 from tests.servers import free_port
 
 
@@ -50,7 +51,7 @@ def test_slow_gone_and_unhealthy_instances():
         for inst in (prefill, decode):
             await inst.start()
         # probes time out after 1 s
-        router = Router([prefill.url], [decode.url], health_interval_s=0.2)
+        router = Router([prefill.url], [decode.url], RouterConfig(health_interval_s=0.2))
         router.session = aiohttp.ClientSession()
         try:
             await router.check_all()
