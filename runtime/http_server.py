@@ -33,6 +33,7 @@ from dserve.runtime.protocol import (
     stream_piece,
 )
 from dserve.runtime.server_config import ServerConfig
+from dserve.runtime.sglang_compat import drop_no_op_fields, quiet_h2_probes
 from dserve.runtime.startup import listening_socket, stop_signals
 from dserve.runtime.stats import Stats
 from dserve.scheduler.request import SamplingParams
@@ -224,7 +225,7 @@ class Server:
     def _generation(self, kind: str):
         async def handler(request: web.Request) -> web.StreamResponse:
             try:
-                inp = PARSERS[kind](await _read_json(request))
+                inp = PARSERS[kind](drop_no_op_fields(await _read_json(request)))
                 req, start = await self.instance.prepare(inp)
             except (BadRequest, IncompatiblePeer, ValueError) as e:
                 self.metrics.request_done(kind, "bad_request")
@@ -373,6 +374,7 @@ def serve(model_path: str, config: ServerConfig, **engine_kwargs) -> None:
         sockets.append(listening_socket(config.host, config.bootstrap_port, "the bootstrap server"))
     metrics = InstanceMetrics()
     server = Server(config, metrics)
+    quiet_h2_probes()
     asyncio.run(_serve(server, sockets, model_path, config, metrics, engine_kwargs))
 
 

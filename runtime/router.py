@@ -37,6 +37,7 @@ from dserve.runtime.metrics import CONTENT_TYPE, RouterMetrics
 from dserve.runtime.protocol import PARSERS, error_body
 from dserve.runtime.router_policy import Backend, Breaker, Picker, prompt_blocks
 from dserve.runtime.server_config import RouterConfig
+from dserve.runtime.sglang_compat import drop_no_op_fields
 from dserve.scheduler.request import SamplingParams
 
 log = logging.getLogger("dserve.router")
@@ -70,7 +71,7 @@ class Opened:
 def check_body(endpoint: str, body: dict) -> None:
     """What can be checked without the model: the body as an instance parses it, and the sampling
     values (types and ranges); raises ValueError (the protocol's BadRequest) naming the field."""
-    clean = {k: v for k, v in body.items() if k not in BOOTSTRAP_FIELDS}
+    clean = {k: v for k, v in drop_no_op_fields(body).items() if k not in BOOTSTRAP_FIELDS}
     inp = PARSERS[KINDS[endpoint]](clean)
     SamplingParams.from_dict(dict(inp.sampling)).validate(ANY_VOCABULARY)
 

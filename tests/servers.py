@@ -75,7 +75,15 @@ atexit.register(_kill_leftovers)
 
 
 class Proc:
-    def __init__(self, args: list[str], log_path: str, port: int, env: dict | None = None):
+    def __init__(
+        self,
+        args: list[str],
+        log_path: str,
+        port: int,
+        env: dict | None = None,
+        command: tuple[str, ...] = ("-m", "dserve.runtime.cli"),
+    ):
+        """`command`: what runs with `args`, after the Python interpreter."""
         self.args, self.log_path, self.port = args, log_path, port
         self.url = f"http://127.0.0.1:{port}"
         env = {
@@ -86,7 +94,7 @@ class Proc:
         }
         self.log = open(log_path, "w")  # noqa: SIM115 - open as long as the server runs
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "dserve.runtime.cli", *args],
+            [sys.executable, *command, *args],
             stdout=self.log,
             stderr=subprocess.STDOUT,
             env=env,
