@@ -2,13 +2,20 @@
 
     python -m bench.serving --url http://127.0.0.1:30000 --dataset random --num-prompts 200 \\
         --input-len 512 --output-len 128 --request-rate 8
-    python -m bench.serving --url ... --dataset fixed --max-concurrency 16
+    python -m bench.serving --url ... --dataset fixed --max-concurrency 16 \\
+        --endpoint /v1/chat/completions
 
-Requests are streamed (`/generate` with input_ids, or `/v1/completions` with `--endpoint`), each with
-`ignore_eos` so it runs to its output length. `random`: lengths uniform in [ratio*len, len]; `fixed`:
-exactly len. Arrivals are Poisson at `--request-rate` (inf: all at once), optionally capped at
-`--max-concurrency` in flight. Prints TTFT / ITL / E2E percentiles and throughput, writes JSON and a
-PNG (latency CDFs and TTFT over the run) when matplotlib is installed (`pip install -e .[bench]`).
+Requests are streamed to `/generate` (input_ids), `/v1/completions` (a prompt of token ids) or
+`/v1/chat/completions` (a user message of words, as the chat route takes text), each with
+`ignore_eos` so it runs to its output length. Tokens are counted as the server counts them:
+`/generate` events carry their token ids; the OpenAI routes are asked for usage
+(`stream_options.include_usage`) and their last chunk's usage is the count (an event may carry
+several tokens, e.g. with speculative decoding). `random`: lengths uniform in [ratio*len, len];
+`fixed`: exactly len. Arrivals are Poisson at `--request-rate` (inf: all at once), optionally
+capped at `--max-concurrency` in flight. Prints SGLang bench_serving's figures (request, input,
+output and total token throughput, concurrency; E2E, TTFT, TPOT and ITL mean / median / p95 /
+p99), writes JSON and a PNG (latency CDFs and TTFT over the run; matplotlib comes with
+`make install`).
 """
 
 from __future__ import annotations
@@ -21,6 +28,9 @@ import random
 import time
 
 import aiohttp
+
+ENDPOINTS = ("/generate", "/v1/completions", "/v1/chat/completions")
+WORDS = ("the", "a", "serving", "engine", "splits", "prefill", "and", "decode", "into", "pages")
 
 
 def make_requests(args) -> list[tuple[list[int], int]]:
@@ -36,24 +46,54 @@ def make_requests(args) -> list[tuple[list[int], int]]:
     return out
 
 
-async def one(session, args, ids: list[int], n_out: int) -> dict:
+def request_body(args, ids: list[int], n_out: int) -> dict:
     if args.endpoint == "/generate":
-        body = {
-            "input_ids": ids,
-            "stream": True,
-            "sampling_params": {"max_new_tokens": n_out, "temperature": 0, "ignore_eos": True},
-        }
-    else:
-        body = {
-            "prompt": ids,
-            "max_tokens": n_out,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-            "model": args.model,
-        }
+        params = {"max_new_tokens": n_out, "temperature": 0, "ignore_eos": True}
+        return {"input_ids": ids, "stream": True, "sampling_params": params}
+    body = {
+        "max_tokens": n_out,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "model": args.model,
+    }
+    if args.endpoint == "/v1/completions":
+        return {**body, "prompt": ids}
+    text = " ".join(WORDS[t % len(WORDS)] for t in ids)  # about one token a word
+    return {**body, "messages": [{"role": "user", "content": text}]}
+
+
+class Counts:
+    """A stream's token counts: token ids seen, and the usage the server reported."""
+
+    def __init__(self):
+        self.seen, self.usage = 0, None
+
+    def event(self, event: dict) -> bool:
+        """Take one event; whether it brought output (a token or text)."""
+        if event.get("usage"):
+            self.usage = event["usage"]
+        if "output_ids" in event:  # /generate: the new token ids
+            self.seen += len(event["output_ids"])
+            if event.get("meta_info"):
+                meta = event["meta_info"]
+                self.usage = {k: meta[k] for k in ("prompt_tokens", "completion_tokens")}
+            return bool(event["output_ids"])
+        choice = (event.get("choices") or [{}])[0]
+        text = choice.get("text") or (choice.get("delta") or {}).get("content")
+        self.seen += bool(text)
+        return bool(text)
+
+    @property
+    def output(self) -> int:
+        return self.usage["completion_tokens"] if self.usage else self.seen
+
+
+async def one(session, args, ids: list[int], n_out: int) -> dict:
+    body = request_body(args, ids, n_out)
     start = time.perf_counter()
-    stamps, tokens, error = [], 0, None
+    stamps, counts, error = [], Counts(), None
     try:
         async with session.post(args.url + args.endpoint, json=body) as r:
             if r.status != 200:
@@ -67,25 +107,25 @@ async def one(session, args, ids: list[int], n_out: int) -> dict:
                     if "error" in event:
                         error = event["error"]["message"]
                         break
-                    n = (
-                        len(event["output_ids"])
-                        if "output_ids" in event
-                        else (1 if event["choices"][0].get("text") else 0)
-                    )
-                    if n:
+                    if counts.event(event):
                         stamps.append(time.perf_counter())
-                        tokens += n
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         error = f"{type(e).__name__}: {e}"
     end = time.perf_counter()
     itl = [b - a for a, b in zip(stamps, stamps[1:])]
+    ttft = (stamps[0] - start) if stamps else None
+    output = counts.output
+    tpot = None
+    if ttft is not None and output > 1:
+        tpot = (end - start - ttft) / (output - 1)
     return {
         "start": start,
-        "ttft": (stamps[0] - start) if stamps else None,
+        "ttft": ttft,
         "itl": itl,
+        "tpot": tpot,
         "e2e": end - start,
-        "input_len": len(ids),
-        "output_tokens": tokens,
+        "input_len": counts.usage["prompt_tokens"] if counts.usage else len(ids),
+        "output_tokens": output,
         "error": error,
     }
 
@@ -98,6 +138,9 @@ async def run(args) -> list[dict]:
     async with aiohttp.ClientSession(
         timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
     ) as session:
+        if args.endpoint != "/generate" and args.model is None:
+            async with session.get(args.url + "/v1/models") as r:
+                args.model = (await r.json())["data"][0]["id"]
 
         async def gated(ids, n_out):
             async with limit:
@@ -116,25 +159,35 @@ def percentiles(values: list[float]) -> dict:
         return {}
     values = sorted(values)
     pick = lambda q: values[min(len(values) - 1, int(q * len(values)))]
+    mean = sum(values) / len(values)
     return {
-        "mean": sum(values) / len(values),
+        "mean": mean,
+        "median": pick(0.5),
         "p50": pick(0.5),
         "p90": pick(0.9),
+        "p95": pick(0.95),
         "p99": pick(0.99),
+        "std": (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5,
     }
 
 
 def summarize(results: list[dict], wall: float) -> dict:
     ok = [r for r in results if r["error"] is None]
     out_tokens = sum(r["output_tokens"] for r in ok)
+    in_tokens = sum(r["input_len"] for r in ok)
     return {
         "requests": len(results),
         "failed": len(results) - len(ok),
         "duration_s": wall,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
         "request_throughput": len(ok) / wall,
+        "input_token_throughput": in_tokens / wall,
         "output_token_throughput": out_tokens / wall,
-        "input_token_throughput": sum(r["input_len"] for r in ok) / wall,
+        "total_token_throughput": (in_tokens + out_tokens) / wall,
+        "concurrency": sum(r["e2e"] for r in ok) / wall,
         "ttft_s": percentiles([r["ttft"] for r in ok if r["ttft"] is not None]),
+        "tpot_s": percentiles([r["tpot"] for r in ok if r["tpot"] is not None]),
         "itl_s": percentiles([x for r in ok for x in r["itl"]]),
         "e2e_s": percentiles([r["e2e"] for r in ok]),
         "errors": sorted({r["error"] for r in results if r["error"]})[:5],
@@ -142,19 +195,27 @@ def summarize(results: list[dict], wall: float) -> dict:
 
 
 def print_table(summary: dict) -> None:
-    print(
-        f"requests {summary['requests']} (failed {summary['failed']}) in {summary['duration_s']:.2f}s: "
-        f"{summary['request_throughput']:.2f} req/s, {summary['output_token_throughput']:.1f} output tok/s"
-    )
-    print(f"{'metric (ms)':<12} {'mean':>9} {'p50':>9} {'p90':>9} {'p99':>9}")
-    for name in ("ttft_s", "itl_s", "e2e_s"):
-        p = summary[name]
+    s = summary
+    rows = [
+        ("Successful requests", f"{s['requests'] - s['failed']} of {s['requests']}"),
+        ("Benchmark duration (s)", f"{s['duration_s']:.2f}"),
+        ("Total input tokens", s["total_input_tokens"]),
+        ("Total generated tokens", s["total_output_tokens"]),
+        ("Request throughput (req/s)", f"{s['request_throughput']:.2f}"),
+        ("Input token throughput (tok/s)", f"{s['input_token_throughput']:.2f}"),
+        ("Output token throughput (tok/s)", f"{s['output_token_throughput']:.2f}"),
+        ("Total token throughput (tok/s)", f"{s['total_token_throughput']:.2f}"),
+        ("Concurrency", f"{s['concurrency']:.2f}"),
+    ]
+    for name, value in rows:
+        print(f"{name:<34} {value:>12}")
+    print(f"{'latency (ms)':<12} {'mean':>9} {'median':>9} {'p95':>9} {'p99':>9}")
+    for name in ("e2e_s", "ttft_s", "tpot_s", "itl_s"):
+        p = s[name]
         if p:
-            print(
-                f"{name[:-2]:<12} "
-                + " ".join(f"{p[k] * 1e3:>9.2f}" for k in ("mean", "p50", "p90", "p99"))
-            )
-    for e in summary["errors"]:
+            figures = " ".join(f"{p[k] * 1e3:>9.2f}" for k in ("mean", "median", "p95", "p99"))
+            print(f"{name[:-2].upper():<12} {figures}")
+    for e in s["errors"]:
         print("error:", e)
 
 
@@ -191,8 +252,12 @@ def plot(results: list[dict], path: str) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", required=True)
-    parser.add_argument("--endpoint", default="/generate", choices=["/generate", "/v1/completions"])
-    parser.add_argument("--model", default="default", help="model name for /v1/completions")
+    parser.add_argument("--endpoint", default="/generate", choices=ENDPOINTS)
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="model name for the OpenAI routes (default: the server's first in /v1/models)",
+    )
     parser.add_argument("--dataset", default="random", choices=["random", "fixed"])
     parser.add_argument("--num-prompts", type=int, default=100)
     parser.add_argument("--input-len", type=int, default=256)

@@ -41,34 +41,27 @@ def test_kv_transfer_benchmark(tmp_path):
 
 
 def test_serving_benchmark_against_a_server(tiny_dir, tmp_path):
+    """Every endpoint counts every token (each request asks for 6), and the summary has SGLang
+    bench_serving's figures."""
     server = start_instance("serve", tiny_dir("deepseek_v3"), tmp_path).wait_ready()
     try:
-        out = tmp_path / "serving.json"
-        cmd = [
-            sys.executable,
-            "-m",
-            "bench.serving",
-            "--url",
-            server.url,
-            "--num-prompts",
-            "8",
-            "--input-len",
-            "24",
-            "--output-len",
-            "6",
-            "--max-concurrency",
-            "4",
-            "--dataset",
-            "fixed",
-            "--out",
-            str(out),
-        ]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr[-2000:]
-        summary = json.loads(out.read_text())["summary"]
-        assert summary["failed"] == 0 and summary["requests"] == 8
-        assert summary["output_token_throughput"] > 0 and summary["ttft_s"]["p50"] > 0
-        assert all(r["output_tokens"] == 6 for r in json.loads(out.read_text())["requests"])
+        for endpoint in ("/generate", "/v1/completions", "/v1/chat/completions"):
+            out = tmp_path / "serving.json"
+            cmd = [sys.executable, "-m", "bench.serving", "--url", server.url]
+            cmd += ["--endpoint", endpoint, "--num-prompts", "8", "--input-len", "24"]
+            cmd += ["--output-len", "6", "--max-concurrency", "4", "--dataset", "fixed"]
+            done = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True)
+            assert done.returncode == 0, done.stderr[-2000:]
+            report = json.loads(out.read_text())
+            summary = report["summary"]
+            assert summary["failed"] == 0 and summary["requests"] == 8, summary
+            assert all(r["output_tokens"] == 6 for r in report["requests"]), endpoint
+            assert summary["total_output_tokens"] == 48
+            assert summary["total_token_throughput"] > summary["output_token_throughput"] > 0
+            assert summary["ttft_s"]["median"] > 0 and summary["tpot_s"]["mean"] > 0
+            assert summary["itl_s"]["p95"] > 0 and summary["itl_s"]["p99"] > 0
+            assert "TPOT" in done.stdout and "Total token throughput" in done.stdout
+            assert (tmp_path / "serving.png").exists(), "matplotlib comes with make install"
     finally:
         server.stop()
 
