@@ -59,7 +59,7 @@ Once upon a time there was a small model that wanted to be exactly like its refe
 """
 
 
-def train_tokenizer(vocab_size: int):
+def train_tokenizer(vocab_size: int, corpus: str = CORPUS):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -72,7 +72,7 @@ def train_tokenizer(vocab_size: int):
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator([CORPUS] * 4, trainer)
+    tok.train_from_iterator([corpus] * 4, trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<|begin_of_text|>",

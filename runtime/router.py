@@ -178,8 +178,12 @@ class Router:
         backend = self.pick("decode")
         if backend is None:
             return web.json_response(error_body("no healthy decode instance", 503), status=503)
-        async with self.session.get(backend.url + "/v1/models") as r:
-            return web.json_response(await r.json(), status=r.status)
+        try:
+            async with self.session.get(backend.url + "/v1/models") as r:
+                return web.json_response(await r.json(), status=r.status)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            failure = self._lost(backend, e)
+            return web.json_response(error_body(failure.message, 502), status=502)
 
     async def metrics_text(self, _: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})

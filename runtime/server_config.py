@@ -61,7 +61,7 @@ class RouterConfig:
     health_interval_s: float = 2.0
     """Seconds between health probes of each instance."""
     request_timeout_s: float = 3600.0
-    """A request (all its tries) ends with an error after this long."""
+    """A try that takes longer (from sending to the end of the answer) fails."""
     max_request_bytes: int = 4 * 2**20
     """Larger bodies get HTTP 400."""
     retry_max_retries: int = 3
