@@ -42,6 +42,7 @@ from dserve.scheduler.request import SamplingParams
 
 log = logging.getLogger("dserve.router")
 SLOW_PROBES_TO_REMOVE = 3
+BLAME_GRACE_S = 1.0  # how long a failed decode waits to learn whether its prefill failed
 KINDS = {"/generate": "generate", "/v1/completions": "completions", "/v1/chat/completions": "chat"}
 BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 ANY_VOCABULARY = 2**62  # the router does not know the model: token ids are the instance's to check
@@ -56,6 +57,7 @@ class Failure:
     message: str
     retry: bool
     backend: Backend | None = None
+    lost: bool = False  # the connection failed (not an answer)
 
 
 @dataclass
@@ -256,13 +258,17 @@ class Router:
             await _closed(decode_task)
 
     async def _settle(self, prefill_task, decode_task) -> Opened | Failure:
-        """The decode's opened answer, unless either side failed first."""
+        """The decode's opened answer, unless either side failed first. A decode that answers
+        with an error first may have failed for its prefill (which it reaches for the KV): the
+        prefill has a moment to say so, and takes the blame if it failed too."""
         await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
         if prefill_task.done() and prefill_task.result() is not None:
             return prefill_task.result()
         opened = await decode_task
-        if isinstance(opened, Failure) and prefill_task.done() and prefill_task.result():
-            return prefill_task.result()  # the prefill's failure caused the decode's
+        if isinstance(opened, Failure) and not opened.lost:
+            await asyncio.wait({prefill_task}, timeout=BLAME_GRACE_S)
+            if prefill_task.done() and prefill_task.result() is not None:
+                return prefill_task.result()
         return opened
 
     def _blame(self, failure: Failure) -> None:
@@ -323,7 +329,7 @@ class Router:
             log.warning("%s is out of rotation (%s)", backend.url, type(error).__name__)
         backend.healthy = False
         message = f"{backend.role} {backend.url} failed: {type(error).__name__}: {error}"
-        return Failure(502, message, True, backend)
+        return Failure(502, message, True, backend, lost=True)
 
     async def _relay(
         self, request, endpoint: str, opened: Opened, decode: Backend, start: float

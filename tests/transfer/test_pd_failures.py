@@ -32,13 +32,14 @@ def ask(url: str, ids: list[int], **params) -> tuple[int, dict]:
 
 
 def test_injected_transfer_failures(tiny_dir, tmp_path):
-    """Half the rooms fail on the prefill's side: with the router's retries off, those requests
-    get HTTP 500 naming the failure, the others succeed, and no page stays held on either side."""
+    """Half the rooms fail on the prefill's side: with the router's retries and circuit breaker
+    off, those requests get HTTP 500 naming the failure, the others succeed, and no page stays
+    held on either side."""
     cluster = start_cluster(
         tiny_dir("deepseek_v3"),
         tmp_path,
         ["--transfer-fail-rate", "0.5"],
-        router_args=["--retry-max-retries", "0"],
+        router_args=["--retry-max-retries", "0", "--cb-failure-threshold", "100"],
     )
     try:
         with ThreadPoolExecutor(8) as pool:
