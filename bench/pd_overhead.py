@@ -8,7 +8,9 @@ decode` + `dserve router`) on the same device(s), per prompt length, and their r
 
 Without `--model-path` the model is DeepSeek-V3-shaped with random weights (`--load-format
 dummy`, `bench.spec_verify.deepseek_v3_config_dir`). The colocated instance runs first, alone,
-then the pair; each serves two warm-up requests per length before the timed ones (streamed
+then the pair; every instance gets a KV pool of `--max-total-tokens` 4 x the longest prompt +
+8192 unless `--server-args` says otherwise (so instances sharing a GPU all fit); each serves
+two warm-up requests per length before the timed ones (streamed
 `/generate`, `ignore_eos`, random tokens, greedy, `--max-concurrency 1` as `bench.serving` would
 run them). Prints a table (p50 / p99 of TTFT and ITL, ms), writes JSON and, with matplotlib, a
 PNG of the TTFT ratio by length. The issue's goal: disaggregated TTFT <= 1.05x colocated at 1k,
@@ -62,7 +64,11 @@ class Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.popen.poll() is not None:
-                raise RuntimeError(f"{self.popen.args[3]} exited; see {self.log.name}")
+                self.log.flush()
+                with open(self.log.name) as f:
+                    tail = f.read()[-3000:]
+                what = self.popen.args[3]
+                raise RuntimeError(f"{what} exited; {self.log.name} ends:\n{tail}")
             health = self.url + "/health"
             with contextlib.suppress(OSError), urllib.request.urlopen(health, timeout=2) as r:
                 if r.status == 200:
@@ -140,7 +146,10 @@ def model_flags(args) -> list[str]:
 
         path, dummy = deepseek_v3_config_dir(args.layers, args.experts), ["--load-format", "dummy"]
     flags = ["--model", path, *dummy, "--device", args.device, "--no-load-progress"]
-    return flags + args.server_args.split()
+    extra = args.server_args.split()
+    if "--max-total-tokens" not in extra:  # a fixed pool: instances sharing a GPU all fit
+        flags += ["--max-total-tokens", str(4 * max(args.lengths) + 8192)]
+    return flags + extra
 
 
 def table(rows: list[dict]) -> None:
