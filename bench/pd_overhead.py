@@ -27,6 +27,7 @@ import os
 import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -134,8 +135,39 @@ async def measure(url: str, args) -> dict:
             out[length] = {
                 "ttft_s": percentiles([r["ttft"] for r in results]),
                 "itl_s": percentiles([x for r in results for x in r["itl"]]),
+                "timeline_ms": median_marks(results),
             }
     return out
+
+
+MARKS = (  # pd_timeline_ms in the order a request meets them
+    "prefill_arrival",
+    "registered",
+    "prefill_registered",
+    "prefill_computed",
+    "prefill_push",
+    "received",
+    "joined",
+)
+
+
+def median_marks(results: list[dict]) -> dict:
+    """Per mark of the decode's `pd_timeline_ms` (ms after the decode got the request), the
+    median over the requests; {} for a colocated instance."""
+    lines = [(r["meta"] or {}).get("pd_timeline_ms") for r in results]
+    lines = [x for x in lines if x]
+    keys = [k for k in MARKS if lines and all(k in x for x in lines)]
+    return {k: statistics.median(x[k] for x in lines) for k in keys}
+
+
+def timeline_table(results: dict, lengths: list[int]) -> None:
+    """Where a disaggregated request's time to first token goes."""
+    print("disaggregated, ms after the decode instance got the request (median):")
+    print(f"{'len':>6} " + " ".join(f"{k:>18}" for k in MARKS))
+    for length in lengths:
+        marks = results["disaggregated"][length]["timeline_ms"]
+        cells = " ".join(f"{marks.get(k, float('nan')):>18.2f}" for k in MARKS)
+        print(f"{length:>6} {cells}")
 
 
 def model_flags(args) -> list[str]:
@@ -175,6 +207,7 @@ def rows_of(results: dict, lengths: list[int]) -> list[dict]:
                 row[f"itl_{name}_{q}"] = 1e3 * got["itl_s"].get(q, 0.0)
         row["ttft_ratio"] = row["ttft_pd_p50"] / row["ttft_co_p50"]
         row["itl_ratio"] = row["itl_pd_p50"] / max(row["itl_co_p50"], 1e-9)
+        row["pd_timeline_ms"] = pd["timeline_ms"]
         rows.append(row)
     return rows
 
@@ -231,6 +264,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     s.stop()
     rows = rows_of(results, args.lengths)
     table(rows)
+    timeline_table(results, args.lengths)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         meta = {k: v for k, v in vars(args).items() if k != "out"}

@@ -53,7 +53,7 @@ async def one(session, args, ids: list[int], n_out: int) -> dict:
             "model": args.model,
         }
     start = time.perf_counter()
-    stamps, tokens, error = [], 0, None
+    stamps, tokens, error, meta = [], 0, None, None
     try:
         async with session.post(args.url + args.endpoint, json=body) as r:
             if r.status != 200:
@@ -67,6 +67,7 @@ async def one(session, args, ids: list[int], n_out: int) -> dict:
                     if "error" in event:
                         error = event["error"]["message"]
                         break
+                    meta = event.get("meta_info") or meta
                     n = (
                         len(event["output_ids"])
                         if "output_ids" in event
@@ -87,6 +88,7 @@ async def one(session, args, ids: list[int], n_out: int) -> dict:
         "input_len": len(ids),
         "output_tokens": tokens,
         "error": error,
+        "meta": meta,
     }
 
 
