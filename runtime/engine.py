@@ -87,6 +87,7 @@ class Engine:
             self.speculation,
             overlap=not c.disable_overlap_schedule,
             pipelined=pipelined,
+            eos_ids=frozenset(self.eos_token_ids),
         )
         self.in_flight: deque[LaunchedStep] = deque()
         self.depth = micro_batches if pipelined else 1 + (not c.disable_overlap_schedule)
@@ -212,7 +213,9 @@ class Engine:
 
     def _check_finish(self, req: Request, token: int) -> None:
         p = req.params
-        matched = self.trackers[req.rid].update() if p.stop else None
+        matched = None
+        if p.stop and len(req.output_ids) >= p.min_new_tokens:
+            matched = self.trackers[req.rid].update()
         scheduler = self._scheduler(req)
         if req.rid in self.keep_pages:  # prefill: the first token ends it; its pages wait
             self.keep_pages.discard(req.rid)

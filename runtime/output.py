@@ -80,6 +80,8 @@ class TextTracker:
         if not hits:
             return None
         index, matched = min(hits)
+        if self.req.params.no_stop_trim:
+            index += len(matched)
         self.decoded, self.stopped = self.decoded[:index], True
         return matched
 

@@ -25,6 +25,9 @@ class NewRequest:
     """Its prompt and the tokens generated so far."""
     prompt_len: int
     params: SamplingParams
+    end_ids: tuple[int, ...] = ()
+    """With `min_new_tokens`: the ids that would end it (EOS unless ignored, its stop token
+    ids), masked out until it has that many tokens."""
 
 
 @dataclass(frozen=True)

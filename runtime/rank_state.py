@@ -27,6 +27,8 @@ class RankRequest:
     params: SamplingParams
     awaiting: int = 0
     """Tokens that steps in flight sampled for it, on the device only so far."""
+    end_ids: tuple[int, ...] = ()
+    """Masked out while it has fewer than `min_new_tokens` outputs (`NewRequest.end_ids`)."""
 
     @property
     def all_ids(self) -> list[int]:
@@ -63,7 +65,7 @@ class RankRequest:
 
     @classmethod
     def create(cls, new: NewRequest) -> RankRequest:
-        return cls(new.slot, list(new.token_ids), new.prompt_len, new.params)
+        return cls(new.slot, list(new.token_ids), new.prompt_len, new.params, end_ids=new.end_ids)
 
 
 class PageTables:

@@ -29,6 +29,14 @@ class SamplingParams:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     skip_special_tokens: bool = True
+    min_new_tokens: int = 0
+    """No end (EOS, stop token ids, stop strings) before this many tokens; the ids that end
+    it are masked out until then."""
+    no_stop_trim: bool = False
+    """Keep the matched stop string at the end of the text."""
+    logit_bias: dict | None = None
+    """Token id (an int or its string, as OpenAI sends it) -> a value in [-100, 100] added to
+    its logit before sampling."""
 
     @classmethod
     def from_dict(cls, values: dict) -> "SamplingParams":
@@ -49,14 +57,22 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
     @property
+    def bias(self) -> list[tuple[int, float]]:
+        """`logit_bias` as (token id, value) pairs."""
+        return [(int(k), float(v)) for k, v in (self.logit_bias or {}).items()]
+
+    @property
     def takes_drafts(self) -> bool:
         """Speculation: whether a token's processing is independent of the tokens before it in the
-        step (no penalties) and nothing per token is reported (no logprobs)."""
+        step (no penalties), the target's distribution is the model's own (no bias, no masks) and
+        nothing per token is reported (no logprobs)."""
         return (
             not self.return_logprob
             and self.repetition_penalty == 1.0
             and not self.frequency_penalty
             and not self.presence_penalty
+            and not self.logit_bias
+            and not self.min_new_tokens
         )
 
     def validate(self, vocab_size: int) -> None:
@@ -109,6 +125,27 @@ class SamplingParams:
             all(isinstance(t, int) and 0 <= t < vocab_size for t in ids),
             f"stop_token_ids must be token ids in [0, {vocab_size})",
         )
+        check(
+            isinstance(self.min_new_tokens, int) and self.min_new_tokens >= 0,
+            f"min_new_tokens must be an integer >= 0, got {self.min_new_tokens!r}",
+        )
+        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim", "return_logprob"):
+            value = getattr(self, name)
+            check(isinstance(value, bool), f"{name} must be true or false, got {value!r}")
+        _check_bias(self.logit_bias, vocab_size)
+
+
+def _check_bias(bias, vocab_size: int) -> None:
+    if bias is None:
+        return
+    if not isinstance(bias, dict):
+        raise ValueError("logit_bias must be an object of token id -> bias")
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.isdigit() else key
+        if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab_size:
+            raise ValueError(f"logit_bias: {key!r} is not a token id in [0, {vocab_size})")
+        if not _number(value) or not -100 <= value <= 100:
+            raise ValueError(f"logit_bias: the bias of {key} must be in [-100, 100]")
 
 
 def _number(value: object) -> bool:

@@ -195,3 +195,26 @@ def test_bad_sampling_params_are_rejected(bad, message):
 def test_unknown_sampling_field_is_rejected():
     with pytest.raises(ValueError, match="unknown sampling parameter.*temprature"):
         SamplingParams.from_dict({"temprature": 0.5})
+
+
+def test_logit_bias_min_new_tokens_and_no_stop_trim(tiny_dir, make_engine):
+    """A +100 bias forces a token (greedy and drawn on the device alike); `min_new_tokens` masks
+    the ids that would end the request until it has that many; `no_stop_trim` keeps the stop."""
+    engine = make_engine(tiny_dir("deepseek_v3"))
+    eos = engine.tokenizer.eos_token_id
+    to_eos = {str(eos): 100}
+    forced = engine.generate("hello", sampling_params=dict(max_new_tokens=6, logit_bias=to_eos))
+    assert forced.output_ids == [eos] and forced.finish_reason == "stop"
+    params = dict(temperature=0, max_new_tokens=9, logit_bias=to_eos, min_new_tokens=3)
+    later = engine.generate("hello", sampling_params=params)
+    assert later.output_ids[3] == eos and eos not in later.output_ids[:3]
+    assert later.finish_reason == "stop" and len(later.output_ids) == 4
+    plain = engine.generate("hello", sampling_params=dict(temperature=0, max_new_tokens=9))
+    assert later.output_ids[:3] == plain.output_ids[:3]  # the mask moved nothing else
+    free = dict(temperature=0, max_new_tokens=12, ignore_eos=True)
+    text = engine.generate("tell me", sampling_params=free).text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    cut = engine.generate("tell me", sampling_params=dict(free, stop=stop))
+    kept = engine.generate("tell me", sampling_params=dict(free, stop=stop, no_stop_trim=True))
+    assert kept.text == cut.text + stop and kept.text.startswith(text[: len(kept.text)])
+    assert not cut.text.endswith(stop)
