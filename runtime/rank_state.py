@@ -126,7 +126,9 @@ class RankSpan:
     row: int
     """Its first token's row in the pass."""
     logits_row: int
-    """Its first row in the pass's logits (when it has any)."""
+    """Its first row in the pass's logits that samples or verifies (when it has any)."""
+    input_rows: range = range(0)
+    """Its positions whose logits give prompt logprobs: the rows just before `logits_row`."""
     path: list[int] | None = None
     """Verified: the accepted draft nodes, root first."""
     emitted: list[int] | None = None

@@ -28,6 +28,15 @@ class ServerConfig:
     """Larger bodies get HTTP 400 (413)."""
     transfer_fail_rate: float = 0.0
     """TEST ONLY: fraction of rooms whose KV sending fails on purpose."""
+    reasoning_parser: str | None = None
+    """Split a chat answer's reasoning into `reasoning_content`: `deepseek-r1` or `glm45`."""
+    tool_call_parser: str | None = None
+    """Read tool calls in the model's own format from a chat answer: `deepseekv3` or `glm45`."""
+    chat_template: str | None = None
+    """A Jinja chat template file (or the template itself) used instead of the checkpoint's."""
+    incremental_streaming_output: bool = False
+    """/generate streams only what is new in each event (default: the whole text so far, as
+    SGLang does)."""
 
     def __post_init__(self) -> None:
         if self.role not in ("colocated", "prefill", "decode"):

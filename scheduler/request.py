@@ -14,7 +14,8 @@ from dataclasses import dataclass, field, fields
 
 @dataclass
 class SamplingParams:
-    max_new_tokens: int = 128
+    max_new_tokens: int | None = 128
+    """None: as many as the model's context leaves after the prompt."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -34,6 +35,9 @@ class SamplingParams:
     it are masked out until then."""
     no_stop_trim: bool = False
     """Keep the matched stop string at the end of the text."""
+    logprob_start_len: int = -1
+    """With `return_logprob`: also the logprobs of the prompt's tokens from this position on
+    (-1: none). The prefix cache serves none of the positions they are computed at."""
     logit_bias: dict | None = None
     """Token id (an int or its string, as OpenAI sends it) -> a value in [-100, 100] added to
     its logit before sampling."""
@@ -55,6 +59,21 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def input_logprobs_from(self) -> int | None:
+        """The first prompt position whose logprob is asked for (None: none)."""
+        if not self.return_logprob or self.logprob_start_len < 0:
+            return None
+        return self.logprob_start_len
+
+    def input_rows(self, prompt_len: int, start: int, end: int) -> range:
+        """Of positions [start, end), those whose logits give a prompt token's logprob (the
+        token after them; the prompt's last position samples instead)."""
+        first = self.input_logprobs_from
+        if first is None:
+            return range(0)
+        return range(max(start, first - 1, 0), min(end, prompt_len - 1))
 
     @property
     def bias(self) -> list[tuple[int, float]]:
@@ -81,7 +100,8 @@ class SamplingParams:
                 raise ValueError(message)
 
         check(
-            isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
+            self.max_new_tokens is None
+            or (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1),
             f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}",
         )
         check(
@@ -124,6 +144,10 @@ class SamplingParams:
         check(
             all(isinstance(t, int) and 0 <= t < vocab_size for t in ids),
             f"stop_token_ids must be token ids in [0, {vocab_size})",
+        )
+        check(
+            isinstance(self.logprob_start_len, int) and self.logprob_start_len >= -1,
+            f"logprob_start_len must be -1 or a prompt position, got {self.logprob_start_len!r}",
         )
         check(
             isinstance(self.min_new_tokens, int) and self.min_new_tokens >= 0,
@@ -185,6 +209,10 @@ class Request:
     error: str | None = None
     token_logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    input_logprobs: list[float | None] = field(default_factory=list)
+    """With `logprob_start_len`: per prompt position from there, its token's logprob (None for
+    the first token, which nothing predicts)."""
+    input_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -210,6 +238,13 @@ class Request:
     def num_total_tokens(self) -> int:
         """Tokens it will have once the steps in flight report: what scheduling counts."""
         return self.num_tokens + self.num_pending_tokens
+
+    @property
+    def prefix_limit(self) -> int:
+        """How many of its first tokens the prefix cache may serve: all, or with prompt
+        logprobs those before the first position they are computed at."""
+        rows = self.params.input_rows(len(self.prompt_ids), 0, len(self.prompt_ids))
+        return rows.start + 1 if rows else self.num_tokens
 
     @property
     def finished(self) -> bool:

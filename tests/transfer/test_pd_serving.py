@@ -50,7 +50,7 @@ def test_generate_matches_colocated_and_transformers(cluster, prompts, make_engi
 
 def test_generate_stream_matches(cluster, prompts, make_engine):
     events = stream(cluster.url + "/generate", {"input_ids": prompts[2], "sampling_params": GREEDY})
-    tokens = [t for e in events for t in e["output_ids"]]
+    tokens = events[-1]["output_ids"]  # each event has the whole output so far
     assert (
         tokens
         == make_engine(cluster.model)
@@ -127,4 +127,28 @@ def test_openai_client_against_router(cluster, make_engine):
         extra_body={"ignore_eos": True},
     )
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == chat_expected.text
+    assert_all_pages_free(cluster.prefill, cluster.decode)
+
+
+def test_batch_n_and_logprobs_through_the_pair(cluster, prompts, make_engine):
+    """A batch with n choices each (a room per engine request) and logprobs of the prompt and
+    the output (the prompt's ride in the room's control record): as colocated."""
+    engine = make_engine(cluster.model)
+    params = dict(GREEDY, max_new_tokens=4, return_logprob=True, top_logprobs_num=2)
+    params["logprob_start_len"] = 3
+    want = engine.generate(input_ids=prompts[:2], sampling_params=params)
+    body = {"input_ids": prompts[:2], "sampling_params": dict(GREEDY, max_new_tokens=4, n=2)}
+    body.update(return_logprob=True, top_logprobs_num=2, logprob_start_len=3)
+    status, answers = post(cluster.url + "/generate", body)
+    assert status == 200, answers
+    for k, answer in enumerate(answers):
+        local = want[k // 2]
+        assert answer["output_ids"] == local.output_ids
+        meta = answer["meta_info"]
+        for name in ("input_token_logprobs", "output_token_logprobs"):
+            got = [(lp, t) for lp, t, _ in meta[name]]
+            assert [t for _, t in got] == [t for _, t in local.meta[name]]
+            assert [lp for lp, _ in got][1:] == pytest.approx(
+                [lp for lp, _ in local.meta[name]][1:], abs=1e-4
+            )
     assert_all_pages_free(cluster.prefill, cluster.decode)
