@@ -22,7 +22,8 @@ import torch
 
 from dserve.runtime.config import EngineConfig
 from dserve.runtime.executor import RankFailure, make_executor
-from dserve.runtime.intake import as_params, batch_inputs, load_tokenizer, prompt_ids
+from dserve.runtime.grammar import Grammars
+from dserve.runtime.intake import NoTokenizer, as_params, batch_inputs, load_tokenizer, prompt_ids
 from dserve.runtime.output import GenerateResult, StreamChunk, TextTracker, make_result
 from dserve.runtime.plan import InputLogprobs, SpanOutcome, StepResult
 from dserve.runtime.planner import LaunchedStep, Planner
@@ -90,6 +91,7 @@ class Engine:
             eos_ids=frozenset(self.eos_token_ids),
         )
         self.in_flight: deque[LaunchedStep] = deque()
+        self._grammars: Grammars | None = None
         self.depth = micro_batches if pipelined else 1 + (not c.disable_overlap_schedule)
         """Steps in flight at most: one, two with overlapped scheduling, a pipeline's micro-batches."""
 
@@ -99,6 +101,8 @@ class Engine:
     ) -> Request:
         params = as_params(sampling_params)
         params.validate(self.model_config.vocab_size)
+        if params.constrained:
+            self.grammars().check(params)
         vocab, context = self.model_config.vocab_size, self.max_context
         ids = prompt_ids(self.tokenizer, prompt, input_ids, vocab, context, self.pool_tokens)
         req = Request(rid or uuid.uuid4().hex, ids, params)
@@ -113,6 +117,15 @@ class Engine:
             req.input_logprobs = [None] * (len(ids) - first)
             req.input_top_logprobs = [[] for _ in range(len(ids) - first)]
         return req
+
+    def grammars(self) -> Grammars:
+        """The front's grammar compiler (checks structured-output requests), made on first use."""
+        if self._grammars is None:
+            if isinstance(self.tokenizer, NoTokenizer):
+                raise ValueError("structured output needs the model's tokenizer")
+            vocab = self.model_config.vocab_size
+            self._grammars = Grammars(self.tokenizer, vocab, sorted(self.eos_token_ids))
+        return self._grammars
 
     def add_request(
         self, prompt=None, input_ids=None, sampling_params=None, rid: str | None = None

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dserve.runtime.batch import pending_token
+from dserve.runtime.grammar import GrammarState
 from dserve.runtime.plan import GroupPlan, KnownTokens, NewRequest, PageUpdate, PlannedSpan
 from dserve.scheduler.request import SamplingParams
 
@@ -29,6 +30,8 @@ class RankRequest:
     """Tokens that steps in flight sampled for it, on the device only so far."""
     end_ids: tuple[int, ...] = ()
     """Masked out while it has fewer than `min_new_tokens` outputs (`NewRequest.end_ids`)."""
+    grammar: GrammarState | None = None
+    """Structured output: its matcher, made where it is first sampled."""
 
     @property
     def all_ids(self) -> list[int]:

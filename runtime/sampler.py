@@ -2,7 +2,8 @@
 ranks all hold the full logits and sample alike).
 
 Order: penalties (repetition over prompt and output, frequency/presence over output), the logit
-bias and the min-tokens mask (the ids that would end a request too short), temperature, top-k,
+bias and the min-tokens mask (the ids that would end a request too short), the grammar's mask
+(structured output, `grammar.py`), temperature, top-k,
 top-p, min-p, then a draw. Greedy rows take the argmax. A seeded request draws on the host,
 its draw for the token at position p from a generator seeded by (seed, p): the same token whatever
 else is in the batch, whatever the TP size, after a preemption, and on a decode instance that goes
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dserve.runtime.grammar import apply_masks
 from dserve.scheduler.request import SamplingParams
 
 
@@ -135,6 +137,9 @@ class Sampler:
             logits = _penalise(logits.clone(), reqs)
         if any(has_masks(r) for r in reqs):
             logits = _bias_and_mask(logits.clone(), reqs, positions)
+        if any(getattr(r, "grammar", None) for r in reqs):
+            logits = logits.clone() if logits is raw else logits
+            apply_masks(logits, reqs)
         ids = logits.argmax(dim=-1)
         sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
         drawn = [i for i in sampled if reqs[i].params.seed is None]

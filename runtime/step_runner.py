@@ -21,6 +21,7 @@ import torch
 
 from dserve.attention.backend import PassShape
 from dserve.runtime.batch import Seq, assemble
+from dserve.runtime.grammar import Grammars
 from dserve.runtime.plan import (
     GroupPlan,
     InputLogprobs,
@@ -151,6 +152,8 @@ class StepRunner:
         """A stage before the last: by slot, the verify span whose accepted path it has yet to
         learn (the last stage verifies and drafts; the others follow its verdicts)."""
         self.unresolved: deque[PendingStep] = deque()
+        self.grammars: Grammars | None = None
+        """Structured output: made at the first constrained request."""
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> PendingStep:
@@ -293,8 +296,9 @@ class StepRunner:
         if not sampling:
             return
         reqs = [s.req for s in sampling]
-        if any(has_penalties(r.params) for r in reqs):
-            self._resolve_all()  # penalties count every token, the ones in flight too
+        if any(has_penalties(r.params) or r.params.constrained for r in reqs):
+            self._resolve_all()  # penalties and grammars read every token, in flight too
+        self._advance_grammars(reqs)
         device = logits.device
         rows = device_ints([s.logits_row for s in sampling], device)
         positions = [s.plan.start + s.plan.length for s in sampling]
@@ -306,6 +310,26 @@ class StepRunner:
         fields = [sampled.ids, sampled.logprobs, sampled.top_values, sampled.top_ids]
         pending.copy = HostCopy(fields)
         self.unresolved.append(pending)
+
+    def _advance_grammars(self, reqs) -> None:
+        """Each constrained request's matcher (made at its first draw here) advanced to its
+        newest token."""
+        for req in reqs:
+            if not req.params.constrained:
+                continue
+            if req.grammar is None:
+                req.grammar = self._grammars().state(req.params)
+            req.grammar.advance(req.output_ids)
+
+    def _grammars(self) -> Grammars:
+        if self.grammars is None:
+            from dserve.runtime.intake import load_tokenizer
+
+            config, model = self.runner.config, self.runner.model_config
+            tokenizer = load_tokenizer(config.model_path, config.load_format)
+            stops = set(model.eos_token_ids) | {tokenizer.eos_token_id} - {None}
+            self.grammars = Grammars(tokenizer, model.vocab_size, sorted(stops))
+        return self.grammars
 
     def _resolve_all(self) -> None:
         while self.unresolved:

@@ -39,6 +39,12 @@ class SamplingParams:
     """With `return_logprob`: also the logprobs of the prompt's tokens from this position on
     (-1: none). The prefix cache serves none of the positions they are computed at."""
     logit_bias: dict | None = None
+    json_schema: str | None = None
+    """Structured output: the text is JSON that this JSON schema (a string) accepts."""
+    regex: str | None = None
+    """Structured output: the text matches this regular expression."""
+    ebnf: str | None = None
+    """Structured output: the text is a sentence of this EBNF (GBNF) grammar."""
     """Token id (an int or its string, as OpenAI sends it) -> a value in [-100, 100] added to
     its logit before sampling."""
 
@@ -92,7 +98,13 @@ class SamplingParams:
             and not self.presence_penalty
             and not self.logit_bias
             and not self.min_new_tokens
+            and not self.constrained
         )
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a grammar constrains the output (structured output)."""
+        return any(x is not None for x in (self.json_schema, self.regex, self.ebnf))
 
     def validate(self, vocab_size: int) -> None:
         def check(ok: bool, message: str) -> None:
@@ -157,6 +169,21 @@ class SamplingParams:
             value = getattr(self, name)
             check(isinstance(value, bool), f"{name} must be true or false, got {value!r}")
         _check_bias(self.logit_bias, vocab_size)
+        _check_grammar(self)
+
+
+def _check_grammar(p: SamplingParams) -> None:
+    given = [k for k in ("json_schema", "regex", "ebnf") if getattr(p, k) is not None]
+    if not given:
+        return
+    for kind in given:
+        if not isinstance(getattr(p, kind), str):
+            raise ValueError(f"{kind} must be a string")
+    if len(given) > 1:
+        raise ValueError(f"give one grammar, not {' and '.join(given)}")
+    if p.ignore_eos or p.min_new_tokens:
+        what = "ignore_eos" if p.ignore_eos else "min_new_tokens"
+        raise ValueError(f"{what} cannot be used with {given[0]}: the grammar decides the end")
 
 
 def _check_bias(bias, vocab_size: int) -> None:

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import openai
 import pytest
 
+from tests.runtime.test_structured_output import REGEX, SCHEMA, check_json
 from tests.servers import assert_all_pages_free, openai_client, post, start_instance
 
 pytestmark = pytest.mark.slow
@@ -262,4 +264,31 @@ def test_inert_fields_are_accepted(server):
         }
         status, answer = post(server.url + "/v1/chat/completions", {**body, **extra})
         assert status == 200, (extra, answer)
+    assert_all_pages_free(server)
+
+
+def test_response_format(server, client):
+    """json_schema output parses and validates against the schema; json_object is an object;
+    SGLang's regex field on the OpenAI route matches."""
+    messages = [{"role": "user", "content": "who are you?"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+    answer = client.chat.completions.create(
+        model=server.name, messages=messages, response_format=fmt, n=2, seed=5, max_tokens=80
+    )
+    for choice in answer.choices:
+        assert choice.finish_reason == "stop"
+        check_json(choice.message.content)
+    obj = client.chat.completions.create(
+        model=server.name,
+        messages=messages,
+        response_format={"type": "json_object"},
+        temperature=0,
+        max_tokens=200,
+    )
+    assert obj.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    matched = client.completions.create(
+        model=server.name, prompt="x", max_tokens=30, seed=1, extra_body={"regex": REGEX}
+    )
+    assert re.fullmatch(REGEX, matched.choices[0].text)
     assert_all_pages_free(server)

@@ -4,6 +4,8 @@ sampling fields, prompt logprobs, and the admin routes."""
 
 from __future__ import annotations
 
+import json
+import re
 import threading
 import time
 
@@ -155,3 +157,23 @@ def test_abort_request(server: Proc):
     status, body = post(server.url + "/abort_request", {"abort_all": "yes"})
     assert status == 400 and "abort_all" in body["error"]["message"]
     assert_all_pages_free(server)
+
+
+def test_regex_and_json_schema(server: Proc):
+    from tests.runtime.test_structured_output import REGEX, SCHEMA, check_json
+
+    params = {"max_new_tokens": 60, "temperature": 0.9, "seed": 4, "regex": REGEX}
+    status, body = post(server.url + "/generate", {"text": "x", "sampling_params": params})
+    assert status == 200 and re.fullmatch(REGEX, body["text"])
+    params = {
+        "max_new_tokens": 80,
+        "temperature": 0.9,
+        "seed": 4,
+        "json_schema": json.dumps(SCHEMA),
+    }
+    status, body = post(server.url + "/generate", {"text": "x", "sampling_params": params})
+    assert status == 200, body
+    check_json(body["text"])
+    bad = {"max_new_tokens": 5, "regex": "(oops"}
+    status, body = post(server.url + "/generate", {"text": "x", "sampling_params": bad})
+    assert status == 400 and "regex" in body["error"]["message"]

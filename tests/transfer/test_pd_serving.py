@@ -3,6 +3,7 @@ real UCX on loopback. Greedy output must equal the colocated engine's and transf
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -151,4 +152,19 @@ def test_batch_n_and_logprobs_through_the_pair(cluster, prompts, make_engine):
             assert [lp for lp, _ in got][1:] == pytest.approx(
                 [lp for lp, _ in local.meta[name]][1:], abs=1e-4
             )
+    assert_all_pages_free(cluster.prefill, cluster.decode)
+
+
+def test_structured_output_through_the_pair(cluster, make_engine):
+    """The prefill draws the first token under the grammar, the decode's ranks replay it into
+    their matchers and go on: the colocated engine's seeded tokens, a valid JSON object."""
+    from tests.runtime.test_structured_output import SCHEMA, check_json
+
+    params = {"max_new_tokens": 80, "temperature": 0.9, "seed": 11}
+    params["json_schema"] = json.dumps(SCHEMA)
+    want = make_engine(cluster.model).generate("hello", sampling_params=params)
+    status, body = post(cluster.url + "/generate", {"text": "hello", "sampling_params": params})
+    assert status == 200, body
+    assert body["output_ids"] == want.output_ids
+    check_json(body["text"])
     assert_all_pages_free(cluster.prefill, cluster.decode)
