@@ -1,5 +1,5 @@
 """A chat answer's text -> the message the client sees: `content`, and with the server's parsers
-`reasoning_content` and `tool_calls`.
+`reasoning_content` (`reasoning.py`) and `tool_calls` (`tool_calls.py`).
 
 Text arrives in pieces (`feed`, then `finish` once the request ended) and leaves as OpenAI delta
 objects; a whole answer is the same deltas merged (`merge_deltas`), so a streamed answer and a
@@ -8,18 +8,55 @@ whole one always agree.
 
 from __future__ import annotations
 
+from dserve.runtime.reasoning import ReasoningSplit
+from dserve.runtime.tool_calls import ToolCallParser
+
 
 class ChatText:
-    """No parser: every piece of text is content."""
+    """Reasoning split off first, then tool calls read from the content (either parser may be
+    absent: then the text is content). Without parallel tool calls, only the first call is
+    kept."""
 
-    called = False
-    """Whether a tool call was found."""
+    def __init__(
+        self,
+        reasoning: ReasoningSplit | None = None,
+        tools: ToolCallParser | None = None,
+        parallel: bool = True,
+    ):
+        self.reasoning, self.tools, self.parallel = reasoning, tools, parallel
+
+    @property
+    def called(self) -> bool:
+        """Whether a tool call was found."""
+        return self.tools is not None and self.tools.called
 
     def feed(self, text: str) -> list[dict]:
-        return [{"content": text}] if text else []
+        if not text:
+            return []
+        pieces = self.reasoning.feed(text) if self.reasoning else [("content", text)]
+        return self._route(pieces)
 
     def finish(self) -> list[dict]:
-        return []
+        out = self._route(self.reasoning.finish()) if self.reasoning else []
+        if self.tools is not None:
+            out += self._keep(self.tools.finish())
+        return out
+
+    def _route(self, pieces: list[tuple[str, str]]) -> list[dict]:
+        out = []
+        for kind, text in pieces:
+            if kind == "reasoning":
+                out.append({"reasoning_content": text})
+            elif self.tools is not None:
+                out += self._keep(self.tools.feed(text))
+            else:
+                out.append({"content": text})
+        return out
+
+    def _keep(self, deltas: list[dict]) -> list[dict]:
+        if self.parallel:
+            return deltas
+        return [d for d in deltas if all(c["index"] == 0 for c in d.get("tool_calls", []))]
 
 
 def merge_deltas(deltas: list[dict]) -> dict:

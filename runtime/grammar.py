@@ -38,6 +38,7 @@ class Grammars:
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_ids)
         )
         self.compiler = xg.GrammarCompiler(info)
+        self.tokenizer = tokenizer
 
     def compile(self, kind: str, source: str):
         try:
@@ -59,21 +60,55 @@ class Grammars:
     def state(self, params) -> GrammarState:
         import xgrammar as xg
 
-        return GrammarState(xg.GrammarMatcher(self.compile(*grammar_of(params))))
+        matcher = xg.GrammarMatcher(self.compile(*grammar_of(params)))
+        return GrammarState(matcher, params.grammar_after, self.tokenizer)
 
 
 @dataclass
 class GrammarState:
-    """A request's matcher on a rank, and how many of its output tokens it has taken."""
+    """A request's matcher on a rank, and how many of its output tokens it has taken. With
+    `after`, the matcher starts on the text that follows it: until then (`waiting`) nothing is
+    masked, and the output is decoded to find it."""
 
     matcher: object
+    after: str | None = None
+    tokenizer: object = None
     taken: int = 0
 
+    @property
+    def waiting(self) -> bool:
+        return self.after is not None
+
+    @property
+    def live(self) -> bool:
+        return not self.waiting and not self.matcher.is_terminated()
+
     def advance(self, outputs: list[int]) -> None:
+        if self.waiting:
+            self._look_for_start(outputs)
         for token in outputs[self.taken :]:
             if not self.matcher.is_terminated() and not self.matcher.accept_token(token):
                 raise RuntimeError(f"token {token} breaks the request's grammar")
             self.taken += 1
+
+    def _look_for_start(self, outputs: list[int]) -> None:
+        """Once the output's text holds `after`, the matcher takes the text after it within
+        the token that ended it (where the grammar allows it: it was drawn unmasked) and every
+        token after that token."""
+        text = self.tokenizer.decode(outputs, skip_special_tokens=False)
+        at = text.find(self.after)
+        if at < 0:
+            self.taken = len(outputs)
+            return
+        end = at + len(self.after)
+        for k in range(len(outputs), 0, -1):  # the first k tokens hold the text up to `end`
+            head = self.tokenizer.decode(outputs[: k - 1], skip_special_tokens=False)
+            if len(head) < end:
+                break
+        rest = self.tokenizer.decode(outputs[:k], skip_special_tokens=False)[end:]
+        self.after, self.taken = None, k
+        if rest:  # unmasked text in the same token (e.g. a newline): taken where it fits
+            self.matcher.accept_string(rest)
 
 
 def apply_masks(logits: torch.Tensor, reqs) -> None:
@@ -81,7 +116,7 @@ def apply_masks(logits: torch.Tensor, reqs) -> None:
     (`reqs` carry `grammar`, advanced to their newest token)."""
     import xgrammar as xg
 
-    rows = [i for i, r in enumerate(reqs) if r.grammar and not r.grammar.matcher.is_terminated()]
+    rows = [i for i, r in enumerate(reqs) if r.grammar and r.grammar.live]
     if not rows:
         return
     mask = xg.allocate_token_bitmask(len(reqs), logits.shape[1])

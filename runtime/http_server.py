@@ -25,7 +25,13 @@ from aiohttp import web
 
 from dserve.runtime import sglang_routes
 from dserve.runtime.answers import Answer, make_answer
-from dserve.runtime.chat_template import render_chat
+from dserve.runtime.chat_template import (
+    chat_text,
+    grammar_after_reasoning,
+    load_template,
+    render_chat,
+    tool_grammar,
+)
 from dserve.runtime.engine import Engine
 from dserve.runtime.engine_loop import EngineLoop, merge
 from dserve.runtime.metrics import Metrics
@@ -86,6 +92,7 @@ class Instance:
         warm_up(self.engine)
         self.loop = EngineLoop(self.engine, self.side)
         self.model_name = config.served_model_name or os.path.basename(os.path.normpath(model_path))
+        self.chat_template = load_template(config.chat_template)
         g = self.engine.groups
         self.metrics.gauges.update(
             {
@@ -132,9 +139,13 @@ class Instance:
             raise BadRequest("tools need a server started with --tool-call-parser")
 
     def _make_requests(self, inp: GenerateInput, parts: list[Part]) -> list:
-        rendered = None
+        rendered, parser = None, self.config.tool_call_parser
         if inp.kind == "chat":
-            rendered = render_chat(self.engine.tokenizer, inp.openai.chat)
+            chat = inp.openai.chat
+            rendered = render_chat(self.engine.tokenizer, chat, self.chat_template, parser)
+            for part in parts:
+                tool_grammar(chat, parser, part.sampling)
+                grammar_after_reasoning(chat, self.config.reasoning_parser, part.sampling)
         reqs = []
         for part in parts:
             prompt = part.prompt
@@ -188,10 +199,12 @@ class Instance:
         self.loop.post(self.side.fail, rid, message)
 
     def answer(self, inp: GenerateInput, reqs: list) -> Answer:
-        incremental = self.config.incremental_streaming_output
-        return make_answer(
-            inp, reqs, self.model_name, self.engine.tokenizer, incremental=incremental
-        )
+        c = self.config
+        kw = {"incremental": c.incremental_streaming_output}
+        if inp.kind == "chat":
+            chat = inp.openai.chat
+            kw["make_text"] = lambda: chat_text(chat, c.reasoning_parser, c.tool_call_parser)
+        return make_answer(inp, reqs, self.model_name, self.engine.tokenizer, **kw)
 
 
 class Server:

@@ -83,6 +83,9 @@ class ChatOptions:
     parallel_tool_calls: bool = True
     template_kwargs: dict = field(default_factory=dict)
     separate_reasoning: bool = True
+    formats_answer: bool = False
+    """`response_format` constrains the answer (after any reasoning), where the `regex` /
+    `json_schema` / `ebnf` fields constrain the whole text."""
 
     @property
     def forced_tool(self) -> str | None:
@@ -222,6 +225,7 @@ def parse_chat(body: dict) -> GenerateInput:
         _bool(body, "separate_reasoning", True),
     )
     _check_tool_choice(chat)
+    chat.formats_answer = bool(_response_format(body.get("response_format")))
     return GenerateInput(
         "chat",
         [Prompt()],

@@ -39,6 +39,15 @@ class ServerConfig:
     SGLang does)."""
 
     def __post_init__(self) -> None:
+        from dserve.runtime.reasoning import PARSERS as REASONING
+        from dserve.runtime.tool_calls import PARSERS as TOOLS
+
+        for name, value, allowed in (
+            ("reasoning_parser", self.reasoning_parser, REASONING),
+            ("tool_call_parser", self.tool_call_parser, TOOLS),
+        ):
+            if value is not None and value not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
         if self.role not in ("colocated", "prefill", "decode"):
             raise ValueError(f"role must be colocated, prefill or decode, got {self.role!r}")
         if not 0 <= self.transfer_fail_rate <= 1:

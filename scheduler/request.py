@@ -45,6 +45,9 @@ class SamplingParams:
     """Structured output: the text matches this regular expression."""
     ebnf: str | None = None
     """Structured output: the text is a sentence of this EBNF (GBNF) grammar."""
+    grammar_after: str | None = None
+    """Structured output: the grammar holds for the text after this one (e.g. `</think>`:
+    the answer after a model's reasoning); the text before it is free."""
     """Token id (an int or its string, as OpenAI sends it) -> a value in [-100, 100] added to
     its logit before sampling."""
 
@@ -181,6 +184,8 @@ def _check_grammar(p: SamplingParams) -> None:
             raise ValueError(f"{kind} must be a string")
     if len(given) > 1:
         raise ValueError(f"give one grammar, not {' and '.join(given)}")
+    if p.grammar_after is not None and not (isinstance(p.grammar_after, str) and p.grammar_after):
+        raise ValueError("grammar_after must be a non-empty string")
     if p.ignore_eos or p.min_new_tokens:
         what = "ignore_eos" if p.ignore_eos else "min_new_tokens"
         raise ValueError(f"{what} cannot be used with {given[0]}: the grammar decides the end")

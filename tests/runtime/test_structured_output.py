@@ -119,3 +119,15 @@ def test_tp2_matches_one_rank(tiny_dir, make_engine):
     assert [r.output_ids for r in two] == [r.output_ids for r in one]
     for r in two[:2]:
         check_json(r.text)
+
+
+def test_grammar_after_a_text(tiny_dir, make_engine):
+    """`grammar_after`: the text up to it is drawn freely (the greedy tokens), the grammar
+    holds after it (a reasoning model's answer after `</think>`)."""
+    engine = make_engine(tiny_dir("deepseek_v3"))
+    free = engine.generate("hello", sampling_params=dict(temperature=0, max_new_tokens=2))
+    marker = engine.tokenizer.decode(free.output_ids)
+    params = dict(temperature=0, max_new_tokens=40, regex=REGEX, grammar_after=marker)
+    result = engine.generate("hello", sampling_params=params)
+    assert result.output_ids[:2] == free.output_ids
+    assert re.fullmatch(REGEX, result.text[len(marker) :]), result.text
