@@ -29,6 +29,13 @@ def server(tiny_dir, tmp_path_factory):
     proc.stop()
 
 
+@pytest.fixture(autouse=True)
+def pages_back(server):
+    """Every test's traffic gives every page back."""
+    yield
+    assert_all_pages_free(server)
+
+
 @pytest.fixture(scope="module")
 def client(server):
     return openai_client(server)

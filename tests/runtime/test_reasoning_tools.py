@@ -69,6 +69,13 @@ def server(request, tmp_path_factory):
     proc.stop()
 
 
+@pytest.fixture(autouse=True)
+def pages_back(server):
+    """Every test's traffic gives every page back."""
+    yield
+    assert_all_pages_free(server)
+
+
 def think_regex(server) -> str:
     return re.escape(server.opens) + r"[a-z]{3,8} [a-z]{3,8}</think>[a-z]{2,6}\."
 

@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import random_prompts
 from tests.reference import hf_greedy
-from tests.servers import assert_all_pages_free, post, start_cluster, stream
+from tests.servers import assert_all_pages_free, get, post, start_cluster, stream
 
 pytestmark = pytest.mark.slow
 GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
@@ -167,4 +167,18 @@ def test_structured_output_through_the_pair(cluster, make_engine):
     assert status == 200, body
     assert body["output_ids"] == want.output_ids
     check_json(body["text"])
+    assert_all_pages_free(cluster.prefill, cluster.decode)
+
+
+def test_admin_routes_through_the_router(cluster):
+    """SGLang's admin routes: /get_model_info from a decode instance, /health_generate and
+    /flush_cache on every instance (a one-token request through each engine)."""
+    status, info = get(cluster.url + "/get_model_info")
+    assert status == 200 and info["model_path"] == cluster.model
+    status, each = get(cluster.url + "/health_generate")
+    assert status == 200 and set(each) == {cluster.prefill.url, cluster.decode.url}
+    status, _ = get(cluster.url + "/flush_cache")
+    assert status == 200
+    status, body = post(cluster.url + "/abort_request", {"rid": "no-such-request"})
+    assert status == 200
     assert_all_pages_free(cluster.prefill, cluster.decode)
