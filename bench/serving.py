@@ -68,8 +68,8 @@ async def one(session, args, ids: list[int], n_out: int) -> dict:
                         error = event["error"]["message"]
                         break
                     meta = event.get("meta_info") or meta
-                    n = (
-                        len(event["output_ids"])
+                    n = (  # /generate streams the whole output so far
+                        len(event["output_ids"]) - tokens
                         if "output_ids" in event
                         else (1 if event["choices"][0].get("text") else 0)
                     )
@@ -194,7 +194,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", required=True)
     parser.add_argument("--endpoint", default="/generate", choices=["/generate", "/v1/completions"])
-    parser.add_argument("--model", default="default", help="model name for /v1/completions")
+    parser.add_argument("--model", help="model name for /v1/completions (default: the served one)")
     parser.add_argument("--dataset", default="random", choices=["random", "fixed"])
     parser.add_argument("--num-prompts", type=int, default=100)
     parser.add_argument("--input-len", type=int, default=256)

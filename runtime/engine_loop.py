@@ -4,6 +4,7 @@ Everything that touches engine state runs on that thread: the asyncio side hands
 (`call`, `post`) and reads each request's output from an `asyncio.Queue` the thread fills. A role
 side (prefill or decode of a disaggregated pair) is polled between steps for transfer events and
 deadlines, and decides when a finished request's answer may go out (after its KV was sent).
+`merge` reads the streams of several requests (a batch, `n` choices) as one, by index.
 
 With no step to run, the thread sleeps in a poll (which releases the GIL) until a job arrives
 (each `post` / `call` writes a byte to a wake-up pipe) or, for a role side, until its transfer
@@ -26,7 +27,7 @@ import zmq
 
 from dserve.runtime.engine import Engine
 from dserve.runtime.executor import RankFailure
-from dserve.runtime.output import StreamChunk
+from dserve.runtime.output import StreamChunk, make_result
 from dserve.scheduler.request import Request
 
 log = logging.getLogger("dserve.runtime")
@@ -171,15 +172,19 @@ class EngineLoop:
             if req is None:
                 continue
             done = req.finished and not self.side.busy(rid)
-            text, tokens = (
-                self.engine.trackers[rid].delta() if (not req.finished or done) else ("", [])
-            )
-            if not (text or tokens or done):
+            if req.finished and not done:
                 continue
-            result = self.engine.pop_result(rid) if done else None
+            tracker = self.engine.trackers[rid]
             if done:
+                result = make_result(req, tracker.text)
+                chunk = tracker.chunk(result)
+                self.engine.forget(rid)
                 del self.subscribers[rid]
-            loop.call_soon_threadsafe(q.put_nowait, StreamChunk(rid, text, tokens, done, result))
+            else:
+                chunk = tracker.chunk()
+                if not (chunk.text or chunk.token_ids):
+                    continue
+            loop.call_soon_threadsafe(q.put_nowait, chunk)
 
     def stop(self) -> None:
         self.running = False
@@ -187,6 +192,34 @@ class EngineLoop:
         self.thread.join(timeout=10)
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)
+
+
+async def merge(streams: list) -> AsyncIterator[tuple[int, StreamChunk]]:
+    """(index, chunk) from every stream as they come; leaving early (or a failure of one)
+    closes them all, which aborts their requests."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream) -> None:
+        try:
+            async for chunk in stream:
+                queue.put_nowait((index, chunk))
+        except Exception as e:  # noqa: BLE001 - handed to the reader
+            queue.put_nowait((index, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    open_streams = len(streams)
+    try:
+        while open_streams:
+            index, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            open_streams -= item.finished
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            await stream.aclose()
 
 
 def _settle(future: asyncio.Future, result, error) -> None:

@@ -32,6 +32,7 @@ from dserve.runtime.server_config import ServerConfig
 from dserve.scheduler.request import Request
 from dserve.transfer.descriptor import InstanceDescriptor, check_compatible
 from dserve.transfer.manager import RoomOutcome, TransferManager
+from dserve.transfer.messages import CTRL_BYTES
 
 log = logging.getLogger("dserve.pd")
 
@@ -269,6 +270,20 @@ def timeline(req: Request, marks: dict, prefill: dict | None) -> dict:
     return out
 
 
+def check_carried(req: Request) -> None:
+    """The prompt logprobs a prefill sends ride in the room's control record (`CTRL_BYTES`):
+    refuse a request whose would not fit (an estimate of msgpack's size, with room to spare)."""
+    if req.params.input_logprobs_from is None:
+        return
+    rows = len(req.input_logprobs)
+    size = rows * (10 + 16 * req.params.top_logprobs_num)
+    if size > CTRL_BYTES * 3 // 4:
+        raise ValueError(
+            f"logprob_start_len: {rows} prompt logprobs (top {req.params.top_logprobs_num}) "
+            "are more than a prefill/decode pair carries; start them later in the prompt"
+        )
+
+
 def _aux(req: Request) -> dict:
     aux = {"token": req.output_ids[0]}
     if req.draft_tokens:  # the draft's proposals after the prompt: the decode verifies them first
@@ -277,6 +292,9 @@ def _aux(req: Request) -> dict:
     if req.params.return_logprob and req.token_logprobs:
         aux["logprob"] = req.token_logprobs[0]
         aux["top"] = [list(x) for x in req.top_logprobs[0]]
+    if req.params.input_logprobs_from is not None:
+        aux["input"] = list(req.input_logprobs)
+        aux["input_top"] = [[list(x) for x in top] for top in req.input_top_logprobs]
     return aux
 
 
@@ -406,6 +424,9 @@ class DecodeSide:
                 self._drop(room)
                 aux = outcome.aux
                 received = time.perf_counter()
+                if "input" in aux:
+                    req.input_logprobs = list(aux["input"])
+                    req.input_top_logprobs = [[tuple(x) for x in t] for t in aux["input_top"]]
                 self.engine.join_prefilled(
                     rid,
                     int(aux["token"]),

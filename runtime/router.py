@@ -8,7 +8,9 @@ the client gets the prefill's error. Instances are probed on `/health`. One that
 refused or dropped) or says it is unhealthy is out of rotation at once; one that is only slow to answer
 stays in until `SLOW_PROBES_TO_REMOVE` probes in a row time out (a busy instance on a loaded host is
 not a dead one). Either comes back at its next good answer; a request that finds no instance of a
-kind in rotation has every instance probed again before it is refused.
+kind in rotation has every instance probed again before it is refused. SGLang's admin routes
+(`/health_generate`, `/flush_cache`, `/abort_request`) go to every instance; `/get_model_info`
+to a decode instance.
 """
 
 from __future__ import annotations
@@ -72,6 +74,11 @@ class Router:
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/metrics", self.metrics_text)
+        for path in ("/health_generate", "/flush_cache"):  # SGLang's admin routes: every instance
+            self.app.router.add_get(path, self.fan_out)
+        for path in ("/flush_cache", "/abort_request"):
+            self.app.router.add_post(path, self.fan_out)
+        self.app.router.add_get("/get_model_info", self.models)
         self.app.on_startup.append(self._start)
         self.app.on_cleanup.append(self._stop)
 
@@ -145,12 +152,31 @@ class Router:
         }
         return web.json_response(body, status=200 if ok else 503)
 
-    async def models(self, _: web.Request) -> web.Response:
+    async def models(self, request: web.Request) -> web.Response:
+        """/v1/models and /get_model_info: a decode instance's."""
         backend = self.pick("decode")
         if backend is None:
             return web.json_response(error_body("no healthy decode instance", 503), status=503)
-        async with self.session.get(backend.url + "/v1/models") as r:
+        async with self.session.get(backend.url + request.path) as r:
             return web.json_response(await r.json(), status=r.status)
+
+    async def fan_out(self, request: web.Request) -> web.Response:
+        """The same request to every instance: 200 when all answered 200, else the first other
+        status; the body has each instance's answer."""
+        body = await request.read()
+        backends = self.prefills + self.decodes
+        answers = await asyncio.gather(*(self._ask(b, request, body) for b in backends))
+        status = next((code for code, _ in answers if code != 200), 200)
+        text = {b.url: answer for b, (_, answer) in zip(backends, answers)}
+        return web.json_response(text, status=status)
+
+    async def _ask(self, backend: Backend, request: web.Request, body: bytes) -> tuple[int, str]:
+        url = backend.url + request.path
+        try:
+            async with self.session.request(request.method, url, data=body or None) as r:
+                return r.status, await r.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            return 502, f"{type(e).__name__}: {e}"
 
     async def metrics_text(self, _: web.Request) -> web.Response:
         return web.Response(text=self.metrics.render(), content_type="text/plain")
