@@ -19,7 +19,6 @@ import logging
 import os
 import signal
 import socket
-import sys
 import time
 
 from aiohttp import web
@@ -43,7 +42,6 @@ from dserve.scheduler.request import SamplingParams
 from dserve.transfer.descriptor import IncompatiblePeer
 
 log = logging.getLogger("dserve.server")
-SWITCH_INTERVAL_S = 0.0005
 ROUTES = {"/generate": "generate", "/v1/completions": "completions", "/v1/chat/completions": "chat"}
 PARSERS = {"generate": parse_generate, "completions": parse_completions, "chat": parse_chat}
 
@@ -435,11 +433,6 @@ def serve(model_path: str, config: ServerConfig, **engine_kwargs) -> None:
         sockets.append(listening_socket(config.host, config.bootstrap_port, "the bootstrap server"))
     metrics = Metrics()
     server = Server(config, metrics)
-    # The HTTP thread and the engine thread share the GIL: a thread that wants it waits for
-    # the holder's switch interval (5 ms by default) whenever the other one computes on the
-    # host (planning a step, detokenizing). A first token published just before a step is
-    # planned then reached the client up to 5 ms late; 0.5 ms bounds that wait.
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
     asyncio.run(_serve(server, sockets, model_path, config, metrics, engine_kwargs))
 
 
