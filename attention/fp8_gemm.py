@@ -19,12 +19,12 @@ file); shapes the table lacks take cuBLAS where it runs them, else the Triton de
 from __future__ import annotations
 
 import functools
-import json
 import os
 
 import torch
 import torch.nn.functional as F
 
+from dserve.attention import launch_table
 from dserve.attention.triton_fp8 import quantize_activations, triton_matmul
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "fp8_gemm_configs.json")
@@ -40,14 +40,6 @@ M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 1 << 30)
 
 def m_bucket(m: int) -> int:
     return next(b for b in M_BUCKETS if m <= b)
-
-
-@functools.lru_cache(maxsize=1)
-def tuned() -> dict:
-    if not os.path.isfile(CONFIGS):
-        return {}
-    with open(CONFIGS) as f:
-        return json.load(f)
 
 
 def supported(block_k: int, scale_columns: int) -> bool:
@@ -88,7 +80,7 @@ def _cublas_runs(device: torch.device, per_channel: bool) -> bool:
 def launch_config(m: int, n: int, k: int, cublas: bool) -> dict:
     """The table's choice for this shape and M bucket, else cuBLAS where it runs, else the
     Triton defaults."""
-    found = tuned().get(f"{n}x{k}", {}).get(str(m_bucket(m)))
+    found = launch_table.read(CONFIGS).get(f"{n}x{k}", {}).get(str(m_bucket(m)))
     if found is not None and (cublas or found.get("backend") != "cublas"):
         return dict(found)
     if cublas:

@@ -16,15 +16,22 @@ weight row's scales. With float32 activations (or scale blocks under 32) the GEM
 weight-only: the program widens the e4m3 weights to the activations' dtype (exactly) and scales
 each K block's product by the weight rows' scales (float32's rounding against the dequantized
 reference).
+
+Launch parameters (BLOCK_N, warps, stages) come per dtype, expert shape and token count from
+the table `bench.moe_gemm --sweep --write` measures (`moe_gemm_configs.json` beside this file);
+shapes it lacks take the defaults.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from dserve.attention import launch_table
 from dserve.attention.triton_fp8 import quantize_activations
 from dserve.attention.triton_routing import sort_pairs
 
@@ -64,7 +71,7 @@ def _grouped_gemm(
     BLOCK_K: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(block_expert_ptr + pid_m)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)  # offsets past 2**31
     if expert >= 0:
         pair = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
         valid = pair < num_pairs
@@ -116,6 +123,27 @@ def _grouped_gemm(
         )
 
 
+CONFIGS = os.path.join(os.path.dirname(__file__), "moe_gemm_configs.json")
+
+
+def table_key(dtype: str, hidden: int, inter: int, experts: int) -> str:
+    """The table's key of this rank's experts: "fp8:7168x2048:e32" (inter: this rank's share
+    of the intermediate size, experts: how many this rank holds)."""
+    return f"{dtype}:{hidden}x{inter}:e{experts}"
+
+
+def launch_choice(dtype: str, hidden: int, inter: int, experts: int, tokens: int) -> dict:
+    """The table's launch parameters (block_m, block_n, num_warps, num_stages) for the
+    smallest measured token count >= `tokens` (the largest measured one beyond them); {} where
+    the shape was not measured."""
+    entries = launch_table.read(CONFIGS).get(table_key(dtype, hidden, inter, experts), {})
+    if not entries:
+        return {}
+    counts = sorted(int(m) for m in entries)
+    fitting = [m for m in counts if m >= tokens] or counts[-1:]
+    return dict(entries[str(fitting[0])])
+
+
 def default_block_m(pairs: int, num_experts: int) -> int:
     """Rows per program: twice the mean pairs per expert, a power of two in [16, 128]. A program reads
     its expert's weights once per row block, so an expert should mostly fit one block; the choice
@@ -132,7 +160,7 @@ def fused_experts(
     ids: torch.Tensor,
     first: int = 0,
     block_m: int | None = None,
-    block_n: int = 64,
+    block_n: int | None = None,
     block_k: int = 64,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     fp8_block: int = 0,
@@ -141,13 +169,18 @@ def fused_experts(
     """sum over slots s of weights[t, s] * down_e(SiLU(gate_e(x_t)) * up_e(x_t)), e = ids[t, s], for
     the experts held here (w13 [E, 2I, H] gate then up, w2 [E, H, I], experts first .. first+E-1).
     FP8 weights come with `scales` (w13's and w2's, [E, rows, K blocks]) of `fp8_block` inputs.
-    `launch_options`: Triton's num_warps / num_stages for both GEMMs."""
+    `launch_options`: Triton's num_warps / num_stages for both GEMMs; with none of them,
+    `block_m` and `block_n` given, the table's choice."""
     tokens, top_k = ids.shape
     num_local, two_i, hidden = w13.shape
     n = tokens * top_k
     if n == 0:
         return torch.zeros_like(x)
-    block_m = block_m or default_block_m(n, num_local)
+    if block_m is None and block_n is None and not launch_options:
+        kind = "fp8" if scales is not None else "bf16"
+        launch_options = launch_choice(kind, hidden, two_i // 2, num_local, tokens)
+    block_m = launch_options.pop("block_m", block_m) or default_block_m(n, num_local)
+    block_n = launch_options.pop("block_n", block_n) or 64
     pairs, block_expert = sort_pairs(ids, first, num_local, block_m)
     gate_up = torch.empty(n, two_i, dtype=x.dtype, device=x.device)
     down = torch.zeros(n, hidden, dtype=x.dtype, device=x.device)

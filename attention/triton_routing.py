@@ -234,8 +234,11 @@ def _place_kernel(
 
 
 def capacity(pairs: int, num_local: int, block_m: int) -> int:
-    """Rows of the sorted buffer: enough for every run padded to `block_m`."""
-    return triton.cdiv(pairs + num_local * (block_m - 1), block_m) * block_m
+    """Rows of the sorted buffer: enough for every run padded to `block_m`. At most
+    min(experts, pairs) runs are non-empty, each padded by under `block_m` rows: a decode step's
+    few pairs make few row blocks, so the grouped GEMMs launch few idle programs."""
+    runs = min(num_local, pairs)
+    return triton.cdiv(pairs + runs * (block_m - 1), block_m) * block_m
 
 
 def sort_pairs(

@@ -8,7 +8,9 @@ decode` + `dserve router`) on the same device(s), per prompt length, and their r
 
 Without `--model-path` the model is DeepSeek-V3-shaped with random weights (`--load-format
 dummy`, `bench.spec_verify.deepseek_v3_config_dir`). The colocated instance runs first, alone,
-then the pair; each serves two warm-up requests per length before the timed ones (streamed
+then the pair; every instance gets a KV pool of `--max-total-tokens` 4 x the longest prompt +
+8192 unless `--server-args` says otherwise (so instances sharing a GPU all fit); each serves
+two warm-up requests per length before the timed ones (streamed
 `/generate`, `ignore_eos`, random tokens, greedy, `--max-concurrency 1` as `bench.serving` would
 run them). Prints a table (p50 / p99 of TTFT and ITL, ms), writes JSON and, with matplotlib, a
 PNG of the TTFT ratio by length. The issue's goal: disaggregated TTFT <= 1.05x colocated at 1k,
@@ -25,6 +27,7 @@ import os
 import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -62,7 +65,11 @@ class Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.popen.poll() is not None:
-                raise RuntimeError(f"{self.popen.args[3]} exited; see {self.log.name}")
+                self.log.flush()
+                with open(self.log.name) as f:
+                    tail = f.read()[-3000:]
+                what = self.popen.args[3]
+                raise RuntimeError(f"{what} exited; {self.log.name} ends:\n{tail}")
             health = self.url + "/health"
             with contextlib.suppress(OSError), urllib.request.urlopen(health, timeout=2) as r:
                 if r.status == 200:
@@ -128,8 +135,39 @@ async def measure(url: str, args) -> dict:
             out[length] = {
                 "ttft_s": percentiles([r["ttft"] for r in results]),
                 "itl_s": percentiles([x for r in results for x in r["itl"]]),
+                "timeline_ms": median_marks(results),
             }
     return out
+
+
+MARKS = (  # pd_timeline_ms in the order a request meets them
+    "prefill_arrival",
+    "registered",
+    "prefill_registered",
+    "prefill_computed",
+    "prefill_push",
+    "received",
+    "joined",
+)
+
+
+def median_marks(results: list[dict]) -> dict:
+    """Per mark of the decode's `pd_timeline_ms` (ms after the decode got the request), the
+    median over the requests; {} for a colocated instance."""
+    lines = [(r["meta"] or {}).get("pd_timeline_ms") for r in results]
+    lines = [x for x in lines if x]
+    keys = [k for k in MARKS if lines and all(k in x for x in lines)]
+    return {k: statistics.median(x[k] for x in lines) for k in keys}
+
+
+def timeline_table(results: dict, lengths: list[int]) -> None:
+    """Where a disaggregated request's time to first token goes."""
+    print("disaggregated, ms after the decode instance got the request (median):")
+    print(f"{'len':>6} " + " ".join(f"{k:>18}" for k in MARKS))
+    for length in lengths:
+        marks = results["disaggregated"][length]["timeline_ms"]
+        cells = " ".join(f"{marks.get(k, float('nan')):>18.2f}" for k in MARKS)
+        print(f"{length:>6} {cells}")
 
 
 def model_flags(args) -> list[str]:
@@ -140,7 +178,10 @@ def model_flags(args) -> list[str]:
 
         path, dummy = deepseek_v3_config_dir(args.layers, args.experts), ["--load-format", "dummy"]
     flags = ["--model", path, *dummy, "--device", args.device, "--no-load-progress"]
-    return flags + args.server_args.split()
+    extra = args.server_args.split()
+    if "--max-total-tokens" not in extra:  # a fixed pool: instances sharing a GPU all fit
+        flags += ["--max-total-tokens", str(4 * max(args.lengths) + 8192)]
+    return flags + extra
 
 
 def table(rows: list[dict]) -> None:
@@ -166,6 +207,7 @@ def rows_of(results: dict, lengths: list[int]) -> list[dict]:
                 row[f"itl_{name}_{q}"] = 1e3 * got["itl_s"].get(q, 0.0)
         row["ttft_ratio"] = row["ttft_pd_p50"] / row["ttft_co_p50"]
         row["itl_ratio"] = row["itl_pd_p50"] / max(row["itl_co_p50"], 1e-9)
+        row["pd_timeline_ms"] = pd["timeline_ms"]
         rows.append(row)
     return rows
 
@@ -222,6 +264,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     s.stop()
     rows = rows_of(results, args.lengths)
     table(rows)
+    timeline_table(results, args.lengths)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         meta = {k: v for k, v in vars(args).items() if k != "out"}

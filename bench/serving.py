@@ -65,25 +65,34 @@ def request_body(args, ids: list[int], n_out: int) -> dict:
 
 
 class Counts:
-    """A stream's token counts: token ids seen, and the usage the server reported."""
+    """A stream's token counts: what its events showed, and what the server reported (the
+    OpenAI routes' usage; `/generate`'s meta_info, on every event as SGLang sends it)."""
 
     def __init__(self):
-        self.seen, self.usage = 0, None
+        self.seen, self.usage, self.meta = 0, None, None
 
     def event(self, event: dict) -> bool:
         """Take one event; whether it brought output (a token or text)."""
         if event.get("usage"):
             self.usage = event["usage"]
-        if "output_ids" in event:  # /generate: the new token ids
-            self.seen += len(event["output_ids"])
-            if event.get("meta_info"):
-                meta = event["meta_info"]
-                self.usage = {k: meta[k] for k in ("prompt_tokens", "completion_tokens")}
-            return bool(event["output_ids"])
+        if "output_ids" in event:
+            return self._generate(event)
         choice = (event.get("choices") or [{}])[0]
         text = choice.get("text") or (choice.get("delta") or {}).get("content")
         self.seen += bool(text)
         return bool(text)
+
+    def _generate(self, event: dict) -> bool:
+        """`/generate` streams the whole output so far (SGLang's default) or only what is new:
+        meta_info's completion_tokens counts either way."""
+        before = self.seen
+        self.meta = event.get("meta_info") or self.meta
+        if self.meta and "completion_tokens" in self.meta:
+            self.seen = self.meta["completion_tokens"]
+            self.usage = {k: self.meta[k] for k in ("prompt_tokens", "completion_tokens")}
+        else:
+            self.seen += len(event["output_ids"])
+        return self.seen > before
 
     @property
     def output(self) -> int:
@@ -127,6 +136,7 @@ async def one(session, args, ids: list[int], n_out: int) -> dict:
         "input_len": counts.usage["prompt_tokens"] if counts.usage else len(ids),
         "output_tokens": output,
         "error": error,
+        "meta": counts.meta,
     }
 
 

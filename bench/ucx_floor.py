@@ -84,13 +84,20 @@ def _sender(conn, device: str, sizes: list[int], repeats: int, env: dict, result
 
 
 def bare_ucx_seconds(
-    device: str, sizes: list[int], repeats: int, env: dict | None = None
+    device: str,
+    sizes: list[int],
+    repeats: int,
+    env: dict | None = None,
+    same_gpu: bool = False,
 ) -> dict[int, list[float]]:
-    """Seconds of each bare send of each size in `sizes` (bytes), `repeats` per size."""
+    """Seconds of each bare send of each size in `sizes` (bytes), `repeats` per size;
+    `same_gpu`: both processes on cuda:0 (a prefill and a decode sharing one GPU)."""
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
     results = ctx.Queue()
     devices = ("cuda:0", "cuda:1") if device == "cuda" else ("cpu", "cpu")
+    if device == "cuda" and same_gpu:
+        devices = ("cuda:0", "cuda:0")
     procs = [
         ctx.Process(
             target=_sender, args=(a, devices[0], sizes, repeats, env or {}, results), daemon=True
@@ -121,10 +128,12 @@ if __name__ == "__main__":
         "--sizes-mib", type=lambda s: [int(x) for x in s.split(",")], default=[1, 64, 1024]
     )
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--same-gpu", action="store_true", help="both processes on cuda:0")
+    parser.add_argument("--ucx-env", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
-    for n, times in bare_ucx_seconds(
-        args.device, [m << 20 for m in args.sizes_mib], args.repeats
-    ).items():
+    env = dict(kv.split("=", 1) for kv in args.ucx_env)
+    sizes = [m << 20 for m in args.sizes_mib]
+    for n, times in bare_ucx_seconds(args.device, sizes, args.repeats, env, args.same_gpu).items():
         print(
             f"{n / 2**20:>8.0f} MiB  best {min(times) * 1e3:7.3f} ms  "
             f"median {statistics.median(times) * 1e3:7.3f} ms  {n / min(times) / 1e9:7.1f} GB/s best"

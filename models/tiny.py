@@ -194,12 +194,18 @@ def make_tiny(
     num_layers: int = 3,
     fp8: str | None = None,
     fp8_block: tuple[int, int] = (32, 32),
+    chat_format: str | None = None,
 ) -> str:
     """Write a tiny random checkpoint of `arch` into `out`; returns `out`. `fp8` ("block" or
     "channel") writes its decoder layers' projections in that published FP8 layout
-    (`models/tiny_fp8.py`; `fp8_block`: the block's rows and input features)."""
+    (`models/tiny_fp8.py`; `fp8_block`: the block's rows and input features); `chat_format`
+    ("deepseek" or "glm45") a chat template in that model's format."""
     torch.manual_seed(seed)
     tokenizer = train_tokenizer(vocab_size)
+    if chat_format is not None:  # a published model's conversation format (`tiny_chat.py`)
+        from dserve.models.tiny_chat import TEMPLATES
+
+        tokenizer.chat_template = TEMPLATES[chat_format]
     cfg = _hf_config(arch, vocab_size, tokenizer.bos_token_id, tokenizer.eos_token_id, num_layers)
     model = _model_class(arch)(cfg).eval()
     # make the routing bias matter: the published checkpoints' is far from zero

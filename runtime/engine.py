@@ -22,9 +22,10 @@ import torch
 
 from dserve.runtime.config import EngineConfig
 from dserve.runtime.executor import RankFailure, make_executor
-from dserve.runtime.intake import as_params, batch_inputs, load_tokenizer, prompt_ids
+from dserve.runtime.grammar import Grammars
+from dserve.runtime.intake import NoTokenizer, as_params, batch_inputs, load_tokenizer, prompt_ids
 from dserve.runtime.output import GenerateResult, StreamChunk, TextTracker, make_result
-from dserve.runtime.plan import SpanOutcome, StepResult
+from dserve.runtime.plan import InputLogprobs, SpanOutcome, StepResult
 from dserve.runtime.planner import LaunchedStep, Planner
 from dserve.scheduler.kv_manager import KVCacheManager
 from dserve.scheduler.request import Request
@@ -87,11 +88,13 @@ class Engine:
             self.speculation,
             overlap=not c.disable_overlap_schedule,
             pipelined=pipelined,
+            eos_ids=frozenset(self.eos_token_ids),
         )
         self.in_flight: deque[LaunchedStep] = deque()
         self.generated_tokens = 0
         """Tokens this engine's steps sampled so far (not a decode's first token: its prefill
         sampled it)."""
+        self._grammars: Grammars | None = None
         self.depth = micro_batches if pipelined else 1 + (not c.disable_overlap_schedule)
         """Steps in flight at most: one, two with overlapped scheduling, a pipeline's micro-batches."""
 
@@ -101,12 +104,31 @@ class Engine:
     ) -> Request:
         params = as_params(sampling_params)
         params.validate(self.model_config.vocab_size)
+        if params.constrained:
+            self.grammars().check(params)
         vocab, context = self.model_config.vocab_size, self.max_context
         ids = prompt_ids(self.tokenizer, prompt, input_ids, vocab, context, self.pool_tokens)
         req = Request(rid or uuid.uuid4().hex, ids, params)
         if req.rid in self.requests:
             raise ValueError(f"request id {req.rid!r} is already in use")
+        first = params.input_logprobs_from
+        if first is not None:
+            if first >= len(ids):
+                raise ValueError(
+                    f"logprob_start_len must be below the prompt's length ({len(ids)} tokens)"
+                )
+            req.input_logprobs = [None] * (len(ids) - first)
+            req.input_top_logprobs = [[] for _ in range(len(ids) - first)]
         return req
+
+    def grammars(self) -> Grammars:
+        """The front's grammar compiler (checks structured-output requests), made on first use."""
+        if self._grammars is None:
+            if isinstance(self.tokenizer, NoTokenizer):
+                raise ValueError("structured output needs the model's tokenizer")
+            vocab = self.model_config.vocab_size
+            self._grammars = Grammars(self.tokenizer, vocab, sorted(self.eos_token_ids))
+        return self._grammars
 
     def add_request(
         self, prompt=None, input_ids=None, sampling_params=None, rid: str | None = None
@@ -127,7 +149,8 @@ class Engine:
         if req.rid in self.keep_pages:  # a prefill's request ends at its first token
             req.stop_length = len(req.prompt_ids) + 1
         else:
-            wanted = len(req.prompt_ids) + req.params.max_new_tokens
+            most = req.params.max_new_tokens
+            wanted = self.max_context if most is None else len(req.prompt_ids) + most
             req.stop_length = min(wanted, self.max_context)
 
     def abort(self, rid: str) -> None:
@@ -182,6 +205,10 @@ class Engine:
     def _take(self, g: int, span: Span, outcome: SpanOutcome) -> bool:
         """Apply a span's outcome to its request; False when it ended while the step ran."""
         req = span.req
+        if outcome.inputs is not None and not req.finished:
+            self._take_inputs(req, outcome.inputs)
+        if not outcome.tokens:  # only prompt logprobs: nothing sampled
+            return False
         req.num_pending_tokens -= 1
         if req.finished:
             return False
@@ -198,6 +225,15 @@ class Engine:
         self.speculation.settle(span, outcome)
         scheduler.received(req)
         return True
+
+    @staticmethod
+    def _take_inputs(req: Request, inputs: InputLogprobs) -> None:
+        """Prompt logprobs by position (a recomputed prompt gives the same ones again)."""
+        base = req.params.logprob_start_len
+        for i, (logprob, top) in enumerate(zip(inputs.logprobs, inputs.top)):
+            at = inputs.start + i - base
+            req.input_logprobs[at] = logprob
+            req.input_top_logprobs[at] = [tuple(x) for x in top]
 
     def _append(self, req: Request, token: int) -> None:
         req.output_ids.append(token)
@@ -216,7 +252,9 @@ class Engine:
 
     def _check_finish(self, req: Request, token: int) -> None:
         p = req.params
-        matched = self.trackers[req.rid].update() if p.stop else None
+        matched = None
+        if p.stop and len(req.output_ids) >= p.min_new_tokens:
+            matched = self.trackers[req.rid].update()
         scheduler = self._scheduler(req)
         if req.rid in self.keep_pages:  # prefill: the first token ends it; its pages wait
             self.keep_pages.discard(req.rid)
@@ -317,15 +355,21 @@ class Engine:
                 self.step()
                 if req.finished:
                     break
-                text, tokens = tracker.delta()
-                if text or tokens:
-                    yield StreamChunk(rid, text, tokens, False)
-            text, tokens = tracker.delta()
-            yield StreamChunk(rid, text, tokens, True, self.pop_result(rid))
+                chunk = tracker.chunk()
+                if chunk.text or chunk.token_ids:
+                    yield chunk
+            yield tracker.chunk(self.pop_result(rid))
         finally:
             if rid in self.requests:  # the consumer stopped early: abort and release
                 self.abort(rid)
                 self.forget(rid)
+
+    def flush_cache(self) -> int | None:
+        """Forget the prefix cache of every DP group when the engine is idle (nothing running,
+        waiting or held); returns the pages forgotten, None when busy."""
+        if self.has_work or self.held or any(not r.finished for r in self.requests.values()):
+            return None
+        return sum(g.kv.allocator.forget_cached() for g in self.groups)
 
     @property
     def preempted_total(self) -> int:

@@ -4,30 +4,42 @@ Everything that touches engine state runs on that thread: the asyncio side hands
 (`call`, `post`) and reads each request's output from an `asyncio.Queue` the thread fills. A role
 side (prefill or decode of a disaggregated pair) is polled between steps for transfer events and
 deadlines, and decides when a finished request's answer may go out (after its KV was sent).
+`merge` reads the streams of several requests (a batch, `n` choices) as one, by index.
+
+With no step to run, the thread sleeps in a poll (which releases the GIL) until a job arrives
+(each `post` / `call` writes a byte to a wake-up pipe) or, for a role side, until its transfer
+agents report (the side's `events_socket`). It never spins: a spinning thread would hold the
+GIL and delay the HTTP thread beside it by the interpreter's 5 ms switch interval at every turn
+(measured: a room's registration took ~40 ms to cross the prefill's bootstrap server).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import queue
 import threading
 from typing import AsyncIterator, Callable
 
+import zmq
+
 from dserve.runtime.engine import Engine
 from dserve.runtime.executor import RankFailure
-from dserve.runtime.output import StreamChunk
+from dserve.runtime.output import StreamChunk, make_result
 from dserve.scheduler.request import Request
 
 log = logging.getLogger("dserve.runtime")
-IDLE_WAIT_S = 0.005
+IDLE_WAIT_S = 0.05  # nothing at all to do: wake up this often anyway (to see `running`)
+SIDE_WAIT_S = 0.01  # rooms in flight: how often their deadlines are checked
 
 
 class NullSide:
     """A colocated instance: nothing in flight beside the engine."""
 
-    def poll(self) -> None:
-        pass
+    def poll(self) -> bool:
+        return False
 
     def busy(self, rid: str) -> bool:
         return False
@@ -38,6 +50,8 @@ class NullSide:
     @property
     def has_work(self) -> bool:
         return False
+
+    events_socket = None
 
 
 class NullStats:
@@ -62,13 +76,25 @@ class EngineLoop:
         self.subscribers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.failure: str | None = None
         self.running = True
+        self._wake_r, self._wake_w = os.pipe()
+        for fd in (self._wake_r, self._wake_w):
+            os.set_blocking(fd, False)
+        self.poller = zmq.Poller()
+        self.poller.register(self._wake_r, zmq.POLLIN)
+        if self.side.events_socket is not None:
+            self.poller.register(self.side.events_socket, zmq.POLLIN)
         self.thread = threading.Thread(target=self._run, name="dserve-engine", daemon=True)
         self.thread.start()
 
     # ---- asyncio side -----------------------------------------------------------------------------
     def post(self, fn: Callable, *args) -> None:
         """Run `fn(*args)` on the engine thread, not waiting for it."""
-        self.inbox.put(lambda: fn(*args))
+        self._put(lambda: fn(*args))
+
+    def _put(self, job: Callable[[], None]) -> None:
+        self.inbox.put(job)
+        with contextlib.suppress(BlockingIOError):  # the pipe is full of wake-ups already
+            os.write(self._wake_w, b"\0")
 
     async def call(self, fn: Callable, *args):
         """Run `fn(*args)` on the engine thread and return its result (or raise its exception)."""
@@ -82,7 +108,7 @@ class EngineLoop:
                 result, error = None, e
             loop.call_soon_threadsafe(_settle, future, result, error)
 
-        self.inbox.put(job)
+        self._put(job)
         return await future
 
     async def stream(
@@ -125,10 +151,13 @@ class EngineLoop:
 
     def _run(self) -> None:
         while self.running:
-            busy = self.engine.has_work or self.side.has_work
-            self._drain(block=not busy)
+            if self.engine.has_work:
+                self._drain()
+            else:
+                self._wait(SIDE_WAIT_S if self.side.has_work else IDLE_WAIT_S)
             try:
-                self.side.poll()
+                if self.side.poll():  # a request joined or ended: tell its client now
+                    self._publish()
                 if self.engine.has_work and not self.failure:
                     self.engine.step()
                     self.stats.after_step()
@@ -142,17 +171,20 @@ class EngineLoop:
                 self.engine._fail_all("internal error in the engine step (see the server log)")
             self._publish()
 
-    def _drain(self, block: bool) -> None:
-        try:
-            job = self.inbox.get(timeout=IDLE_WAIT_S) if block else self.inbox.get_nowait()
-        except queue.Empty:
-            return
+    def _wait(self, timeout_s: float) -> None:
+        """Sleep until a job or a transfer event arrives (or `timeout_s`), then run the jobs."""
+        self.poller.poll(timeout_s * 1000)
+        with contextlib.suppress(BlockingIOError):
+            os.read(self._wake_r, 1 << 16)
+        self._drain()
+
+    def _drain(self) -> None:
         while True:
-            job()
             try:
                 job = self.inbox.get_nowait()
             except queue.Empty:
                 return
+            job()
 
     def _publish(self) -> None:
         for rid, (loop, q) in list(self.subscribers.items()):
@@ -160,21 +192,55 @@ class EngineLoop:
             if req is None:
                 continue
             done = req.finished and not self.side.busy(rid)
-            text, tokens = (
-                self.engine.trackers[rid].delta() if (not req.finished or done) else ("", [])
-            )
-            if not (text or tokens or done):
+            if req.finished and not done:
                 continue
-            result = None
+            tracker = self.engine.trackers[rid]
             if done:
                 self.stats.finished(req)
-                result = self.engine.pop_result(rid)
+                result = make_result(req, tracker.text)
+                chunk = tracker.chunk(result)
+                self.engine.forget(rid)
                 del self.subscribers[rid]
-            loop.call_soon_threadsafe(q.put_nowait, StreamChunk(rid, text, tokens, done, result))
+            else:
+                chunk = tracker.chunk()
+                if not (chunk.text or chunk.token_ids):
+                    continue
+            loop.call_soon_threadsafe(q.put_nowait, chunk)
 
     def stop(self) -> None:
         self.running = False
+        self._put(lambda: None)
         self.thread.join(timeout=10)
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
+
+
+async def merge(streams: list) -> AsyncIterator[tuple[int, StreamChunk]]:
+    """(index, chunk) from every stream as they come; leaving early (or a failure of one)
+    closes them all, which aborts their requests."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream) -> None:
+        try:
+            async for chunk in stream:
+                queue.put_nowait((index, chunk))
+        except Exception as e:  # noqa: BLE001 - handed to the reader
+            queue.put_nowait((index, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    open_streams = len(streams)
+    try:
+        while open_streams:
+            index, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            open_streams -= item.finished
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            await stream.aclose()
 
 
 def _settle(future: asyncio.Future, result, error) -> None:

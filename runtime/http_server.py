@@ -1,7 +1,9 @@
 """The HTTP API of an instance (`dserve serve|prefill|decode`), on aiohttp.
 
 Routes: POST /generate, /v1/completions, /v1/chat/completions (JSON or SSE with `stream`), GET /health,
-/v1/models, /metrics, /server_info. Bad input is HTTP 400 with a message; a request that fails inside
+/v1/models, /metrics, /server_info, and SGLang's admin routes (`sglang_routes.py`). One HTTP request
+may run several engine requests (a batch, `n` choices): their chunks are merged by index and
+`answers.py` makes the JSON. Bad input is HTTP 400 with a message; a request that fails inside
 (transfer failure, timeout, dead rank) is HTTP 500 or an SSE error event. A client that goes away
 aborts its request, which frees its pages. The engine runs on its own thread (`EngineLoop`).
 The port listens from the start (one in use stops the start before any weight is read); until
@@ -20,18 +22,20 @@ import time
 
 from aiohttp import web
 
-from dserve.runtime.engine import Engine
-from dserve.runtime.engine_loop import EngineLoop
-from dserve.runtime.metrics import CONTENT_TYPE, InstanceMetrics
-from dserve.runtime.protocol import (
-    PARSERS,
-    BadRequest,
-    GenerateInput,
-    error_body,
-    full_answer,
-    openai_id,
-    stream_piece,
+from dserve.runtime import sglang_routes
+from dserve.runtime.answers import Answer, make_answer
+from dserve.runtime.chat_template import (
+    chat_text,
+    grammar_after_reasoning,
+    load_template,
+    render_chat,
+    tool_grammar,
 )
+from dserve.runtime.engine import Engine
+from dserve.runtime.engine_loop import EngineLoop, merge
+from dserve.runtime.metrics import CONTENT_TYPE, InstanceMetrics
+from dserve.runtime.openai_protocol import parse_chat, parse_completions
+from dserve.runtime.protocol import BadRequest, GenerateInput, Part, error_body, parse_generate
 from dserve.runtime.server_config import ServerConfig
 from dserve.runtime.sglang_compat import drop_no_op_fields, quiet_h2_probes
 from dserve.runtime.startup import listening_socket, stop_signals
@@ -41,6 +45,7 @@ from dserve.transfer.descriptor import IncompatiblePeer
 
 log = logging.getLogger("dserve.server")
 ROUTES = {"/generate": "generate", "/v1/completions": "completions", "/v1/chat/completions": "chat"}
+PARSERS = {"generate": parse_generate, "completions": parse_completions, "chat": parse_chat}
 
 
 def front_host(engine_kwargs: dict) -> str | None:
@@ -94,6 +99,7 @@ class Instance:
         stats = Stats(self.engine, self.metrics, config.batch_log_interval_s)
         self.loop = EngineLoop(self.engine, self.side, stats)
         self.model_name = config.served_model_name or os.path.basename(os.path.normpath(model_path))
+        self.chat_template = load_template(config.chat_template)
         self.metrics.watch(self.engine)
 
     def shutdown(self) -> None:
@@ -102,19 +108,42 @@ class Instance:
         if self.manager is not None:
             self.manager.close()
 
-    # ---- turning input into a started request --------------------------------------------------
-    def _make_request(self, inp: GenerateInput):
-        ids, text = inp.input_ids, inp.text
-        if inp.kind == "chat":
-            ids = list(
-                self.engine.tokenizer.apply_chat_template(
-                    inp.messages, add_generation_prompt=True, tokenize=True, return_dict=False
-                )
+    # ---- turning input into started requests ---------------------------------------------------
+    def check(self, inp: GenerateInput) -> None:
+        """An OpenAI request naming another model is 404, as OpenAI answers it; tools need a
+        tool-call parser."""
+        if inp.model is not None and inp.model != self.model_name:
+            raise BadRequest(
+                f"the model {inp.model!r} does not exist (this server serves {self.model_name!r})",
+                404,
             )
-        return self.engine.make_request(text, ids, inp.sampling, inp.rid)
+        chat = inp.openai.chat if inp.kind == "chat" else None
+        if chat and chat.tools and chat.tool_choice != "none" and not self.config.tool_call_parser:
+            raise BadRequest("tools need a server started with --tool-call-parser")
 
-    async def prepare(self, inp: GenerateInput):
-        """The request and how to start it on the engine thread; BadRequest / ConnectionError on failure."""
+    def _make_requests(self, inp: GenerateInput, parts: list[Part]) -> list:
+        rendered, parser = None, self.config.tool_call_parser
+        if inp.kind == "chat":
+            chat = inp.openai.chat
+            rendered = render_chat(self.engine.tokenizer, chat, self.chat_template, parser)
+            for part in parts:
+                tool_grammar(chat, parser, part.sampling)
+                grammar_after_reasoning(chat, self.config.reasoning_parser, part.sampling)
+        reqs = []
+        for part in parts:
+            prompt = part.prompt
+            ids = rendered if rendered is not None else prompt.input_ids
+            reqs.append(self.engine.make_request(prompt.text, ids, part.sampling, part.rid))
+        if self.side is not None:
+            from dserve.runtime.pd import check_carried
+
+            for req in reqs:
+                check_carried(req)
+        return reqs
+
+    async def prepare(self, inp: GenerateInput) -> list[tuple]:
+        """Each engine request of `inp` and how to start it on the engine thread; BadRequest /
+        ConnectionError on failure (nothing started)."""
         role = self.config.role
         if role == "colocated" and inp.bootstrap is not None:
             raise BadRequest(
@@ -125,21 +154,40 @@ class Instance:
                 f"a {role} instance serves requests sent through `dserve router` "
                 "(bootstrap_host, bootstrap_port and bootstrap_room are required)"
             )
-        req = await self.loop.call(self._make_request, inp)
+        parts = inp.parts()
+        reqs = await self.loop.call(self._make_requests, inp, parts)
         if role == "colocated":
-            return req, self.engine.submit
+            return [(req, self.engine.submit) for req in reqs]
         if role == "prefill":
-            return req, lambda r: self.side.start(r, inp.bootstrap.room)
+            return [(req, self._prefill_start(part.room)) for req, part in zip(reqs, parts)]
         if self.peers is None:
             from dserve.runtime.bootstrap import PeerDirectory
 
             self.peers = PeerDirectory(self.side.descriptor, self.config.bootstrap_timeout_s)
         b = inp.bootstrap
         peer = await self.peers.get(b.host, b.port)
-        link = self.peers.link(
-            b.host, b.port, req.rid, lambda rid, msg: self.loop.post(self.side.fail, rid, msg)
-        )
-        return req, lambda r: self.side.start(r, b.room, peer, link)
+        started = []
+        for req, part in zip(reqs, parts):
+            link = self.peers.link(b.host, b.port, req.rid, self._fail_room)
+            started.append((req, self._decode_start(part.room, peer, link)))
+        return started
+
+    def _prefill_start(self, room: int):
+        return lambda req: self.side.start(req, room)
+
+    def _decode_start(self, room: int, peer, link):
+        return lambda req: self.side.start(req, room, peer, link)
+
+    def _fail_room(self, rid: str, message: str) -> None:
+        self.loop.post(self.side.fail, rid, message)
+
+    def answer(self, inp: GenerateInput, reqs: list) -> Answer:
+        c = self.config
+        kw = {"incremental": c.incremental_streaming_output}
+        if inp.kind == "chat":
+            chat = inp.openai.chat
+            kw["make_text"] = lambda: chat_text(chat, c.reasoning_parser, c.tool_call_parser)
+        return make_answer(inp, reqs, self.model_name, self.engine.tokenizer, **kw)
 
 
 class Server:
@@ -159,6 +207,7 @@ class Server:
             ("/debug/kv", self.kv_state),
         ):
             self.app.router.add_get(path, self._when_ready(handler))
+        sglang_routes.add_routes(self.app, self._when_ready, lambda: self.instance)
 
     def attach(self, instance: Instance) -> None:
         self.instance = instance
@@ -224,10 +273,15 @@ class Server:
 
     def _generation(self, kind: str):
         async def handler(request: web.Request) -> web.StreamResponse:
+            instance = self.instance
             try:
                 inp = PARSERS[kind](drop_no_op_fields(await _read_json(request)))
-                req, start = await self.instance.prepare(inp)
-            except (BadRequest, IncompatiblePeer, ValueError) as e:
+                instance.check(inp)
+                started = await instance.prepare(inp)
+            except BadRequest as e:
+                self.metrics.request_done(kind, "bad_request")
+                return _error(str(e), e.status)
+            except (IncompatiblePeer, ValueError) as e:
                 self.metrics.request_done(kind, "bad_request")
                 return _error(str(e), 400)
             except ConnectionError as e:
@@ -235,75 +289,65 @@ class Server:
                 return _error(str(e), 502)
             except RuntimeError as e:
                 return _error(str(e), 503)
-            chunks = self.instance.loop.stream(req, start)
+            answer = instance.answer(inp, [req for req, _ in started])
+            chunks = merge([instance.loop.stream(req, start) for req, start in started])
             if inp.stream:
-                return await self._sse(request, inp, req.rid, chunks)
-            return await self._whole(inp, req.rid, chunks)
+                return await self._sse(request, inp, answer, chunks)
+            return await self._whole(inp, answer, chunks)
 
         return handler
 
-    async def _whole(self, inp: GenerateInput, rid: str, chunks) -> web.Response:
+    async def _whole(self, inp: GenerateInput, answer: Answer, chunks) -> web.Response:
         timer = _Timer(self.metrics)
         try:
-            async for chunk in chunks:
+            async for index, chunk in chunks:
                 timer.tokens(len(chunk.token_ids))
-                result = chunk.result
+                answer.take(index, chunk)
         except ValueError as e:  # rejected when it started (e.g. a room id in use)
             self.metrics.request_done(inp.kind, "bad_request")
             return _error(str(e), 400)
-        except asyncio.CancelledError:  # the client left: abort the request, free its pages
+        except asyncio.CancelledError:  # the client left: abort the requests, free their pages
             await chunks.aclose()
             self.metrics.request_done(inp.kind, "client_gone")
             raise
         timer.done()
-        if result.finish_reason == "abort":
+        failed = [c.result for c in answer.choices if c.finish_reason == "abort"]
+        if failed:
             self.metrics.request_done(inp.kind, "error")
-            return _error(result.meta.get("error") or "aborted", 500)
+            return _error(failed[0].meta.get("error") or "aborted", 500)
         self.metrics.request_done(inp.kind, "ok")
-        body = full_answer(
-            inp.kind, self.instance.model_name, result.text, result.output_ids, result.meta, rid
-        )
-        return web.json_response(body)
+        return web.json_response(answer.whole())
 
     async def _sse(
-        self, request: web.Request, inp: GenerateInput, rid: str, chunks
+        self, request: web.Request, inp: GenerateInput, answer: Answer, chunks
     ) -> web.StreamResponse:
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
-        ident = rid if inp.kind == "generate" else openai_id(inp.kind)
-        timer, first, outcome = _Timer(self.metrics), True, "ok"
+        timer, prepared, outcome = _Timer(self.metrics), False, "ok"
         try:
-            async for chunk in chunks:
-                if first:
+            async for index, chunk in chunks:
+                if not prepared:
                     await resp.prepare(request)
+                    prepared = True
                 timer.tokens(len(chunk.token_ids))
-                meta = chunk.result.meta if chunk.result else None
-                if chunk.result is not None and chunk.result.finish_reason == "abort":
+                result = chunk.result
+                if result is not None and result.finish_reason == "abort":
                     outcome = "error"
-                    await _event(resp, error_body(meta.get("error") or "aborted", 500))
+                    await _event(resp, error_body(result.meta.get("error") or "aborted", 500))
                     break
-                if chunk.text or chunk.token_ids or meta is not None:
-                    await _event(
-                        resp,
-                        stream_piece(
-                            inp.kind,
-                            self.instance.model_name,
-                            ident,
-                            chunk.text,
-                            chunk.token_ids,
-                            meta,
-                            first,
-                        ),
-                    )
-                    first = False
+                for payload in answer.event(index, chunk):
+                    await _event(resp, payload)
+            if outcome == "ok":
+                for payload in answer.closing():
+                    await _event(resp, payload)
             await resp.write(b"data: [DONE]\n\n")
         except ValueError as e:
             self.metrics.request_done(inp.kind, "bad_request")
             return _error(str(e), 400)
         except (ConnectionResetError, asyncio.CancelledError):
             outcome = "client_gone"
-            await chunks.aclose()  # aborts the request and frees its pages
+            await chunks.aclose()  # aborts the requests and frees their pages
             self.metrics.request_done(inp.kind, outcome)
             raise
         timer.done()

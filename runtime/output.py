@@ -27,6 +27,12 @@ class StreamChunk:
     token_ids: list[int]  # new tokens since the previous chunk
     finished: bool
     result: GenerateResult | None = None  # set on the last chunk
+    logprobs: list[float] | None = None
+    """With `return_logprob`: those of `token_ids`."""
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    input_logprobs: list[float | None] | None = None
+    """With `logprob_start_len`, on the first chunk with tokens: the prompt's logprobs."""
+    input_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class TextTracker:
@@ -80,6 +86,8 @@ class TextTracker:
         if not hits:
             return None
         index, matched = min(hits)
+        if self.req.params.no_stop_trim:
+            index += len(matched)
         self.decoded, self.stopped = self.decoded[:index], True
         return matched
 
@@ -103,6 +111,20 @@ class TextTracker:
         self.sent_tokens = len(self.req.output_ids)
         return text, tokens
 
+    def chunk(self, result: GenerateResult | None = None) -> StreamChunk:
+        """What is new since the last chunk (the last one carries the result)."""
+        start = self.sent_tokens
+        text, tokens = self.delta()
+        chunk = StreamChunk(self.req.rid, text, tokens, result is not None, result)
+        if start == 0 and tokens and self.req.params.input_logprobs_from is not None:
+            chunk.input_logprobs = list(self.req.input_logprobs)
+            chunk.input_top_logprobs = list(self.req.input_top_logprobs)
+        if self.req.params.return_logprob:
+            end = start + len(tokens)
+            chunk.logprobs = self.req.token_logprobs[start:end]
+            chunk.top_logprobs = self.req.top_logprobs[start:end]
+        return chunk
+
 
 def make_result(req: Request, text: str) -> GenerateResult:
     meta = {
@@ -122,4 +144,8 @@ def make_result(req: Request, text: str) -> GenerateResult:
         meta["output_token_logprobs"] = list(zip(req.token_logprobs, req.output_ids))
         if req.params.top_logprobs_num:
             meta["output_top_logprobs"] = req.top_logprobs
+    first = req.params.input_logprobs_from
+    if first is not None:
+        meta["input_token_logprobs"] = list(zip(req.input_logprobs, req.prompt_ids[first:]))
+        meta["input_top_logprobs"] = req.input_top_logprobs
     return GenerateResult(req.rid, text, list(req.output_ids), req.finish_reason, meta)

@@ -10,13 +10,19 @@ Failed. Pages of a room that fails or is aborted while receives are posted stay 
 every rank confirms its receives settled, so no late byte can land in a page another request owns.
 
 Every state has a deadline that ends the request with an error naming what did not happen.
+
+Each decode answer's meta carries `pd_timeline_ms`: when (ms after the decode got the request)
+the decode posted its receives and registered the room, the prefill got the request, computed
+it, saw the registration and started the push, and the decode had every page and joined the
+first token. Both instances' clocks are the host's monotonic clock: on two hosts the prefill's
+marks are offsets from its own arrival instead (`prefill_*` keys are then relative to it).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from dserve.models.config import ModelConfig
@@ -26,6 +32,7 @@ from dserve.runtime.server_config import ServerConfig
 from dserve.scheduler.request import Request
 from dserve.transfer.descriptor import InstanceDescriptor, check_compatible
 from dserve.transfer.manager import RoomOutcome, TransferManager
+from dserve.transfer.messages import CTRL_BYTES
 
 log = logging.getLogger("dserve.pd")
 
@@ -58,6 +65,7 @@ class Registration:
     dp_rank: int
     pages: list[int]
     arrived: float
+    at: float = field(default_factory=time.perf_counter)
 
 
 @dataclass
@@ -117,6 +125,11 @@ class PrefillSide:
     def has_work(self) -> bool:
         return bool(self.rooms)
 
+    @property
+    def events_socket(self):
+        """What the engine thread waits on beside its jobs: the agents' events."""
+        return self.manager.sock
+
     def busy(self, rid: str) -> bool:
         return rid in self.rooms  # the answer waits until the KV has left (or failed to)
 
@@ -135,8 +148,10 @@ class PrefillSide:
             self._end(room, "aborted by the client")
         return True  # a transfer in flight finishes (or fails) on its own and frees the pages then
 
-    def poll(self) -> None:
-        for outcome in self.manager.poll():
+    def poll(self) -> bool:
+        """Transfer events and deadlines; True when a room ended (its answer may go out)."""
+        outcomes = self.manager.poll()
+        for outcome in outcomes:
             self._on_pushed(outcome)
         now = time.monotonic()
         for room in list(self.rooms.values()):
@@ -151,6 +166,7 @@ class PrefillSide:
                 if now - _arrived(v) > 2 * self.config.bootstrap_timeout_s
             ]:
                 del table[key]  # for a room this instance never saw
+        return bool(outcomes)
 
     def _after_compute(self, room: PrefillRoom, now: float) -> None:
         req = self.engine.requests.get(room.rid)
@@ -190,6 +206,13 @@ class PrefillSide:
         log.debug(
             "room %d: pushing %d pages to decode dp group %d", room.room, len(src), reg.dp_rank
         )
+        aux = _aux(req)
+        aux["timeline"] = {
+            "arrival": req.arrival_time,
+            "computed": req.first_token_time,
+            "registered": reg.at,
+            "push": time.perf_counter(),
+        }
         self.manager.push(
             room.room,
             group,
@@ -197,7 +220,7 @@ class PrefillSide:
             reg.dp_rank,
             src,
             reg.pages,
-            _aux(req),
+            aux,
             self.config.transfer_timeout_s,
         )
         room.state = "transferring"
@@ -236,6 +259,35 @@ def _arrived(value) -> float:
     return value.arrived if isinstance(value, Registration) else value
 
 
+def timeline(req: Request, marks: dict, prefill: dict | None) -> dict:
+    """The decode's marks and the prefill's (`prefill_*`), in ms after the decode's arrival.
+    Prefill marks from another host (its arrival more than a minute off ours) are made
+    relative to the prefill's own arrival."""
+    start = req.arrival_time
+    out = {k: round((v - start) * 1e3, 3) for k, v in marks.items()}
+    prefill = {k: v for k, v in (prefill or {}).items() if v is not None}
+    base = start
+    if abs(prefill.get("arrival", start) - start) > 60:
+        base = prefill["arrival"]
+    for k, v in prefill.items():
+        out["prefill_" + k] = round((v - base) * 1e3, 3)
+    return out
+
+
+def check_carried(req: Request) -> None:
+    """The prompt logprobs a prefill sends ride in the room's control record (`CTRL_BYTES`):
+    refuse a request whose would not fit (an estimate of msgpack's size, with room to spare)."""
+    if req.params.input_logprobs_from is None:
+        return
+    rows = len(req.input_logprobs)
+    size = rows * (10 + 16 * req.params.top_logprobs_num)
+    if size > CTRL_BYTES * 3 // 4:
+        raise ValueError(
+            f"logprob_start_len: {rows} prompt logprobs (top {req.params.top_logprobs_num}) "
+            "are more than a prefill/decode pair carries; start them later in the prompt"
+        )
+
+
 def _aux(req: Request) -> dict:
     aux = {"token": req.output_ids[0]}
     if req.draft_tokens:  # the draft's proposals after the prompt: the decode verifies them first
@@ -244,6 +296,9 @@ def _aux(req: Request) -> dict:
     if req.params.return_logprob and req.token_logprobs:
         aux["logprob"] = req.token_logprobs[0]
         aux["top"] = [list(x) for x in req.top_logprobs[0]]
+    if req.params.input_logprobs_from is not None:
+        aux["input"] = list(req.input_logprobs)
+        aux["input_top"] = [[list(x) for x in top] for top in req.input_top_logprobs]
     return aux
 
 
@@ -265,6 +320,7 @@ class DecodeRoom:
     deadline: float = float("inf")
     group: int = 0
     key: str | None = None
+    registered_at: float = 0.0
 
 
 class DecodeSide:
@@ -293,6 +349,10 @@ class DecodeSide:
     def has_work(self) -> bool:
         return bool(self.rooms)
 
+    @property
+    def events_socket(self):
+        return self.manager.sock
+
     def busy(self, rid: str) -> bool:
         return False  # a failed room's answer goes out at once; its pages wait in quarantine
 
@@ -319,8 +379,10 @@ class DecodeSide:
             log.warning("room %d: %s", room.room, error)
             req.finish("abort", error=error)
 
-    def poll(self) -> None:
-        for outcome in self.manager.poll():
+    def poll(self) -> bool:
+        """Transfer events and deadlines; True when a request joined the batch or failed."""
+        outcomes = self.manager.poll()
+        for outcome in outcomes:
             self._on_received(outcome)
         now = time.monotonic()
         for room in list(self.rooms.values()):
@@ -335,6 +397,7 @@ class DecodeSide:
             elif room.state == "quarantined" and now > room.deadline:
                 log.error("room %d: receives never settled; its pages stay out of use", room.room)
                 self._drop(room)
+        return bool(outcomes)
 
     def _try_prealloc(self, room: DecodeRoom, now: float) -> None:
         req = self.engine.requests[room.rid]
@@ -351,6 +414,7 @@ class DecodeSide:
         self.manager.expect(room.room, room.group, room.peer, pages, self.config.transfer_timeout_s)
         room.state, room.deadline = "transferring", now + self.config.transfer_timeout_s + 15
         room.link.register(room.room, room.group, pages)
+        room.registered_at = time.perf_counter()
 
     def _on_received(self, outcome: RoomOutcome) -> None:
         rid = self.by_room.get(outcome.room)
@@ -367,6 +431,10 @@ class DecodeSide:
             if outcome.ok and outcome.aux:
                 self._drop(room)
                 aux = outcome.aux
+                received = time.perf_counter()
+                if "input" in aux:
+                    req.input_logprobs = list(aux["input"])
+                    req.input_top_logprobs = [[tuple(x) for x in t] for t in aux["input_top"]]
                 self.engine.join_prefilled(
                     rid,
                     int(aux["token"]),
@@ -375,6 +443,9 @@ class DecodeSide:
                     aux.get("draft"),
                     aux.get("draft_parents"),
                 )
+                marks = {"registered": room.registered_at, "received": received}
+                marks["joined"] = time.perf_counter()
+                req.extra_meta["pd_timeline_ms"] = timeline(req, marks, aux.get("timeline"))
                 return
             req.finish(
                 "abort",

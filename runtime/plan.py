@@ -25,6 +25,9 @@ class NewRequest:
     """Its prompt and the tokens generated so far."""
     prompt_len: int
     params: SamplingParams
+    end_ids: tuple[int, ...] = ()
+    """With `min_new_tokens`: the ids that would end it (EOS unless ignored, its stop token
+    ids), masked out until it has that many tokens."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,18 @@ class SpanOutcome:
     draft: list[int] = field(default_factory=list)
     """The next draft tree's tokens (speculation), in tree order."""
     draft_parents: list[int] = field(default_factory=list)
+    inputs: "InputLogprobs | None" = None
+    """With `logprob_start_len`: logprobs of prompt tokens the span's rows predict."""
+
+
+@dataclass(frozen=True)
+class InputLogprobs:
+    """Logprobs of the prompt's tokens at positions [start, start + len(logprobs)) (each from
+    the logits of the position before), with the top ones asked for."""
+
+    start: int
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]]
 
 
 @dataclass(frozen=True)

@@ -49,8 +49,10 @@ class Planner:
         speculation: Speculation,
         overlap: bool,
         pipelined: bool = False,
+        eos_ids: frozenset[int] = frozenset(),
     ):
         self.schedulers, self.speculation = schedulers, speculation
+        self.eos_ids = eos_ids
         self.overlap, self.pipelined = overlap and not pipelined, pipelined
         self.known_pages: list[dict[int, int]] = [{} for _ in schedulers]
         """Per group, per slot: how many pages of its table the ranks have."""
@@ -111,7 +113,12 @@ class Planner:
                 tokens[req.slot] = req.num_tokens
 
     def _new(self, req: Request) -> NewRequest:
-        return NewRequest(req.slot, req.all_ids, len(req.prompt_ids), req.params)
+        p = req.params
+        end_ids = ()
+        if p.min_new_tokens:
+            ends = set(p.stop_token_ids or []) | (set() if p.ignore_eos else set(self.eos_ids))
+            end_ids = tuple(sorted(ends))
+        return NewRequest(req.slot, req.all_ids, len(req.prompt_ids), p, end_ids)
 
     def _span(self, span: Span, catch_up: bool, proposes: bool) -> PlannedSpan:
         return PlannedSpan(

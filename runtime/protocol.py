@@ -1,19 +1,24 @@
-"""Request bodies of the HTTP API, checked and turned into one `GenerateInput`; answers formatted back.
+"""Request bodies of the HTTP API, checked and turned into one `GenerateInput`; the SGLang route.
 
-`/generate` is SGLang's shape (`text` or `input_ids`, `sampling_params`, `stream`); `/v1/completions`
-and `/v1/chat/completions` are OpenAI's. Any body that does not fit raises `BadRequest` with a message
-the client sees (HTTP 400). The router adds `bootstrap_host`, `bootstrap_port` and `bootstrap_room`.
+`/generate` is SGLang's shape (`text` or `input_ids`, one or a list, `sampling_params`, `stream`,
+the logprob fields); the OpenAI routes are parsed in `openai_protocol.py`. A body that does not fit
+raises `BadRequest` with a message the client sees (HTTP 400; an unknown model is 404). The router
+adds `bootstrap_host`, `bootstrap_port` and `bootstrap_room`. One HTTP request may start several
+engine requests (a list of prompts, `n` choices each): `GenerateInput.parts` lists them, choice
+`j` of prompt `i` at index `i * n + j`, each with its own rid and bootstrap room.
 """
 
 from __future__ import annotations
 
-import time
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 class BadRequest(ValueError):
-    """The client's request is malformed; HTTP 400 with this message."""
+    """The client's request is malformed; HTTP `status` (400) with this message."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass
@@ -22,275 +27,206 @@ class Bootstrap:
     port: int
     room: int
 
+    def room_of(self, index: int) -> int:
+        """The room of the request at `index` (prefill and decode derive the same)."""
+        return (self.room + index) % 2**63
+
+
+@dataclass
+class Prompt:
+    text: str | None = None
+    input_ids: list[int] | None = None
+
+
+@dataclass
+class Part:
+    """One engine request of an HTTP request."""
+
+    index: int
+    prompt: Prompt
+    sampling: dict
+    rid: str | None
+    room: int | None
+
 
 @dataclass
 class GenerateInput:
     kind: str  # "generate" | "completions" | "chat"
-    text: str | None = None
-    input_ids: list[int] | None = None
-    messages: list[dict] | None = None
-    sampling: dict = field(default_factory=dict)
+    prompts: list[Prompt]
+    sampling: list[dict]
+    """Per prompt, in SGLang's names."""
+    n: int = 1
     stream: bool = False
-    rid: str | None = None
+    rids: list[str] | None = None
     bootstrap: Bootstrap | None = None
     model: str | None = None
+    batched: bool = False
+    """/generate got a list of prompts (or n > 1): the answer is a list."""
+    text_in_logprobs: bool = False
+    """/generate: token texts beside the ids in the logprobs."""
+    openai: object | None = None
+    """`OpenAIOptions` of an OpenAI route."""
+
+    def parts(self) -> list[Part]:
+        parts = []
+        for i, prompt in enumerate(self.prompts):
+            for j in range(self.n):
+                index = i * self.n + j
+                sampling = dict(self.sampling[i])
+                if j and sampling.get("seed") is not None:  # each choice its own draws
+                    sampling["seed"] += j
+                rid = self.rids[index] if self.rids else None
+                room = self.bootstrap.room_of(index) if self.bootstrap else None
+                parts.append(Part(index, prompt, sampling, rid, room))
+        return parts
 
 
 BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
-# OpenAI fields we accept and ignore (the official client may send them)
-IGNORED = {
-    "user",
-    "logit_bias",
-    "suffix",
-    "echo",
-    "best_of",
-    "response_format",
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
-    "service_tier",
-    "store",
-    "metadata",
-    "stream_options",
-    "modalities",
-}
-# OpenAI name -> SGLang sampling name
-OPENAI_SAMPLING = {
-    "max_tokens": "max_new_tokens",
-    "max_completion_tokens": "max_new_tokens",
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "stop": "stop",
-    "seed": "seed",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
-    "repetition_penalty": "repetition_penalty",
-    "ignore_eos": "ignore_eos",
-    "stop_token_ids": "stop_token_ids",
-    "skip_special_tokens": "skip_special_tokens",
-}
 
 
-def _expect(ok: bool, message: str) -> None:
+def expect(ok: bool, message: str) -> None:
     if not ok:
         raise BadRequest(message)
 
 
-def _bootstrap(body: dict) -> Bootstrap | None:
+def is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def bootstrap(body: dict) -> Bootstrap | None:
     present = [k for k in BOOTSTRAP_FIELDS if body.get(k) is not None]
     if not present:
         return None
-    _expect(len(present) == 3, f"give all of {', '.join(BOOTSTRAP_FIELDS)} or none")
+    expect(len(present) == 3, f"give all of {', '.join(BOOTSTRAP_FIELDS)} or none")
     host, port, room = (body[k] for k in BOOTSTRAP_FIELDS)
-    _expect(isinstance(host, str) and 0 < len(host) < 256, "bootstrap_host must be a host name")
-    _expect(isinstance(port, int) and 0 < port < 65536, "bootstrap_port must be a TCP port")
-    _expect(
-        isinstance(room, int) and not isinstance(room, bool) and 0 <= room < 2**63,
-        "bootstrap_room must be an integer in [0, 2^63)",
-    )
+    expect(isinstance(host, str) and 0 < len(host) < 256, "bootstrap_host must be a host name")
+    expect(is_int(port) and 0 < port < 65536, "bootstrap_port must be a TCP port")
+    expect(is_int(room) and 0 <= room < 2**63, "bootstrap_room must be an integer in [0, 2^63)")
     return Bootstrap(host, port, room)
 
 
-def _unknown(body: dict, known: set[str]) -> None:
-    extra = sorted(set(body) - known - set(BOOTSTRAP_FIELDS) - IGNORED)
-    _expect(not extra, f"unknown field(s): {', '.join(extra)}")
+def refuse_unknown(body: dict, known: set[str], where: str = "") -> None:
+    extra = sorted(set(body) - known - set(BOOTSTRAP_FIELDS))
+    expect(not extra, f"unknown field(s){where}: {', '.join(extra)} (not supported)")
 
 
-def _stream_flag(body: dict) -> bool:
+def stream_flag(body: dict) -> bool:
     value = body.get("stream", False)
-    _expect(isinstance(value, bool), "stream must be true or false")
+    expect(isinstance(value, bool), "stream must be true or false")
     return value
 
 
-def _prompt(value) -> tuple[str | None, list[int] | None]:
-    if isinstance(value, str):
-        return value, None
-    if (
-        isinstance(value, list)
-        and value
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
-    ):
-        return None, value
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
-        return value[0], None
-    raise BadRequest("prompt must be a string or a list of token ids (one prompt per request)")
+def choices(value, name: str = "n") -> int:
+    expect(is_int(value) and 1 <= value <= 128, f"{name} must be an integer in [1, 128]")
+    return value
+
+
+def token_list(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(is_int(t) for t in value)
+
+
+def prompt_list(text, ids) -> tuple[list[Prompt], bool]:
+    """SGLang's `text` / `input_ids` (one prompt or a list) as prompts, and whether a list came."""
+    expect((text is None) != (ids is None), "give exactly one of text or input_ids")
+    if text is not None:
+        if isinstance(text, str):
+            return [Prompt(text=text)], False
+        expect(
+            isinstance(text, list) and text and all(isinstance(t, str) for t in text),
+            "text must be a string or a non-empty list of strings",
+        )
+        return [Prompt(text=t) for t in text], True
+    if token_list(ids):
+        return [Prompt(input_ids=ids)], False
+    expect(
+        isinstance(ids, list) and ids and all(token_list(x) for x in ids),
+        "input_ids: a prompt must be a list of token ids, or a list of such lists",
+    )
+    return [Prompt(input_ids=x) for x in ids], True
+
+
+GENERATE_FIELDS = {
+    "text",
+    "input_ids",
+    "sampling_params",
+    "stream",
+    "rid",
+    "return_logprob",
+    "top_logprobs_num",
+    "logprob_start_len",
+    "return_text_in_logprobs",
+}
 
 
 def parse_generate(body: dict) -> GenerateInput:
-    _expect(isinstance(body, dict), "the body must be a JSON object")
-    _unknown(
-        body,
-        {
-            "text",
-            "input_ids",
-            "sampling_params",
-            "stream",
-            "rid",
-            "return_logprob",
-            "top_logprobs_num",
-        },
-    )
-    sampling = body.get("sampling_params") or {}
-    _expect(isinstance(sampling, dict), "sampling_params must be an object")
-    sampling = dict(sampling)
-    for name in ("return_logprob", "top_logprobs_num"):
-        if name in body:
-            sampling[name] = body[name]
-    text, ids = body.get("text"), body.get("input_ids")
-    _expect((text is None) != (ids is None), "give exactly one of text or input_ids")
-    if text is not None:
-        _expect(isinstance(text, str), "text must be a string")
-    else:
-        _prompt(ids)
-    rid = body.get("rid")
-    _expect(
-        rid is None or (isinstance(rid, str) and 0 < len(rid) <= 128), "rid must be a short string"
-    )
+    refuse_unknown(body, GENERATE_FIELDS)
+    prompts, listed = prompt_list(body.get("text"), body.get("input_ids"))
+    sampling = _per_prompt(body.get("sampling_params"), len(prompts), "sampling_params")
+    n = _same_n(sampling)
+    for name in ("return_logprob", "top_logprobs_num", "logprob_start_len"):
+        values = _per_prompt_value(body.get(name), len(prompts), name)
+        for params, value in zip(sampling, values):
+            if value is not None:
+                params[name] = value
+    text_in = body.get("return_text_in_logprobs", False)
+    expect(isinstance(text_in, bool), "return_text_in_logprobs must be true or false")
+    count = len(prompts) * n
     return GenerateInput(
         "generate",
-        text=text,
-        input_ids=ids,
-        sampling=sampling,
-        stream=_stream_flag(body),
-        rid=rid,
-        bootstrap=_bootstrap(body),
+        prompts,
+        sampling,
+        n=n,
+        stream=stream_flag(body),
+        rids=_rids(body.get("rid"), count),
+        bootstrap=bootstrap(body),
+        batched=listed or n > 1,
+        text_in_logprobs=text_in,
     )
 
 
-def _openai_sampling(body: dict, default_max: int | None) -> dict:
-    sampling = {}
-    for name, ours in OPENAI_SAMPLING.items():
-        if body.get(name) is not None:
-            sampling[ours] = body[name]
-    if default_max is not None:
-        sampling.setdefault("max_new_tokens", default_max)
-    n = body.get("n", 1)
-    _expect(n == 1, "only n = 1 is supported")
-    if body.get("logprobs") not in (None, False, 0):
-        sampling["return_logprob"] = True
-        top = body.get("top_logprobs") if body.get("logprobs") is True else body.get("logprobs")
-        if isinstance(top, int) and not isinstance(top, bool):
-            sampling["top_logprobs_num"] = top
-    return sampling
-
-
-def parse_completions(body: dict) -> GenerateInput:
-    _expect(isinstance(body, dict), "the body must be a JSON object")
-    _unknown(body, {"model", "prompt", "n", "logprobs", "stream"} | set(OPENAI_SAMPLING))
-    _expect("prompt" in body, "prompt is required")
-    text, ids = _prompt(body["prompt"])
-    return GenerateInput(
-        "completions",
-        text=text,
-        input_ids=ids,
-        sampling=_openai_sampling(body, 16),
-        stream=_stream_flag(body),
-        bootstrap=_bootstrap(body),
-        model=body.get("model"),
+def _per_prompt(value, count: int, name: str) -> list[dict]:
+    """An object for every prompt, or a list of one per prompt (copies: each is changed)."""
+    if value is None:
+        return [{} for _ in range(count)]
+    if isinstance(value, dict):
+        return [dict(value) for _ in range(count)]
+    expect(
+        isinstance(value, list) and len(value) == count and all(isinstance(v, dict) for v in value),
+        f"{name} must be an object, or a list of one per prompt ({count})",
     )
+    return [dict(v) for v in value]
 
 
-def parse_chat(body: dict) -> GenerateInput:
-    _expect(isinstance(body, dict), "the body must be a JSON object")
-    _unknown(
-        body,
-        {"model", "messages", "n", "logprobs", "top_logprobs", "stream"} | set(OPENAI_SAMPLING),
+def _per_prompt_value(value, count: int, name: str) -> list:
+    if isinstance(value, list):
+        expect(len(value) == count, f"{name}: give one value, or one per prompt ({count})")
+        return value
+    return [value] * count
+
+
+def _same_n(sampling: list[dict]) -> int:
+    values = {choices(p.pop("n", 1), "sampling_params.n") for p in sampling}
+    expect(len(values) == 1, "sampling_params.n must be the same for every prompt")
+    return values.pop()
+
+
+def _rids(value, count: int) -> list[str] | None:
+    if value is None:
+        return None
+    values = [value] if isinstance(value, str) else value
+    expect(
+        isinstance(values, list) and all(isinstance(r, str) and 0 < len(r) <= 128 for r in values),
+        "rid must be a short string or a list of them",
     )
-    messages = body.get("messages")
-    _expect(isinstance(messages, list) and messages, "messages must be a non-empty list")
-    for m in messages:
-        _expect(
-            isinstance(m, dict)
-            and isinstance(m.get("role"), str)
-            and isinstance(m.get("content"), str),
-            "each message needs a string role and a string content",
-        )
-        _expect(
-            m["role"] in ("system", "user", "assistant", "tool"),
-            f"unknown message role {m['role']!r}",
-        )
-    return GenerateInput(
-        "chat",
-        messages=[{"role": m["role"], "content": m["content"]} for m in messages],
-        sampling=_openai_sampling(body, None),
-        stream=_stream_flag(body),
-        bootstrap=_bootstrap(body),
-        model=body.get("model"),
-    )
-
-
-PARSERS = {"generate": parse_generate, "completions": parse_completions, "chat": parse_chat}
-
-
-# ---- answers ---------------------------------------------------------------------------------------
-def openai_id(kind: str) -> str:
-    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
-
-
-def usage(meta: dict) -> dict:
-    p, c = meta.get("prompt_tokens", 0), meta.get("completion_tokens", 0)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-
-def full_answer(
-    kind: str, model: str, text: str, output_ids: list[int], meta: dict, rid: str
-) -> dict:
-    if kind == "generate":
-        return {"text": text, "output_ids": output_ids, "meta_info": {"id": rid, **meta}}
-    base = {
-        "id": openai_id(kind),
-        "created": int(time.time()),
-        "model": model,
-        "usage": usage(meta),
-    }
-    if kind == "completions":
-        choice = {
-            "index": 0,
-            "text": text,
-            "logprobs": None,
-            "finish_reason": meta.get("finish_reason"),
-        }
-        return {**base, "object": "text_completion", "choices": [choice]}
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": text},
-        "logprobs": None,
-        "finish_reason": meta.get("finish_reason"),
-    }
-    return {**base, "object": "chat.completion", "choices": [choice]}
-
-
-def stream_piece(
-    kind: str,
-    model: str,
-    ident: str,
-    text: str,
-    token_ids: list[int],
-    meta: dict | None,
-    first: bool,
-) -> dict:
-    """One SSE event: incremental text and token ids; the last carries finish_reason and usage."""
-    finish = meta.get("finish_reason") if meta else None
-    if kind == "generate":
-        piece = {"text": text, "output_ids": token_ids}
-        if meta is not None:
-            piece["meta_info"] = {"id": ident, **meta}
-        return piece
-    base = {"id": ident, "created": int(time.time()), "model": model}
-    if kind == "completions":
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        piece = {**base, "object": "text_completion", "choices": [choice]}
-    else:
-        delta = {"role": "assistant", "content": text} if first else {"content": text}
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        piece = {**base, "object": "chat.completion.chunk", "choices": [choice]}
-    if meta is not None:
-        piece["usage"] = usage(meta)
-    return piece
+    if len(values) == 1 and count > 1:
+        return [f"{values[0]}-{i}" for i in range(count)]
+    expect(len(values) == count, f"rid: give one, or one per request ({count})")
+    expect(len(set(values)) == count, "rid: the ids must differ")
+    return values
 
 
 def error_body(message: str, status: int) -> dict:
     kind = "invalid_request_error" if status < 500 else "server_error"
+    if status == 404:
+        kind = "NotFoundError"
     return {"error": {"message": message, "type": kind, "code": status}}

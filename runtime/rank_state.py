@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dserve.runtime.batch import pending_token
+from dserve.runtime.grammar import GrammarState
 from dserve.runtime.plan import GroupPlan, KnownTokens, NewRequest, PageUpdate, PlannedSpan
 from dserve.scheduler.request import SamplingParams
 
@@ -27,6 +28,10 @@ class RankRequest:
     params: SamplingParams
     awaiting: int = 0
     """Tokens that steps in flight sampled for it, on the device only so far."""
+    end_ids: tuple[int, ...] = ()
+    """Masked out while it has fewer than `min_new_tokens` outputs (`NewRequest.end_ids`)."""
+    grammar: GrammarState | None = None
+    """Structured output: its matcher, made where it is first sampled."""
 
     @property
     def all_ids(self) -> list[int]:
@@ -63,7 +68,7 @@ class RankRequest:
 
     @classmethod
     def create(cls, new: NewRequest) -> RankRequest:
-        return cls(new.slot, list(new.token_ids), new.prompt_len, new.params)
+        return cls(new.slot, list(new.token_ids), new.prompt_len, new.params, end_ids=new.end_ids)
 
 
 class PageTables:
@@ -124,7 +129,9 @@ class RankSpan:
     row: int
     """Its first token's row in the pass."""
     logits_row: int
-    """Its first row in the pass's logits (when it has any)."""
+    """Its first row in the pass's logits that samples or verifies (when it has any)."""
+    input_rows: range = range(0)
+    """Its positions whose logits give prompt logprobs: the rows just before `logits_row`."""
     path: list[int] | None = None
     """Verified: the accepted draft nodes, root first."""
     emitted: list[int] | None = None

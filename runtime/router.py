@@ -17,7 +17,9 @@ Instances are probed on `/health`. One that is gone (connection refused or dropp
 unhealthy is out of rotation at once; one that is only slow to answer stays in until
 `SLOW_PROBES_TO_REMOVE` probes in a row time out (a busy instance on a loaded host is not a dead
 one). Either comes back at its next good answer; a request that finds no instance of a kind in
-rotation has every instance probed again before it is refused.
+rotation has every instance probed again before it is refused. SGLang's admin routes
+(`/health_generate`, `/flush_cache`, `/abort_request`) go to every instance; `/get_model_info`
+to a decode instance.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
+from dserve.runtime.http_server import PARSERS
 from dserve.runtime.metrics import CONTENT_TYPE, RouterMetrics
-from dserve.runtime.protocol import PARSERS, error_body
+from dserve.runtime.protocol import BOOTSTRAP_FIELDS, error_body
 from dserve.runtime.router_policy import Backend, Breaker, Picker, prompt_blocks
 from dserve.runtime.server_config import RouterConfig
 from dserve.runtime.sglang_compat import drop_no_op_fields
@@ -44,7 +47,6 @@ log = logging.getLogger("dserve.router")
 SLOW_PROBES_TO_REMOVE = 3
 BLAME_GRACE_S = 1.0  # how long a failed decode waits to learn whether its prefill failed
 KINDS = {"/generate": "generate", "/v1/completions": "completions", "/v1/chat/completions": "chat"}
-BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 ANY_VOCABULARY = 2**62  # the router does not know the model: token ids are the instance's to check
 
 
@@ -75,7 +77,8 @@ def check_body(endpoint: str, body: dict) -> None:
     values (types and ranges); raises ValueError (the protocol's BadRequest) naming the field."""
     clean = {k: v for k, v in drop_no_op_fields(body).items() if k not in BOOTSTRAP_FIELDS}
     inp = PARSERS[KINDS[endpoint]](clean)
-    SamplingParams.from_dict(dict(inp.sampling)).validate(ANY_VOCABULARY)
+    for part in inp.parts():
+        SamplingParams.from_dict(dict(part.sampling)).validate(ANY_VOCABULARY)
 
 
 class Router:
@@ -99,6 +102,11 @@ class Router:
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/metrics", self.metrics_text)
+        for path in ("/health_generate", "/flush_cache"):  # SGLang's admin routes: every instance
+            self.app.router.add_get(path, self.fan_out)
+        for path in ("/flush_cache", "/abort_request"):
+            self.app.router.add_post(path, self.fan_out)
+        self.app.router.add_get("/get_model_info", self.models)
         self.app.on_startup.append(self._start)
         self.app.on_cleanup.append(self._stop)
 
@@ -176,16 +184,35 @@ class Router:
         }
         return web.json_response(body, status=200 if ok else 503)
 
-    async def models(self, _: web.Request) -> web.Response:
+    async def models(self, request: web.Request) -> web.Response:
+        """/v1/models and /get_model_info: a decode instance's."""
         backend = self.pick("decode")
         if backend is None:
             return web.json_response(error_body("no healthy decode instance", 503), status=503)
         try:
-            async with self.session.get(backend.url + "/v1/models") as r:
+            async with self.session.get(backend.url + request.path) as r:
                 return web.json_response(await r.json(), status=r.status)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             failure = self._lost(backend, e)
             return web.json_response(error_body(failure.message, 502), status=502)
+
+    async def fan_out(self, request: web.Request) -> web.Response:
+        """The same request to every instance: 200 when all answered 200, else the first other
+        status; the body has each instance's answer."""
+        body = await request.read()
+        backends = self.prefills + self.decodes
+        answers = await asyncio.gather(*(self._ask(b, request, body) for b in backends))
+        status = next((code for code, _ in answers if code != 200), 200)
+        text = {b.url: answer for b, (_, answer) in zip(backends, answers)}
+        return web.json_response(text, status=status)
+
+    async def _ask(self, backend: Backend, request: web.Request, body: bytes) -> tuple[int, str]:
+        url = backend.url + request.path
+        try:
+            async with self.session.request(request.method, url, data=body or None) as r:
+                return r.status, await r.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            return 502, f"{type(e).__name__}: {e}"
 
     async def metrics_text(self, _: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
@@ -283,10 +310,12 @@ class Router:
             )
 
     async def _prefill(self, backend: Backend, endpoint: str, body: dict) -> Failure | None:
-        """None when the prefill succeeded, else its Failure."""
+        """None when the prefill succeeded, else its Failure. The prefill answers whole (its
+        answer is only a sign that the KV left)."""
+        whole = {k: v for k, v in body.items() if k != "stream_options"}  # streams only
         try:
             async with self.session.post(
-                backend.url + endpoint, json={**body, "stream": False}
+                backend.url + endpoint, json={**whole, "stream": False}
             ) as r:
                 if r.status == 200:
                     backend.breaker.success()

@@ -1,8 +1,10 @@
 """Turning logits into tokens, batched, on the rank that computed them (its attention group's
 ranks all hold the full logits and sample alike).
 
-Order: penalties (repetition over prompt and output, frequency/presence over output), temperature,
-top-k, top-p, min-p, then a draw. Greedy rows take the argmax. A seeded request draws on the host,
+Order: penalties (repetition over prompt and output, frequency/presence over output), the logit
+bias and the min-tokens mask (the ids that would end a request too short), the grammar's mask
+(structured output, `grammar.py`), temperature, top-k,
+top-p, min-p, then a draw. Greedy rows take the argmax. A seeded request draws on the host,
 its draw for the token at position p from a generator seeded by (seed, p): the same token whatever
 else is in the batch, whatever the TP size, after a preemption, and on a decode instance that goes
 on where its prefill stopped. The other sampled rows draw on the device from the group's generator
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dserve.runtime.grammar import apply_masks
 from dserve.scheduler.request import SamplingParams
 
 
@@ -50,6 +53,26 @@ def _penalise(logits: torch.Tensor, reqs) -> torch.Tensor:
             counts = counts.to(logits.dtype)
             logits[row, ids] -= p.frequency_penalty * counts + p.presence_penalty
     return logits
+
+
+def _bias_and_mask(logits: torch.Tensor, reqs, positions: list[int]) -> torch.Tensor:
+    """`logit_bias` added; a request short of `min_new_tokens` (the token at `positions[row]`
+    is output number `position - prompt_len`) has the ids that would end it masked out."""
+    for row, req in enumerate(reqs):
+        p = req.params
+        pairs = p.bias
+        if pairs:
+            ids = torch.tensor([t for t, _ in pairs], device=logits.device)
+            values = torch.tensor([v for _, v in pairs], device=logits.device)
+            logits[row, ids] += values.to(logits.dtype)
+        if req.end_ids and positions[row] - req.prompt_len < p.min_new_tokens:
+            logits[row, list(req.end_ids)] = float("-inf")
+    return logits
+
+
+def has_masks(req) -> bool:
+    """Whether sampling changes `req`'s logits beyond penalties: a bias or a min-tokens mask."""
+    return bool(req.params.logit_bias) or bool(req.end_ids)
 
 
 def has_penalties(params: SamplingParams) -> bool:
@@ -112,6 +135,11 @@ class Sampler:
         raw = logits
         if any(has_penalties(r.params) for r in reqs):
             logits = _penalise(logits.clone(), reqs)
+        if any(has_masks(r) for r in reqs):
+            logits = _bias_and_mask(logits.clone(), reqs, positions)
+        if any(getattr(r, "grammar", None) for r in reqs):
+            logits = logits.clone() if logits is raw else logits
+            apply_masks(logits, reqs)
         ids = logits.argmax(dim=-1)
         sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
         drawn = [i for i in sampled if reqs[i].params.seed is None]

@@ -33,8 +33,26 @@ class ServerConfig:
     none)."""
     transfer_fail_rate: float = 0.0
     """TEST ONLY: fraction of rooms whose KV sending fails on purpose."""
+    reasoning_parser: str | None = None
+    """Split a chat answer's reasoning into `reasoning_content`: `deepseek-r1` or `glm45`."""
+    tool_call_parser: str | None = None
+    """Read tool calls in the model's own format from a chat answer: `deepseekv3` or `glm45`."""
+    chat_template: str | None = None
+    """A Jinja chat template file (or the template itself) used instead of the checkpoint's."""
+    incremental_streaming_output: bool = False
+    """/generate streams only what is new in each event (default: the whole text so far, as
+    SGLang does)."""
 
     def __post_init__(self) -> None:
+        from dserve.runtime.reasoning import PARSERS as REASONING
+        from dserve.runtime.tool_calls import PARSERS as TOOLS
+
+        for name, value, allowed in (
+            ("reasoning_parser", self.reasoning_parser, REASONING),
+            ("tool_call_parser", self.tool_call_parser, TOOLS),
+        ):
+            if value is not None and value not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
         if self.role not in ("colocated", "prefill", "decode"):
             raise ValueError(f"role must be colocated, prefill or decode, got {self.role!r}")
         if not 0 <= self.transfer_fail_rate <= 1:

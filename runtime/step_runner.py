@@ -21,7 +21,15 @@ import torch
 
 from dserve.attention.backend import PassShape
 from dserve.runtime.batch import Seq, assemble
-from dserve.runtime.plan import GroupPlan, PlannedSpan, SpanOutcome, StepPlan, StepResult
+from dserve.runtime.grammar import Grammars
+from dserve.runtime.plan import (
+    GroupPlan,
+    InputLogprobs,
+    PlannedSpan,
+    SpanOutcome,
+    StepPlan,
+    StepResult,
+)
 from dserve.runtime.rank_state import RankRequests, RankSpan
 from dserve.runtime.sampler import Sampled, Sampler, device_ints, has_penalties
 from dserve.spec.strategy import make_drafter
@@ -78,6 +86,8 @@ class PendingStep:
     sampled_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
     top: tuple[list, list] | None = None
+    inputs: dict[int, InputLogprobs] = field(default_factory=dict)
+    """By span index: the prompt logprobs its rows gave."""
 
     def resolve(self) -> None:
         """Wait for the sampled tokens and give each request its token (idempotent)."""
@@ -100,16 +110,18 @@ class PendingStep:
         logprobs asked for and the next draft tree."""
         self.resolve()
         out, row = [], 0  # the sampled spans are in plan order too
-        for span in self.spans:
+        for i, span in enumerate(self.spans):
+            inputs = self.inputs.get(i)
             if not span.plan.samples:
-                out.append(None)
+                out.append(SpanOutcome([], inputs=inputs) if inputs else None)
                 continue
             draft, parents = span.draft_out or ([], [])
             if span.emitted is not None:
                 out.append(SpanOutcome(span.emitted, None, None, draft, parents))
                 continue
             logprob, top = self._logprobs(span, row)
-            out.append(SpanOutcome([self.sampled_ids[row]], logprob, top, draft, parents))
+            token = self.sampled_ids[row]
+            out.append(SpanOutcome([token], logprob, top, draft, parents, inputs))
             row += 1
         return out
 
@@ -140,6 +152,8 @@ class StepRunner:
         """A stage before the last: by slot, the verify span whose accepted path it has yet to
         learn (the last stage verifies and drafts; the others follow its verdicts)."""
         self.unresolved: deque[PendingStep] = deque()
+        self.grammars: Grammars | None = None
+        """Structured output: made at the first constrained request."""
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> PendingStep:
@@ -162,6 +176,7 @@ class StepRunner:
                 self.trees.update((s.plan.slot, s.plan) for s in spans if s.plan.draft)
                 return pending  # the last stage samples
         n = len(batch.logits_indices)
+        self._input_logprobs(pending, logits[:n])
         self._sample(pending, logits[:n])
         if self.drafter is not None:
             self._speculate(plan, pending, logits[:n], logits[n:])
@@ -217,9 +232,17 @@ class StepRunner:
         move_paths(moves, tables, self.page_size, pools)
 
     def _spans(self, group: GroupPlan) -> list[RankSpan]:
+        """The planned spans with their rows: a span's prompt-logprob rows, then the row it
+        samples after (or its draft's rows)."""
         spans, row, logits_row = [], 0, 0
         for p in group.spans:
-            spans.append(RankSpan(p, self.requests[p.slot], row, logits_row))
+            req = self.requests[p.slot]
+            end = p.start + p.length
+            inputs = range(0)
+            if not p.draft:
+                inputs = req.params.input_rows(req.prompt_len, p.start, end)
+            logits_row += len(inputs)
+            spans.append(RankSpan(p, req, row, logits_row, inputs))
             row += p.length
             logits_row += p.length if p.draft else int(p.samples)
         return spans
@@ -237,12 +260,33 @@ class StepRunner:
         p, req = span.plan, span.req
         known = req.tokens_at(p.start, p.start + p.length - len(p.draft))
         if not p.draft:
-            return Seq(p.slot, p.start, known, [p.length - 1] if p.samples else [])
+            rows = [q - p.start for q in span.input_rows]
+            return Seq(p.slot, p.start, known, rows + ([p.length - 1] if p.samples else []))
         seq = Seq(p.slot, p.start, known + list(p.draft), list(range(p.length)))
         if not is_chain(p.parents):
             seq.positions = [p.start] + [p.start + d for d in depths(p.parents)]
             seq.mask = ancestor_mask(p.parents)
         return seq
+
+    @staticmethod
+    def _input_logprobs(pending: PendingStep, logits: torch.Tensor) -> None:
+        """The logprobs of the prompt tokens after each span's input rows (waits for them)."""
+        for i, span in enumerate(pending.spans):
+            rows = span.input_rows
+            if not rows:
+                continue
+            first = span.logits_row - len(rows)
+            logprobs = logits[first : span.logits_row].float().log_softmax(dim=-1)
+            after = [span.req.tokens[q + 1] for q in rows]
+            index = torch.tensor(after, device=logits.device)[:, None]
+            chosen = logprobs.gather(1, index)[:, 0].tolist()
+            k = span.req.params.top_logprobs_num
+            top = [[] for _ in rows]
+            if k:
+                best = logprobs.topk(k, dim=-1)
+                pairs = zip(best.indices.tolist(), best.values.tolist())
+                top = [list(zip(ids, values)) for ids, values in pairs]
+            pending.inputs[i] = InputLogprobs(rows.start + 1, chosen, top)
 
     def _sample(self, pending: PendingStep, logits: torch.Tensor) -> None:
         """Sample after every span that samples and has no draft; the tokens stay on the device
@@ -252,8 +296,9 @@ class StepRunner:
         if not sampling:
             return
         reqs = [s.req for s in sampling]
-        if any(has_penalties(r.params) for r in reqs):
-            self._resolve_all()  # penalties count every token, the ones in flight too
+        if any(has_penalties(r.params) or r.params.constrained for r in reqs):
+            self._resolve_all()  # penalties and grammars read every token, in flight too
+        self._advance_grammars(reqs)
         device = logits.device
         rows = device_ints([s.logits_row for s in sampling], device)
         positions = [s.plan.start + s.plan.length for s in sampling]
@@ -265,6 +310,26 @@ class StepRunner:
         fields = [sampled.ids, sampled.logprobs, sampled.top_values, sampled.top_ids]
         pending.copy = HostCopy(fields)
         self.unresolved.append(pending)
+
+    def _advance_grammars(self, reqs) -> None:
+        """Each constrained request's matcher (made at its first draw here) advanced to its
+        newest token."""
+        for req in reqs:
+            if not req.params.constrained:
+                continue
+            if req.grammar is None:
+                req.grammar = self._grammars().state(req.params)
+            req.grammar.advance(req.output_ids)
+
+    def _grammars(self) -> Grammars:
+        if self.grammars is None:
+            from dserve.runtime.intake import load_tokenizer
+
+            config, model = self.runner.config, self.runner.model_config
+            tokenizer = load_tokenizer(config.model_path, config.load_format)
+            stops = set(model.eos_token_ids) | {tokenizer.eos_token_id} - {None}
+            self.grammars = Grammars(tokenizer, model.vocab_size, sorted(stops))
+        return self.grammars
 
     def _resolve_all(self) -> None:
         while self.unresolved:

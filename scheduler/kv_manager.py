@@ -51,6 +51,14 @@ class PageAllocator:
         if self.ref[page] == 0:
             self.free[page] = None
 
+    def forget_cached(self) -> int:
+        """Drop every cached prefix (the pages themselves stay as they are); returns how many."""
+        count = len(self.cached)
+        for page in self.cached.values():
+            self.page_hash[page] = None
+        self.cached.clear()
+        return count
+
     def register(self, page: int, key: bytes) -> None:
         if key not in self.cached and self.page_hash[page] is None:
             self.cached[key] = page

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field, fields
 
 @dataclass
 class SamplingParams:
-    max_new_tokens: int = 128
+    max_new_tokens: int | None = 128
+    """None: as many as the model's context leaves after the prompt."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -29,6 +30,26 @@ class SamplingParams:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     skip_special_tokens: bool = True
+    min_new_tokens: int = 0
+    """No end (EOS, stop token ids, stop strings) before this many tokens; the ids that end
+    it are masked out until then."""
+    no_stop_trim: bool = False
+    """Keep the matched stop string at the end of the text."""
+    logprob_start_len: int = -1
+    """With `return_logprob`: also the logprobs of the prompt's tokens from this position on
+    (-1: none). The prefix cache serves none of the positions they are computed at."""
+    logit_bias: dict | None = None
+    json_schema: str | None = None
+    """Structured output: the text is JSON that this JSON schema (a string) accepts."""
+    regex: str | None = None
+    """Structured output: the text matches this regular expression."""
+    ebnf: str | None = None
+    """Structured output: the text is a sentence of this EBNF (GBNF) grammar."""
+    grammar_after: str | None = None
+    """Structured output: the grammar holds for the text after this one (e.g. `</think>`:
+    the answer after a model's reasoning); the text before it is free."""
+    """Token id (an int or its string, as OpenAI sends it) -> a value in [-100, 100] added to
+    its logit before sampling."""
 
     @classmethod
     def from_dict(cls, values: dict) -> "SamplingParams":
@@ -49,15 +70,44 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
     @property
+    def input_logprobs_from(self) -> int | None:
+        """The first prompt position whose logprob is asked for (None: none)."""
+        if not self.return_logprob or self.logprob_start_len < 0:
+            return None
+        return self.logprob_start_len
+
+    def input_rows(self, prompt_len: int, start: int, end: int) -> range:
+        """Of positions [start, end), those whose logits give a prompt token's logprob (the
+        token after them; the prompt's last position samples instead)."""
+        first = self.input_logprobs_from
+        if first is None:
+            return range(0)
+        return range(max(start, first - 1, 0), min(end, prompt_len - 1))
+
+    @property
+    def bias(self) -> list[tuple[int, float]]:
+        """`logit_bias` as (token id, value) pairs."""
+        return [(int(k), float(v)) for k, v in (self.logit_bias or {}).items()]
+
+    @property
     def takes_drafts(self) -> bool:
         """Speculation: whether a token's processing is independent of the tokens before it in the
-        step (no penalties) and nothing per token is reported (no logprobs)."""
+        step (no penalties), the target's distribution is the model's own (no bias, no masks) and
+        nothing per token is reported (no logprobs)."""
         return (
             not self.return_logprob
             and self.repetition_penalty == 1.0
             and not self.frequency_penalty
             and not self.presence_penalty
+            and not self.logit_bias
+            and not self.min_new_tokens
+            and not self.constrained
         )
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a grammar constrains the output (structured output)."""
+        return any(x is not None for x in (self.json_schema, self.regex, self.ebnf))
 
     def validate(self, vocab_size: int) -> None:
         def check(ok: bool, message: str) -> None:
@@ -65,7 +115,8 @@ class SamplingParams:
                 raise ValueError(message)
 
         check(
-            isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
+            self.max_new_tokens is None
+            or (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1),
             f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}",
         )
         check(
@@ -109,6 +160,48 @@ class SamplingParams:
             all(isinstance(t, int) and 0 <= t < vocab_size for t in ids),
             f"stop_token_ids must be token ids in [0, {vocab_size})",
         )
+        check(
+            isinstance(self.logprob_start_len, int) and self.logprob_start_len >= -1,
+            f"logprob_start_len must be -1 or a prompt position, got {self.logprob_start_len!r}",
+        )
+        check(
+            isinstance(self.min_new_tokens, int) and self.min_new_tokens >= 0,
+            f"min_new_tokens must be an integer >= 0, got {self.min_new_tokens!r}",
+        )
+        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim", "return_logprob"):
+            value = getattr(self, name)
+            check(isinstance(value, bool), f"{name} must be true or false, got {value!r}")
+        _check_bias(self.logit_bias, vocab_size)
+        _check_grammar(self)
+
+
+def _check_grammar(p: SamplingParams) -> None:
+    given = [k for k in ("json_schema", "regex", "ebnf") if getattr(p, k) is not None]
+    if not given:
+        return
+    for kind in given:
+        if not isinstance(getattr(p, kind), str):
+            raise ValueError(f"{kind} must be a string")
+    if len(given) > 1:
+        raise ValueError(f"give one grammar, not {' and '.join(given)}")
+    if p.grammar_after is not None and not (isinstance(p.grammar_after, str) and p.grammar_after):
+        raise ValueError("grammar_after must be a non-empty string")
+    if p.ignore_eos or p.min_new_tokens:
+        what = "ignore_eos" if p.ignore_eos else "min_new_tokens"
+        raise ValueError(f"{what} cannot be used with {given[0]}: the grammar decides the end")
+
+
+def _check_bias(bias, vocab_size: int) -> None:
+    if bias is None:
+        return
+    if not isinstance(bias, dict):
+        raise ValueError("logit_bias must be an object of token id -> bias")
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.isdigit() else key
+        if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab_size:
+            raise ValueError(f"logit_bias: {key!r} is not a token id in [0, {vocab_size})")
+        if not _number(value) or not -100 <= value <= 100:
+            raise ValueError(f"logit_bias: the bias of {key} must be in [-100, 100]")
 
 
 def _number(value: object) -> bool:
@@ -148,6 +241,10 @@ class Request:
     error: str | None = None
     token_logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    input_logprobs: list[float | None] = field(default_factory=list)
+    """With `logprob_start_len`: per prompt position from there, its token's logprob (None for
+    the first token, which nothing predicts)."""
+    input_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.perf_counter)
     scheduled_time: float | None = None
     """When a step first took it from the queue."""
@@ -175,6 +272,13 @@ class Request:
     def num_total_tokens(self) -> int:
         """Tokens it will have once the steps in flight report: what scheduling counts."""
         return self.num_tokens + self.num_pending_tokens
+
+    @property
+    def prefix_limit(self) -> int:
+        """How many of its first tokens the prefix cache may serve: all, or with prompt
+        logprobs those before the first position they are computed at."""
+        rows = self.params.input_rows(len(self.prompt_ids), 0, len(self.prompt_ids))
+        return rows.start + 1 if rows else self.num_tokens
 
     @property
     def finished(self) -> bool:

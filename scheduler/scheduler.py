@@ -91,7 +91,7 @@ class Scheduler:
         while self._admits(budget) and len(spans) < share:
             req = self.waiting[0]
             if req.num_computed_tokens == 0 and req.rid not in self.kv.tables:
-                cached = self.kv.match_prefix(req.rid, req.all_ids)
+                cached = self.kv.match_prefix(req.rid, req.all_ids[: req.prefix_limit])
                 req.num_computed_tokens = cached
                 if req.num_preemptions == 0:
                     req.num_cached_tokens = cached

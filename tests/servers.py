@@ -239,6 +239,13 @@ def stream(url: str, body: dict, timeout: float = 120) -> list[dict]:
     return events
 
 
+def openai_client(proc: Proc):
+    """The official client against an instance or the router."""
+    from openai import OpenAI
+
+    return OpenAI(base_url=proc.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
 def _decode(raw: bytes, content_type: str):
     return json.loads(raw) if content_type == "application/json" else raw.decode()
 

@@ -162,7 +162,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, real_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """`real_tokens` (nonzero per real row) marks a padded step's padding rows: routed nowhere, they
         pull in no expert's weights."""
-        logits = F.linear(x.float(), self.gate_weight.float())
+        logits = self.router_logits(x)
         bias = self.correction_bias
         if self.experts.use_kernel and x.is_cuda:  # one launch, padding rows included
             from dserve.attention import triton_routing
@@ -176,6 +176,15 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return self.ctx.mlp.all_reduce(out)
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """[tokens, experts] in float32, as the reference computes them. On a GPU from the
+        model's dtype with float32 output (each product of two bf16 values is exact in float32;
+        only the order of the sum differs), with no float32 copy of the weight per step."""
+        w = self.gate_weight
+        if x.is_cuda and x.dtype == w.dtype and x.dtype != torch.float32:
+            return torch.mm(x, w.t(), out_dtype=torch.float32)
+        return F.linear(x.float(), w.float())
 
     def map_key(self, suffix: str) -> tuple[str, object] | None:
         """Checkpoint suffix under `mlp.` -> (parameter suffix, shard id)."""

@@ -107,10 +107,11 @@ def test_client_errors_do_not_trip_the_breaker_and_metrics_fill(instances):
         assert metric_value(text, "dserve_router_backend_circuit_open") == 0
         assert metric_value(text, "dserve_router_backend_healthy") == 4
         assert ask(proc.url, [1, 2, 3])[0] == 200
-        events = stream(
-            proc.url + "/v1/completions", {"prompt": [4, 5], "max_tokens": 3, "temperature": 0}
-        )
-        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        usage = {"include_usage": True}  # for the stream; the prefill's whole answer goes without
+        body = {"prompt": [4, 5], "max_tokens": 3, "temperature": 0, "stream_options": usage}
+        events = stream(proc.url + "/v1/completions", body)
+        assert events[-2]["choices"][0]["finish_reason"] == "length"
+        assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 3
         text = get(proc.url + "/metrics")[1]
         value = lambda name, **labels: metric_value(text, name, **labels)
         assert value("dserve_router_requests_total", endpoint="generate", outcome="ok") == 1

@@ -46,7 +46,7 @@ def stream_tokens(url: str, ids: list[int]) -> tuple[list[int], str | None]:
                 event = json.loads(line[6:])
                 if "error" in event:
                     return tokens, event["error"]["message"]
-                tokens += event["output_ids"]
+                tokens = event["output_ids"]  # the whole output so far, as SGLang streams
     except urllib.error.HTTPError as e:
         return tokens, f"HTTP {e.code}: {e.read()[:300]!r}"
     except OSError as e:

@@ -13,7 +13,7 @@ from dserve.runtime.rank_state import RankRequest
 from dserve.runtime.sampler import Sampler, _penalise, processed_probs
 from dserve.scheduler.request import Request
 from tests.conftest import random_prompts
-from tests.reference import hf_greedy, hf_last_logits
+from tests.reference import hf_greedy, hf_last_logits, hf_model
 
 
 def _req(**params) -> Request:
@@ -195,3 +195,55 @@ def test_bad_sampling_params_are_rejected(bad, message):
 def test_unknown_sampling_field_is_rejected():
     with pytest.raises(ValueError, match="unknown sampling parameter.*temprature"):
         SamplingParams.from_dict({"temprature": 0.5})
+
+
+def test_logit_bias_min_new_tokens_and_no_stop_trim(tiny_dir, make_engine):
+    """A +100 bias forces a token (greedy and drawn on the device alike); `min_new_tokens` masks
+    the ids that would end the request until it has that many; `no_stop_trim` keeps the stop."""
+    engine = make_engine(tiny_dir("deepseek_v3"))
+    eos = engine.tokenizer.eos_token_id
+    to_eos = {str(eos): 100}
+    forced = engine.generate("hello", sampling_params=dict(max_new_tokens=6, logit_bias=to_eos))
+    assert forced.output_ids == [eos] and forced.finish_reason == "stop"
+    params = dict(temperature=0, max_new_tokens=9, logit_bias=to_eos, min_new_tokens=3)
+    later = engine.generate("hello", sampling_params=params)
+    assert later.output_ids[3] == eos and eos not in later.output_ids[:3]
+    assert later.finish_reason == "stop" and len(later.output_ids) == 4
+    plain = engine.generate("hello", sampling_params=dict(temperature=0, max_new_tokens=9))
+    assert later.output_ids[:3] == plain.output_ids[:3]  # the mask moved nothing else
+    free = dict(temperature=0, max_new_tokens=12, ignore_eos=True)
+    text = engine.generate("tell me", sampling_params=free).text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    cut = engine.generate("tell me", sampling_params=dict(free, stop=stop))
+    kept = engine.generate("tell me", sampling_params=dict(free, stop=stop, no_stop_trim=True))
+    assert kept.text == cut.text + stop and kept.text.startswith(text[: len(kept.text)])
+    assert not cut.text.endswith(stop)
+
+
+def test_prompt_logprobs_match_reference(tiny_dir, make_engine):
+    """`logprob_start_len`: each prompt token's logprob from the logits before it, exact against
+    transformers, over chunked prefill; the prefix cache serves none of those positions, so a
+    prompt seen before gives the same ones."""
+    path = tiny_dir("deepseek_v3")
+    engine = make_engine(path, chunked_prefill_size=5, page_size=4)
+    prompt = random_prompts(1, engine.model_config.vocab_size, [14], seed=31)[0]
+    params = dict(max_new_tokens=2, temperature=0, return_logprob=True, top_logprobs_num=3)
+    engine.generate(input_ids=prompt, sampling_params=params)  # its pages are cached now
+    asked = dict(params, logprob_start_len=6)
+    result = engine.generate(input_ids=prompt, sampling_params=asked)
+    with torch.no_grad():
+        logits = hf_model(path)(torch.tensor([prompt])).logits[0].float()
+    ref = torch.log_softmax(logits, dim=-1)
+    pairs, tops = result.meta["input_token_logprobs"], result.meta["input_top_logprobs"]
+    assert [t for _, t in pairs] == prompt[6:]
+    for p, ((logprob, token), top) in enumerate(zip(pairs, tops), start=6):
+        assert math.isclose(logprob, float(ref[p - 1, token]), abs_tol=1e-4)
+        assert [t for t, _ in top] == ref[p - 1].topk(3).indices.tolist()
+    assert result.meta["output_token_logprobs"][0][0] == pytest.approx(
+        float(ref[-1].max()), abs=1e-4
+    )
+    first = engine.generate(input_ids=prompt, sampling_params=dict(asked, logprob_start_len=0))
+    assert first.meta["input_token_logprobs"][0][0] is None  # nothing predicts the first token
+    again = first.meta["input_token_logprobs"][6:]
+    assert [t for _, t in again] == prompt[6:]
+    assert [lp for lp, _ in again] == pytest.approx([lp for lp, _ in pairs], abs=1e-4)

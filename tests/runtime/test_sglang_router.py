@@ -62,8 +62,9 @@ def test_generate_through_sglang_router(pair, make_engine):
     assert status == 200, answer
     assert answer["output_ids"] == expected.output_ids
     assert answer["meta_info"]["kv_transfer"]["bytes"] > 0  # the KV came from the prefill
-    events = stream(router.url + "/generate", body)
-    assert [t for e in events for t in e["output_ids"]] == expected.output_ids
+    events = stream(router.url + "/generate", body)  # the whole output so far in each event
+    assert events[-1]["output_ids"] == expected.output_ids
+    assert [len(e["output_ids"]) for e in events] == sorted({len(e["output_ids"]) for e in events})
     assert_all_pages_free(prefill, decode)
     for proc in (prefill, decode):  # its HTTP/2 probe of each instance leaves no traceback
         assert "Traceback" not in proc.tail(400), proc.tail()
@@ -73,17 +74,18 @@ def test_openai_client_through_sglang_router(pair, make_engine):
     model, router, prefill, decode = pair
     engine = make_engine(model)
     client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused")
+    name = get(decode.url + "/v1/models")[1]["data"][0]["id"]
     params = {"max_tokens": 8, "temperature": 0, "extra_body": {"ignore_eos": True}}
     prompt = "Hello world! How are"
     expected = engine.generate(prompt, sampling_params=GREEDY)
-    done = client.completions.create(model="tiny", prompt=prompt, **params)
+    done = client.completions.create(model=name, prompt=prompt, **params)
     assert done.choices[0].text == expected.text
     messages = [{"role": "user", "content": "Tell me a story."}]
     ids = engine.tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=True, return_dict=False
     )
     chat_expected = engine.generate(input_ids=list(ids), sampling_params=GREEDY)
-    chunks = client.chat.completions.create(model="tiny", messages=messages, stream=True, **params)
+    chunks = client.chat.completions.create(model=name, messages=messages, stream=True, **params)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == chat_expected.text
     assert_all_pages_free(prefill, decode)

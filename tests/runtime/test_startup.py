@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
 
 import pytest
+import torch
 
 from tests.servers import assert_all_pages_free, free_port, get, post, start_instance
 
@@ -115,3 +117,30 @@ def test_a_port_in_use_fails_before_the_model_loads(tiny_dir, tmp_path):
     # no weight is read: the one line is all it says (--log-level warning hides the listening line)
     one_line_exit_2(done, f"cannot listen on 127.0.0.1:{port} for the HTTP API")
     one_line_exit_2(router_done, f"cannot listen on 127.0.0.1:{port} for the HTTP API")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_the_first_request_is_as_fast_as_the_later_ones_on_a_gpu(tiny_dir, tmp_path):
+    """Warm start: every kernel a step launches compiled (or loaded from Triton's cache)
+    before /health says ready, so the first request, of shapes the warm-up did not use,
+    takes at most twice the median of the ones after it (a kernel compiled during a
+    request costs seconds)."""
+    proc = start_instance("serve", tiny_dir("deepseek_v3"), tmp_path, "--device", "cuda")
+    try:
+        proc.wait_ready()
+        times = []
+        for i in range(6):
+            ids = [3 + (i + j) % 50 for j in range(300 + 37 * i)]
+            params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+            start = time.perf_counter()
+            status, body = post(
+                proc.url + "/generate", {"input_ids": ids, "sampling_params": params}
+            )
+            times.append(time.perf_counter() - start)
+            assert status == 200 and len(body["output_ids"]) == 24, body
+        steady = statistics.median(times[1:])
+        assert times[0] <= 2 * steady, f"first {times[0]:.3f} s, then {times[1:]}"
+        assert_all_pages_free(proc)
+    finally:
+        proc.stop()
