@@ -8,7 +8,8 @@
 Requests are streamed to `/generate` (input_ids), `/v1/completions` (a prompt of token ids) or
 `/v1/chat/completions` (a user message of words, as the chat route takes text), each with
 `ignore_eos` so it runs to its output length. Tokens are counted as the server counts them:
-`/generate` events carry their token ids; the OpenAI routes are asked for usage
+`/generate` events carry meta_info's completion_tokens (whether they stream the whole output
+so far, SGLang's default, or only what is new); the OpenAI routes are asked for usage
 (`stream_options.include_usage`) and their last chunk's usage is the count (an event may carry
 several tokens, e.g. with speculative decoding). `random`: lengths uniform in [ratio*len, len];
 `fixed`: exactly len. Arrivals are Poisson at `--request-rate` (inf: all at once), optionally

@@ -73,7 +73,7 @@ def test_generate_through_sglang_router(pair, make_engine):
 def test_openai_client_through_sglang_router(pair, make_engine):
     model, router, prefill, decode = pair
     engine = make_engine(model)
-    client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused")
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
     name = get(decode.url + "/v1/models")[1]["data"][0]["id"]
     params = {"max_tokens": 8, "temperature": 0, "extra_body": {"ignore_eos": True}}
     prompt = "Hello world! How are"
