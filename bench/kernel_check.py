@@ -1,7 +1,9 @@
 """Kernel correctness at real shapes on a GPU: each fast kernel against its torch reference, in bf16,
 at DeepSeek-V3's attention shapes (128 and 16 heads, kv_lora_rank 512, rope 64, page size 64), GLM-4.5's
-MHA shapes (96 query heads over 8 KV heads of 128) and DeepSeek-V3's expert shapes (hidden 7168, moe
-intermediate 2048, top 8):
+MHA shapes (96 query heads over 8 KV heads of 128), DeepSeek-V3's expert shapes (hidden 7168, moe
+intermediate 2048, top 8) and GLM-5's sparse attention (64 heads, latent 512 + 64, indexer 32 x 128,
+top-k 2048: the indexer's selection against the float32 reference scores, the sparse MLA on a
+given selection):
 
     python -m bench.kernel_check [--backends triton,flashinfer]
 
@@ -312,6 +314,110 @@ def fp8_rows() -> list[dict]:
     return rows
 
 
+# GLM-5's sparse attention: 64 heads of latent 512 + rope 64, indexer 32 heads x 128, top-k 2048
+GLM5 = (64, 512, 64, 64, 32, 128, 2048)  # heads, rank, rope, page, indexer heads and dim, top-k
+DSA_SPANS = {
+    "decode": [(1, 8192, None), (1, 32768, None), (1, 1500, None)],
+    "extend": [(200, 4200, None)],
+}
+
+
+def dsa_case(spans, backend_class, gen, device="cuda", shape=GLM5) -> tuple[float, float, float]:
+    """(selection deficit, selection overlap, sparse-MLA relative error) of `backend_class`
+    against the torch reference on one GLM-5-shaped layer over `spans`. The deficit is how far
+    the worst position the backend selected scores below the reference's top-k cut, relative to
+    the largest score (0: it selected a true top-k); the sparse MLA runs both on the
+    reference's selection."""
+    from dserve.attention.index_cache import read_keys
+
+    heads, rank, rope, page, idx_heads, idx_dim, topk = shape
+    latent = KVLayout("mla", 1, page, BF16, latent_dim=rank + rope, kv_lora_rank=rank)
+    index = KVLayout("index", 1, page, BF16, latent_dim=idx_dim)
+    pages = pages_for(spans, page)
+    pools = [KVPool(layout, pages, device) for layout in (latent, index)]
+    for pool in pools:
+        pool.pages.copy_(torch.randn(pool.pages.shape, generator=gen).to(BF16))
+    batch = random_batch(pools[0], spans, gen, device)
+    t = batch.num_tokens
+    q, k = (
+        torch.randn(*s, generator=gen).to(device, BF16)
+        for s in ((t, idx_heads, idx_dim), (t, idx_dim))
+    )
+    w = (torch.rand(t, idx_heads, generator=gen) * idx_heads**-0.5).to(device)
+    scale = idx_dim**-0.5
+    chosen = []
+    for backend in (TorchBackend(*pools), backend_class(*pools)):
+        backend.plan(batch)
+        chosen.append(backend.forward_indexer(0, q, k, w, scale, topk))
+    deficit, overlap = selection_quality(pools[1], batch, q, w, scale, *chosen, read_keys)
+    mla = []
+    q_latent, q_rope, new = (
+        torch.randn(*s, generator=gen).to(device, BF16)
+        for s in ((t, heads, rank), (t, heads, rope), (t, rank + rope))
+    )
+    for backend in (TorchBackend(*pools), backend_class(*pools)):
+        backend.plan(batch)
+        out = backend.forward_mla(0, q_latent, q_rope, new, (rank + rope) ** -0.5, chosen[0])
+        mla.append(out.float())
+    return deficit, overlap, relative_error(*mla)
+
+
+def selection_quality(pool, batch, q, w, scale, ref, got, read_keys) -> tuple[float, float]:
+    """(worst deficit of `got`'s positions under the reference top-k cut relative to the largest
+    score, mean share of `ref`'s positions `got` also has), from float32 reference scores."""
+    deficits, overlaps = [], []
+    row = 0
+    for span, (q_len, seq_len) in enumerate(zip(batch.q_lens, batch.seq_lens)):
+        pos = torch.arange(seq_len, device=q.device)
+        table = batch.page_table[span]
+        slots = table[pos // pool.layout.page_size] * pool.layout.page_size
+        keys = read_keys(pool, 0, slots + pos % pool.layout.page_size)
+        for i in range(q_len):
+            tok = row + i
+            visible = seq_len - q_len + i + 1
+            s = torch.relu(q[tok].float() @ keys[:visible].T * scale)  # [H, visible]
+            scores = w[tok] @ s
+            kept = min(ref.shape[1], visible)
+            cut = scores.topk(kept).values[-1]
+            mine = got[tok][got[tok] >= 0]
+            top = scores.abs().max().clamp(min=1e-30)
+            deficits.append(float((cut - scores[mine].min()).clamp(min=0) / top))
+            theirs = set(ref[tok][ref[tok] >= 0].tolist())
+            overlaps.append(len(theirs & set(mine.tolist())) / max(len(theirs), 1))
+        row += q_len
+    return max(deficits), sum(overlaps) / len(overlaps)
+
+
+def dsa_rows(backends: list[str]) -> list[dict]:
+    from dserve.attention.triton_backend import TritonBackend
+
+    rows = []
+    classes = {"triton": TritonBackend}
+    for backend in [b for b in backends if b in classes]:
+        for kind, spans in DSA_SPANS.items():
+            for span in spans:
+                gen = torch.Generator().manual_seed(3)
+                deficit, overlap, error = dsa_case([span], classes[backend], gen)
+                shape = f"ctx {span[1]}, {span[0]} new, top-k 2048"
+                rows.append(
+                    {
+                        "kernel": f"DSA indexer {kind} ({backend})",
+                        "shape": shape + f", overlap {overlap:.3f}",
+                        "tolerance": ATTENTION_TOL,
+                        "error": deficit,
+                    }
+                )
+                rows.append(
+                    {
+                        "kernel": f"DSA sparse MLA {kind} ({backend})",
+                        "shape": shape + ", 64 heads",
+                        "tolerance": ATTENTION_TOL,
+                        "error": error,
+                    }
+                )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -321,9 +427,12 @@ def main() -> None:
         help="attention backends to check: triton, flashinfer",
     )
     parser.add_argument("--out", default="bench/results/kernel_check.json")
+    parser.add_argument("--only-dsa", action="store_true", help="the sparse-attention rows only")
     args = parser.parse_args()
-    rows = mla_rows(args.backends) + mha_rows(args.backends) + elementwise_rows() + moe_rows()
-    rows += fp8_rows() + fp8_moe_rows()
+    rows = dsa_rows(args.backends)
+    if not args.only_dsa:
+        rows = mla_rows(args.backends) + mha_rows(args.backends) + elementwise_rows()
+        rows += moe_rows() + fp8_rows() + fp8_moe_rows() + dsa_rows(args.backends)
     print(f"{'kernel':<34} {'shape':<34} {'rel. error':>10} {'tolerance':>10}  ok")
     for r in rows:
         r["ok"] = r["error"] <= r["tolerance"]

@@ -175,6 +175,10 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.in_flight) or any(g.scheduler.has_work for g in self.groups)
 
+    stalled = False
+    """The last step launched nothing and had nothing in flight: the waiting requests wait for
+    pages held past their requests (KV being sent) or for new work."""
+
     def step(self) -> list[Request]:
         """Plan and launch the next step, then process the results that are due: the oldest ones
         beyond `depth` steps in flight when this step needs none of them, else everything
@@ -186,6 +190,7 @@ class Engine:
                 self.in_flight.append(launched)
             done = []
             keep = self.depth - 1 if launched is not None and launched.independent else 0
+            self.stalled = launched is None and not self.in_flight
             while len(self.in_flight) > keep:
                 done += self._process(self.in_flight.popleft(), self.executor.collect())
         except RankFailure as e:
@@ -281,6 +286,22 @@ class Engine:
         self.groups[group].kv.hold(rid, key)
         self.held[key] = (group, rid)
         return key
+
+    def written_tokens(self, req: Request) -> int:
+        """Tokens of `req` whose KV the steps read back so far have written (a step still in
+        flight may be writing the rest): what a prefill may send of a prompt it computes."""
+        flying = sum(
+            s.length
+            for step in self.in_flight
+            for group in step.spans
+            for s in group
+            if s.req is req
+        )
+        return max(0, req.num_computed_tokens - flying)
+
+    def pages_of(self, rid: str) -> list[int]:
+        """The pages of a running request, in order."""
+        return list(self.groups[self.group_of[rid]].kv.tables[rid])
 
     def held_pages(self, key: str) -> list[int]:
         group, _ = self.held[key]

@@ -151,10 +151,11 @@ class EngineLoop:
 
     def _run(self) -> None:
         while self.running:
-            if self.engine.has_work:
+            if self.engine.has_work and not self.engine.stalled:
                 self._drain()
-            else:
-                self._wait(SIDE_WAIT_S if self.side.has_work else IDLE_WAIT_S)
+            else:  # a stalled engine retries when a job or a transfer event comes, or soon
+                busy = self.side.has_work or self.engine.has_work
+                self._wait(SIDE_WAIT_S if busy else IDLE_WAIT_S)
             try:
                 if self.side.poll():  # a request joined or ended: tell its client now
                     self._publish()

@@ -14,6 +14,7 @@ the instance has loaded and warmed up (`warm_up`: every kernel a step launches c
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -31,6 +32,7 @@ from dserve.runtime.chat_template import (
     render_chat,
     tool_grammar,
 )
+from dserve.runtime.config import EngineConfig
 from dserve.runtime.engine import Engine
 from dserve.runtime.engine_loop import EngineLoop, merge
 from dserve.runtime.metrics import CONTENT_TYPE, InstanceMetrics
@@ -88,6 +90,9 @@ class Instance:
             self.manager = TransferManager(host)
             host = host or config.host
             transfer = AgentConfig(self.manager.address, host, config.transfer_fail_rate)
+            if config.role == "prefill" and config.kv_streaming:
+                chunk = engine_kwargs.get("chunked_prefill_size", EngineConfig.chunked_prefill_size)
+                transfer = dataclasses.replace(transfer, stream_tokens=chunk)
         self.engine = Engine(model_path, transfer=transfer, **engine_kwargs)
         if self.manager is not None:
             from dserve.runtime import pd
@@ -242,7 +247,8 @@ class Server:
 
     async def kv_state(self, _: web.Request) -> web.Response:
         """Page accounting, checked on the engine thread: used pages, pages held past their request
-        (in flight or quarantined), requests known, and whether the invariant checker passes."""
+        (in flight or quarantined), requests known, preemptions so far, and whether the invariant
+        checker passes."""
 
         def check() -> dict:
             engine = self.instance.engine
@@ -255,6 +261,7 @@ class Server:
                 "used_pages": sum(g.kv.num_used_pages for g in engine.groups),
                 "held": len(engine.held),
                 "requests": len(engine.requests),
+                "preempted": sum(g.scheduler.preempted_total for g in engine.groups),
                 "invariants": ok,
             }
 

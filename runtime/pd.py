@@ -75,6 +75,14 @@ class PrefillRoom:
     state: str = "computing"  # computing | waiting | transferring
     key: str | None = None
     deadline: float = float("inf")
+    registration: Registration | None = None
+    group: int = 0
+    """The DP group that computes it (known once it streams)."""
+    streamed_pages: int = 0
+    """Pages already pushed while the prompt was computed (streaming)."""
+    stream_keys: list[str] = field(default_factory=list)
+    """Pages kept when the request was preempted while an agent was still sending some of
+    them: freed once every part has gone."""
 
 
 class PrefillSide:
@@ -92,6 +100,8 @@ class PrefillSide:
         self.cancelled: dict[int, float] = {}
         self.peers: dict[str, InstanceDescriptor] = {}
         self.descriptor = local_descriptor(engine, manager)
+        for group in engine.groups:
+            group.scheduler.keep_pages_of = self._keep_streamed
 
     # ---- from the HTTP and bootstrap handlers (run on the engine thread) ---------------------------
     def start(self, req: Request, room: int) -> None:
@@ -155,7 +165,12 @@ class PrefillSide:
             self._on_pushed(outcome)
         now = time.monotonic()
         for room in list(self.rooms.values()):
+            if room.registration is None:
+                room.registration = self.registrations.pop(room.room, None)
+            if room.stream_keys and not self.manager.parts_in_flight.get(room.room):
+                self._release_stream_keys(room)
             if room.state == "computing":
+                self._stream(room)
                 self._after_compute(room, now)
             if room.state == "waiting":
                 self._try_push(room, now)
@@ -178,11 +193,47 @@ class PrefillSide:
             return
         room.state, room.key, room.deadline = "waiting", key, now + self.config.bootstrap_timeout_s
 
+    def _stream(self, room: PrefillRoom) -> None:
+        """Push the pages the steps read back so far have written, while the rest of the
+        prompt computes (the agent sends the messages whose pages are all among them)."""
+        reg = room.registration
+        req = self.engine.requests.get(room.rid)
+        if reg is None or req is None or req.finished or room.room in self.cancelled:
+            return
+        page_size = self.engine.config.page_size
+        if len(reg.pages) != -(-len(req.prompt_ids) // page_size):
+            return  # the final push fails the room, naming the sizes
+        ready = min(self.engine.written_tokens(req), len(req.prompt_ids)) // page_size
+        if ready <= room.streamed_pages:
+            return
+        pages = self.engine.pages_of(room.rid)[:ready]
+        room.group = self.engine.group_of[room.rid]
+        timeout = self.config.transfer_timeout_s
+        self.manager.push(
+            room.room, room.group, reg.peer, reg.dp_rank, pages, reg.pages, None, timeout, ready
+        )
+        room.streamed_pages = ready
+
+    def _keep_streamed(self, req: Request) -> bool:
+        """A request preempted while parts of its room are being sent: keep its pages (an agent
+        still reads them) until those parts have gone. The recomputed prompt sends the rest."""
+        room = self.rooms.get(req.rid)
+        if room is None or not self.manager.parts_in_flight.get(room.room):
+            return False
+        log.info("room %d: preempted while parts of it are sent; its pages wait", room.room)
+        room.stream_keys.append(self.engine.hold(req.rid, f"stream{len(room.stream_keys)}"))
+        return True
+
+    def _release_stream_keys(self, room: PrefillRoom) -> None:
+        for key in room.stream_keys:
+            self.engine.release(key)
+        room.stream_keys.clear()
+
     def _try_push(self, room: PrefillRoom, now: float) -> None:
         if room.room in self.cancelled:
             self._end(room, "the decode instance cancelled the request")
             return
-        reg = self.registrations.pop(room.room, None)
+        reg = room.registration
         if reg is None:
             if now > room.deadline:
                 self._end(
@@ -213,6 +264,7 @@ class PrefillSide:
             "registered": reg.at,
             "push": time.perf_counter(),
         }
+        aux["streamed_pages"] = room.streamed_pages
         self.manager.push(
             room.room,
             group,
@@ -242,13 +294,28 @@ class PrefillSide:
     def _end(self, room: PrefillRoom, error: str | None) -> None:
         if room.key in self.engine.held:
             self.engine.release(room.key)
+        if room.streamed_pages and room.state != "transferring":
+            self._abandon(room, error or "the prefill gave the room up")
         req = self.engine.requests.get(room.rid)
         if error is not None and req is not None:
             log.warning("room %d: %s", room.room, error)
             req.finish("abort", error=error)
         self._drop(room)
 
+    def _abandon(self, room: PrefillRoom, error: str) -> None:
+        """A room whose parts went out and that ends without its final push: a final push with
+        the error, so the decode stops waiting and the agents forget the room."""
+        reg = room.registration
+        timeout = self.config.transfer_timeout_s
+        self.manager.push(
+            room.room, room.group, reg.peer, reg.dp_rank, [], reg.pages, None, timeout, error=error
+        )
+        room.state = "transferring"  # its outcome arrives for a room already gone: ignored
+
     def _drop(self, room: PrefillRoom) -> None:
+        if room.streamed_pages and room.state == "computing":  # aborted while streaming
+            self._abandon(room, "the prefill request ended before its prompt was computed")
+        self._release_stream_keys(room)  # its parts may still read them: the room failed
         self.engine.keep_pages.discard(room.rid)  # aborted before its first token: nothing to keep
         self.rooms.pop(room.rid, None)
         self.by_room.pop(room.room, None)
@@ -443,6 +510,8 @@ class DecodeSide:
                     aux.get("draft"),
                     aux.get("draft_parents"),
                 )
+                streamed = aux.get("streamed_pages", 0)
+                req.extra_meta["kv_transfer"]["streamed_pages"] = streamed
                 marks = {"registered": room.registered_at, "received": received}
                 marks["joined"] = time.perf_counter()
                 req.extra_meta["pd_timeline_ms"] = timeline(req, marks, aux.get("timeline"))

@@ -33,6 +33,9 @@ class ServerConfig:
     none)."""
     transfer_fail_rate: float = 0.0
     """TEST ONLY: fraction of rooms whose KV sending fails on purpose."""
+    kv_streaming: bool = True
+    """Prefill: send a prompt's pages chunk by chunk while the rest of it is computed (in
+    messages of at most `chunked_prefill_size` tokens), not all once it is done."""
     reasoning_parser: str | None = None
     """Split a chat answer's reasoning into `reasoning_content`: `deepseek-r1` or `glm45`."""
     tool_call_parser: str | None = None

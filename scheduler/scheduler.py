@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from dserve.scheduler.kv_manager import KVCacheManager
@@ -66,6 +67,9 @@ class Scheduler:
         self.free_slots = list(range(config.max_running_requests - 1, -1, -1))
         self.ended_slots: list[int] = []
         """Slots given back since the planner last looked (their requests ended or left)."""
+        self.keep_pages_of: Callable[[Request], bool] | None = None
+        """Asked when a request is preempted: True when the caller took its pages (a prefill
+        keeps those of a prompt whose first pages are being sent), so they are not freed."""
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -144,12 +148,17 @@ class Scheduler:
 
     def _grow(self, req: Request, n: int) -> bool:
         """Pages for `n` more tokens of a running request, preempting from the back when short.
-        A request alone that still cannot grow has outgrown the whole pool and is ended (once the
-        token a step in flight samples for it has arrived)."""
+        A request alone that still cannot grow waits (preempted) while pages held past their
+        requests (KV being sent) fill the pool, and is ended when it has outgrown the whole
+        pool (once the token a step in flight samples for it has arrived)."""
         while not self.kv.allocate_slots(req.rid, req.num_computed_tokens + n):
             victim = self.running[-1]
             if victim is req and len(self.running) == 1:
                 if req.num_pending_tokens:  # the token in flight is its own: take it first
+                    return False
+                pages = -(-(req.num_computed_tokens + n) // self.kv.page_size)
+                if pages <= self.kv.num_pages:  # it fits once the held pages come back
+                    self._preempt(req)
                     return False
                 self.finish(req, "abort", error="the KV cache is too small for this request")
                 return False
@@ -160,7 +169,8 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self._leave(req)
-        self.kv.free(req.rid)
+        if self.keep_pages_of is None or not self.keep_pages_of(req):
+            self.kv.free(req.rid)
         req.draft_tokens, req.draft_parents = [], []  # the recomputed prompt drafts anew
         req.num_computed_tokens = 0
         req.num_preemptions += 1

@@ -21,6 +21,7 @@ import urllib.request
 from dataclasses import dataclass, field
 
 COMMON = ["--no-load-progress"]
+PREFILL_CHUNK = 16  # tokens: a prefill instance's prompts of more stream in parts
 DEVICE = ["--device", "cpu"]
 
 
@@ -145,6 +146,8 @@ def start_instance(
     args = [role, "--model", model, "--port", str(port), *COMMON, *device, *extra]
     if role == "prefill":
         args += ["--bootstrap-port", str(free_port())]
+        if "--chunked-prefill-size" not in extra:  # prompts of over 16 tokens stream their KV
+            args += ["--chunked-prefill-size", str(PREFILL_CHUNK)]
     return Proc(args, os.path.join(log_dir, f"{role}-{port}.log"), port, env)
 
 

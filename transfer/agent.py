@@ -3,8 +3,10 @@
 The agent runs its own asyncio loop in a thread of the rank process. It listens for UCX peers, talks
 to its instance's front over one ZMQ DEALER socket (commands in, events out, msgpack), and:
 
-- `push`   (prefill) sends the room's messages to each decode rank it has a route to, then one control
-           message per decode rank (success or the error, plus aux data); a dummy sends only that.
+- `push`   (prefill, `sending.py`) sends the room's messages to each decode rank it has a route to,
+           then one control message per decode rank (success or the error, plus aux data); a
+           dummy sends only that. A streamed room comes in parts first (the messages whose pages
+           the prompt's computed chunks have written), each acknowledged with a "part" event.
 - `expect` (decode) posts a receive for every message and control message of the room straight into
            its pages (into a staging buffer when only a head slice of a page arrives), and reports the
            room done once all arrived and every sender said success.
@@ -24,7 +26,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import random
 import threading
 import time
 from dataclasses import dataclass
@@ -40,9 +41,15 @@ from dserve.transfer.messages import (
     CTRL_BYTES,
     Message,
     ctrl_tag,
-    pack_ctrl,
     route_messages,
     unpack_ctrl,
+)
+from dserve.transfer.sending import (
+    Sending,
+    Stream,
+    as_ucx_buffer,
+    layer_columns,
+    made,
 )
 
 log = logging.getLogger("dserve.transfer")
@@ -59,6 +66,9 @@ class AgentConfig:
     fail_rate: float = 0.0
     # the most MiB one UCX message brings into this rank's pages (0: a whole page run)
     message_mib: int = 0
+    # prefill: the most tokens one message carries, so a prompt's pages leave in parts as its
+    # chunks are computed (0: whole page runs, sent once the prompt is done)
+    stream_tokens: int = 0
 
 
 def start_agent(
@@ -76,7 +86,7 @@ def start_agent(
             p.layout,
             heads if mha else 0,
             held,
-            message_pages(p.layout, config.message_mib),
+            message_pages(p.layout, config.message_mib, config.stream_tokens),
             first_layer=offered.layers.start if offered.layers is not None else 0,
             model_layers=offered.total_layers if offered.layers is not None else 0,
         )
@@ -116,19 +126,17 @@ def ucx_settings(cuda: bool, host: str) -> dict:
     return env
 
 
-def message_pages(layout, message_mib: int) -> int:
-    """Pages per message for a cap of `message_mib` (0: no cap)."""
-    return max(1, (message_mib << 20) // layout.bytes_per_page) if message_mib else 0
+def message_pages(layout, message_mib: int, stream_tokens: int = 0) -> int:
+    """Pages per message for a cap of `message_mib` and of `stream_tokens` (0: no cap)."""
+    caps = []
+    if message_mib:
+        caps.append(max(1, (message_mib << 20) // layout.bytes_per_page))
+    if stream_tokens:
+        caps.append(max(1, stream_tokens // layout.page_size))
+    return min(caps, default=0)
 
 
-def as_ucx_buffer(t: torch.Tensor):
-    """ucxx takes device memory through __cuda_array_interface__ and host memory as numpy (bytes, so
-    dtypes numpy lacks, such as bfloat16, pass too). `t` must be contiguous: the result aliases it."""
-    assert t.is_contiguous()
-    return t if t.is_cuda else t.reshape(-1).view(torch.uint8).numpy()
-
-
-class TransferAgent:
+class TransferAgent(Sending):
     def __init__(
         self,
         front_address: str,
@@ -145,6 +153,7 @@ class TransferAgent:
             str, asyncio.Future
         ] = {}  # peer worker address -> endpoint being made or made
         self.rooms: dict[int, dict] = {}  # decode: room -> outstanding receive tags
+        self.streams: dict[int, Stream] = {}  # prefill: rooms pushed in parts so far
         self.stream = None  # the agent's own CUDA stream for its copies (made on first use)
         self.ready = threading.Event()
         self.error: BaseException | None = None
@@ -199,7 +208,7 @@ class TransferAgent:
             task = asyncio.ensure_future(self._dispatch(cmd))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
-        made = [f.result() for f in self.endpoints.values() if _made(f)]
+        made = [f.result() for f in self.endpoints.values() if made(f)]
         for ep in made:
             ep.abort()
         self.sock.close()
@@ -260,7 +269,7 @@ class TransferAgent:
 
     def _drop_endpoint(self, address: str) -> None:
         making = self.endpoints.pop(address, None)
-        if making is not None and _made(making):
+        if making is not None and made(making):
             making.result().abort()
 
     # ---- the agent's own copies ---------------------------------------------------------------------
@@ -312,31 +321,6 @@ class TransferAgent:
         held = range(first - desc.first_layer, stop - desc.first_layer)
         return held, len(held) == desc.num_layers
 
-    def _in_place(self, msg: Message) -> bool:
-        """Whether the message's bytes are a view of consecutive whole pages (no gather to make)."""
-        whole = self._layers(msg)[1]
-        return msg.src_heads is None and whole and _consecutive(msg.src_pages)
-
-    def _source(self, msg: Message) -> torch.Tensor:
-        """The message's bytes: a view of consecutive whole pages, else a gathered copy."""
-        pool = self.pools[msg.pool][1]
-        first, n = msg.src_pages[0], len(msg.src_pages)
-        index = (
-            slice(first, first + n)
-            if _consecutive(msg.src_pages)
-            else torch.tensor(msg.src_pages, device=pool.device)
-        )
-        layers = self._layers(msg)[0]
-        if msg.src_heads is None:
-            return pool.pages[index][:, _layer_columns(pool, layers)].contiguous()
-        h0, hn = msg.src_heads
-        parts = [
-            buf[index][:, :, h0 : h0 + hn].reshape(n, -1)
-            for layer in layers
-            for buf in pool.buffers[layer]
-        ]
-        return torch.cat(parts, dim=1)
-
     def _destination(self, msg: Message) -> tuple[torch.Tensor, list | None]:
         """Where to receive: the pages themselves, or a staging buffer and the head- or
         layer-slice views it scatters into once the room arrived."""
@@ -347,95 +331,13 @@ class TransferAgent:
         if msg.dst_heads is None and whole:
             return pool.pages[pages], None
         if msg.dst_heads is None:
-            views = [pool.pages[pages, _layer_columns(pool, layers)]]
+            views = [pool.pages[pages, layer_columns(pool, layers)]]
         else:
             h0, hn = msg.dst_heads
             views = [buf[pages, :, h0 : h0 + hn] for layer in layers for buf in pool.buffers[layer]]
         size = sum(v[0].numel() for v in views)
         staging = torch.empty((n, size), dtype=pool.pages.dtype, device=pool.device)
         return staging, views
-
-    # ---- prefill side ---------------------------------------------------------------------------
-    async def _push(self, cmd: dict) -> None:
-        room, me = cmd["room"], self.where.slot
-        deadline = time.monotonic() + cmd["timeout_s"]
-        decode_ranks = sorted(
-            {r[1] for pool_routes in cmd["routes"] for r in pool_routes if r[0] == me}
-        )
-        # No wait for the rank's forwards: the engine pushes a room only after it has read the results
-        # of every forward that wrote the room's pages (a step's outputs reach the host; other TP
-        # ranks' writes precede collectives those outputs depend on). A device-wide synchronize here
-        # waited for the rank's next step, already in flight, adding up to a step to each room.
-        if len(decode_ranks) == 1:  # the common case, without a task per rank
-            results = [await self._push_to(cmd, decode_ranks[0], deadline)]
-        else:
-            results = await asyncio.gather(*(self._push_to(cmd, d, deadline) for d in decode_ranks))
-        errors = [e for _, e in results if e]
-        sent = time.perf_counter()
-        log.debug(
-            "room %d push timeline: command %.6f, sent +%.3f ms",
-            room,
-            cmd["arrived"],
-            (sent - cmd["arrived"]) * 1e3,
-        )
-        await self._emit(
-            {
-                "kind": "pushed",
-                "room": room,
-                "ok": not errors,
-                "error": "; ".join(errors) or None,
-                "bytes": sum(n for n, _ in results),
-                "started": cmd["arrived"],
-                "finished": sent,
-            }
-        )
-
-    async def _push_to(self, cmd: dict, d: int, deadline: float) -> tuple[int, str | None]:
-        """All messages to decode rank d and the control message in flight at once; (bytes, error).
-        The control message need not wait for the data: the decode counts a room only once every
-        receive completed, so a data send that fails after an "ok" still fails the room."""
-        room, me = cmd["room"], self.where.slot
-        address = cmd["dst_ranks"][d]
-        left = lambda: max(deadline - time.monotonic(), 0.01)
-        sent, error, data = 0, None, []
-        try:
-            making = self.endpoints.get(address)
-            ep = (
-                making.result()
-                if making is not None and _made(making)
-                else await asyncio.wait_for(self._endpoint(address), left())
-            )
-            if self.fail_rate > 0 and random.Random(room).random() < self.fail_rate:
-                error = "transfer failed (injected by transfer_fail_rate)"
-            else:
-                msgs = [
-                    msg
-                    for r in self._pair_routes(cmd, me, d)
-                    for msg in self._messages(cmd, r, cmd["src_pages"])
-                ]
-                # views of whole page runs: nothing to copy
-                if all(self._in_place(msg) for msg in msgs):
-                    data = [(msg, self._source(msg)) for msg in msgs]
-                else:
-                    # gathers of scattered pages or head slices, done before sending
-                    with self._own_stream():
-                        data = [(msg, self._source(msg)) for msg in msgs]
-                    self._own_stream_done()
-            ctrl = np.frombuffer(
-                pack_ctrl(error is None, error, cmd["aux"] if self.attn_rank == 0 else None),
-                dtype=np.uint8,
-            )
-            sends = [ep.send(as_ucx_buffer(t), tag=msg.tag, force_tag=True) for msg, t in data]
-            sends.append(ep.send(ctrl, tag=ctrl_tag(room, me, d), force_tag=True))
-            await asyncio.wait_for(asyncio.gather(*sends), left())
-            sent = sum(t.numel() * t.element_size() for _, t in data)
-        except Exception as e:  # noqa: BLE001 - the room fails with the reason; the endpoint is redone
-            self._drop_endpoint(address)
-            reason = (
-                "timed out" if isinstance(e, asyncio.TimeoutError) else f"{type(e).__name__}: {e}"
-            )
-            error = f"sending to decode rank {d} failed: {reason}"
-        return sent, error
 
     def _pair_routes(self, cmd: dict, p: int, d: int) -> list[Route]:
         """Real routes from prefill rank p to decode rank d over all pools (deduplicated)."""
@@ -580,20 +482,6 @@ class TransferAgent:
         empty = np.zeros(0, dtype=np.uint8)
         for tag in list(state["tags"]):
             await ep.send(empty, tag=tag, force_tag=True)
-
-
-def _layer_columns(pool: KVPool, layers: range) -> slice:
-    """A page's elements that hold `layers` (a page is laid out layer by layer)."""
-    per_layer = pool.pages.shape[1] // pool.layout.num_layers
-    return slice(layers.start * per_layer, layers.stop * per_layer)
-
-
-def _consecutive(pages: tuple) -> bool:
-    return pages == tuple(range(pages[0], pages[0] + len(pages)))
-
-
-def _made(f: asyncio.Future) -> bool:
-    return f.done() and not f.cancelled() and f.exception() is None
 
 
 def _scatter(staged: torch.Tensor, views: list[torch.Tensor]) -> None:

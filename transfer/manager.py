@@ -75,6 +75,8 @@ class TransferManager:
             self.address = f"tcp://{tcp_host}:{port}"
         self.ranks: dict[tuple[int, int, int], RankDescriptor] = {}  # by RankDescriptor.key
         self.pending: dict[tuple[str, int], _Pending] = {}
+        self.parts_in_flight: dict[int, int] = {}
+        """Prefill: per room, parts of it some rank's agent has not finished sending."""
 
     def wait_for_agents(self, count: int, timeout_s: float = 120.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -105,9 +107,15 @@ class TransferManager:
         peer_dp: int,
         src_pages: list[int],
         dst_pages: list[int],
-        aux: dict,
+        aux: dict | None,
         timeout_s: float,
+        ready_pages: int | None = None,
+        error: str | None = None,
     ) -> None:
+        """Send a room's pages. With `ready_pages` a part: the messages whose pages are all
+        among the first `ready_pages` (and not sent yet) leave now, and nothing is reported;
+        without it the rest and the control message (the sender's `error`, if any), reported
+        as one "pushed" outcome for the whole room."""
         mine = self.group(dp_rank)
         theirs = peer.group(peer_dp)
         cmd = {
@@ -117,11 +125,18 @@ class TransferManager:
             "dst_pages": dst_pages,
             "aux": aux,
             "timeout_s": timeout_s,
+            "ready_pages": ready_pages,
+            "error": error,
             "routes": self._routes(room, mine, theirs),
             "dst_ranks": [r.address for r in theirs],
             "dst_heads_held": [len(p.held_heads) for p in all_pools(theirs)],
-            "message_pages": [p.message_pages for p in all_pools(theirs)],
+            "message_pages": message_pages(mine, theirs),
         }
+        if ready_pages is not None:
+            for r in mine:
+                self._send(r, cmd)
+            self.parts_in_flight[room] = self.parts_in_flight.get(room, 0) + len(mine)
+            return
         self._start("pushed", room, dp_rank, mine, cmd)
 
     def expect(
@@ -141,7 +156,7 @@ class TransferManager:
             "timeout_s": timeout_s,
             "routes": self._routes(room, theirs, mine),
             "src_heads_held": [len(p.held_heads) for p in all_pools(theirs)],
-            "message_pages": [p.message_pages for p in all_pools(mine)],
+            "message_pages": message_pages(theirs, mine),
         }
         self._start("received", room, dp_rank, mine, cmd)
 
@@ -200,6 +215,9 @@ class TransferManager:
             event = self._receive_one()
             if event is None:
                 continue
+            if event["kind"] == "part":
+                self._part_sent(event["room"])
+                continue
             key = (event["kind"], event["room"])
             pending = self.pending.get(key)
             if pending is None:
@@ -212,12 +230,30 @@ class TransferManager:
                 outcomes.append(_merge(event["room"], pending))
         return outcomes
 
+    def _part_sent(self, room: int) -> None:
+        left = self.parts_in_flight.get(room, 0) - 1
+        if left > 0:
+            self.parts_in_flight[room] = left
+        else:
+            self.parts_in_flight.pop(room, None)
+
     def close(self) -> None:
         for rank in self.ranks.values():
             with contextlib.suppress(zmq.ZMQError):
                 self._send(rank, {"kind": "stop"})
         self.sock.close()
         self.ipc_dir.cleanup()
+
+
+def message_pages(prefill: list[RankDescriptor], decode: list[RankDescriptor]) -> list[int]:
+    """Per pool, the most pages one message of a room carries: the smaller cap of the two
+    sides (the decode's staging limit, the prefill's streaming part), 0 when neither caps.
+    Both sides compute it from both descriptors, so they cut a room alike."""
+    caps = []
+    for p, d in zip(all_pools(prefill), all_pools(decode)):
+        given = [c for c in (p.message_pages, d.message_pages) if c]
+        caps.append(min(given, default=0))
+    return caps
 
 
 def _merge(room: int, pending: _Pending) -> RoomOutcome:

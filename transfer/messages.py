@@ -35,6 +35,11 @@ class Message:
     src_heads: tuple[int, int] | None  # MHA slice (first local head, count); None: all heads
     dst_heads: tuple[int, int] | None
     layers: tuple[int, int]  # the model's layers [first, stop): each side finds them in its pool
+    index: int = 0  # where its first page is in the room's pages (the prompt's page order)
+
+    def ready(self, pages: int) -> bool:
+        """Whether its pages are all among the room's first `pages` (computed and sendable)."""
+        return self.index + self.dst_pages[1] <= pages
 
 
 def tag_of(room: int, *where: int) -> int:
@@ -80,7 +85,8 @@ def route_messages(
         src = tuple(src_pages[start : start + n]) if src_pages is not None else ()
         first = (dst_pages[start], n)
         layers = (route.first_layer, route.stop_layer)
-        out.append(Message(tag, pool_index, first, src, src_slice, dst_slice, layers))
+        msg = Message(tag, pool_index, first, src, src_slice, dst_slice, layers, start)
+        out.append(msg)
     return out
 
 
