@@ -15,7 +15,14 @@ import pytest
 
 from tests.conftest import random_prompts
 from tests.reference import hf_greedy
-from tests.servers import assert_all_pages_free, get, post, start_cluster, wait_for
+from tests.servers import (
+    assert_all_pages_free,
+    get,
+    metric_value,
+    post,
+    start_cluster,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
@@ -51,7 +58,8 @@ def test_a_room_whose_final_push_fails_never_decodes(tiny_dir, tmp_path):
     count their bytes): each request gets the prefill's error, the decode generates nothing
     from the partial KV, and every page comes back."""
     fail = ["--transfer-fail-rate", "1.0"]
-    cluster = start_cluster(tiny_dir("deepseek_v3"), tmp_path, fail)
+    no_retries = ["--retry-max-retries", "0", "--cb-failure-threshold", "100"]  # one room each
+    cluster = start_cluster(tiny_dir("deepseek_v3"), tmp_path, fail, router_args=no_retries)
     try:
         prompts = random_prompts(3, 512, [90, 120, 64], seed=6)
         with ThreadPoolExecutor(3) as pool:
@@ -60,9 +68,9 @@ def test_a_room_whose_final_push_fails_never_decodes(tiny_dir, tmp_path):
             assert status in (500, 502), body
             assert "injected" in body["error"]["message"], body
         _, metrics = get(cluster.prefill.url + "/metrics")
-        sent = _metric(metrics, "dserve_kv_transfer_bytes_total")
+        sent = metric_value(metrics, "dserve_kv_transfer_bytes_total")
         assert sent > 0, "the rooms' parts were sent before their final push failed"
-        assert _metric(metrics, "dserve_kv_transfer_failures_total") == 3
+        assert metric_value(metrics, "dserve_kv_transfer_failures_total") == 3
         assert_all_pages_free(cluster.prefill, cluster.decode)
     finally:
         cluster.stop()
@@ -114,10 +122,3 @@ def test_client_leaves_while_the_prompt_streams(tiny_dir, tmp_path):
         assert ask(cluster.url, random_prompts(1, 512, [40], seed=9)[0])[0] == 200
     finally:
         cluster.stop()
-
-
-def _metric(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[-1])
-    raise AssertionError(f"{name} not in the metrics:\n{text}")
