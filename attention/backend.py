@@ -148,6 +148,43 @@ class AttentionBackend(ABC):
         self.pool = pool
         self.index_pool = index_pool
         """A sparse-attention (DSA) model's indexer keys, page for page beside `pool`."""
+        self.expand_min_tokens = 0
+        """MLA passes of at least this many new tokens run expanded (0: none)."""
+        self.batch: ForwardBatch | None = None
+
+    @property
+    def expand_mla(self) -> bool:
+        """Whether MLA runs expanded in this pass (`forward_mla_expanded`): a prompt-sized
+        pass (at least `expand_min_tokens` new tokens) of causal spans (no draft trees), no
+        context over `mla_expanded.MAX_CONTEXT`, not sparse attention."""
+        from dserve.attention.mla_expanded import MAX_CONTEXT
+
+        b = self.batch
+        return (
+            self.expand_min_tokens > 0
+            and self.index_pool is None
+            and b.tree_masks is None
+            and b.num_tokens >= self.expand_min_tokens
+            and max(b.seq_lens, default=0) <= MAX_CONTEXT
+        )
+
+    def forward_mla_expanded(
+        self,
+        layer: int,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        latent: torch.Tensor,
+        w_uk: torch.Tensor,
+        w_uv: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Expanded MLA (`attention/mla_expanded.py`): q_nope [T, H, N], q_rope [T, H, P],
+        latent [T, R + P] (stored first), kv_b_proj's halves w_uk [H, N, R] and w_uv [H, V, R]
+        -> attention output [T, H, V]."""
+        from dserve.attention.mla_expanded import expanded_mla
+
+        self.pool.write(layer, 0, self.batch.out_slots, latent)
+        return expanded_mla(self.pool, self.batch, layer, q_nope, q_rope, w_uk, w_uv, scale)
 
     def runs_static(self, shape: PassShape) -> bool:
         """Whether the layers can run a pass of this shape from its device tensors alone, with no

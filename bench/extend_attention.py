@@ -8,7 +8,10 @@ A case NEW:PREFIX is one span of NEW tokens over PREFIX tokens already in pages.
 causally visible (query, key) pairs; the limit is a large bf16 matmul measured in the same run. Prints
 a table and writes JSON. `--tune` takes Triton launch settings (keys of `triton_backend.EXTEND_TUNE`:
 rows, block_h, block_n, num_warps, num_stages), or a list of them to compare; `--flashinfer` adds
-FlashInfer's kernels (the flashinfer backend) as a column.
+FlashInfer's kernels (the flashinfer backend) as a column. MLA rows also time one layer's
+attention with the projections each form needs, absorbed (W_UK, attention over the latents, W_UV)
+against expanded (`forward_mla_expanded`: the latents decompressed, 192/128-wide heads): the
+measure behind `EngineConfig.mla_expand_min_tokens`.
 """
 
 from __future__ import annotations
@@ -76,7 +79,34 @@ def run_case(
         forward = backend.forward_mla if kind == "mla" else backend.forward_mha
         seconds = median_seconds(lambda f=forward: f(0, *inputs, 0.1), repeats)
         row[f"{name}_ms"], row[f"{name}_tflops"] = seconds * 1e3, flops / seconds / 1e12
+        if kind == "mla" and name == "triton":
+            row.update(absorbed_vs_expanded(backend, heads, inputs, repeats))
     return row
+
+
+def absorbed_vs_expanded(backend, heads: int, inputs, repeats: int) -> dict:
+    """ms of one MLA layer's attention with the projections each form needs, from q_nope to
+    the per-head values: absorbed (q_nope through W_UK, attention over the latents, out
+    through W_UV) and expanded (the context's latents decompressed, attention over 192/128-wide
+    heads: `forward_mla_expanded`)."""
+    _, q_rope, latent = inputs
+    new = q_rope.shape[0]
+    like = dict(device="cuda", dtype=torch.bfloat16)
+    q_nope = torch.randn(new, heads, 128, **like)
+    w_uk, w_uv = (torch.randn(heads, 128, 512, **like) / 512**0.5 for _ in range(2))
+
+    def absorbed():
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+        out = backend.forward_mla(0, q_latent, q_rope, latent, 0.1)
+        return torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2))
+
+    def expanded():
+        return backend.forward_mla_expanded(0, q_nope, q_rope, latent, w_uk, w_uv, 0.1)
+
+    return {
+        "absorbed_layer_ms": median_seconds(absorbed, repeats) * 1e3,
+        "expanded_layer_ms": median_seconds(expanded, repeats) * 1e3,
+    }
 
 
 def main() -> None:
@@ -130,11 +160,15 @@ def main() -> None:
                     continue
                 row.update(of_matmul=row["triton_tflops"] * 1e12 / peak, tune=tune)
                 rows.append(row)
+                forms = ""
+                if "expanded_layer_ms" in row:
+                    forms = f"  absorbed layer {row['absorbed_layer_ms']:.3f} ms, expanded "
+                    forms += f"{row['expanded_layer_ms']:.3f} ms"
                 print(
                     f"{kind:>4} {heads:>5} {new:>6} {prefix:>7} {row['triton_ms']:>10.3f} "
                     f"{row['triton_tflops']:>7.1f} {row['of_matmul']:>6.1%} "
                     + "".join(f"{row[name + '_ms']:>14.3f}" for name in others)
-                    + f"  {json.dumps(tune)}",
+                    + f"  {json.dumps(tune)}{forms}",
                     flush=True,
                 )
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

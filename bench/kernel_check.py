@@ -172,6 +172,41 @@ def mla_rows(backends: list[str]) -> list[dict]:
     ]
 
 
+def mla_expanded_rows() -> list[dict]:
+    """The expanded MLA (prefill form) against the absorbed one through the triton backend, at
+    DeepSeek-V3's shapes (128 heads, nope 128, rope 64, values 128, latent 512), bf16."""
+    from dserve.attention.triton_backend import TritonBackend
+
+    rows = []
+    for new, prefix in ((2048, 0), (700, 700), (300, 1500)):
+        gen = torch.Generator().manual_seed(4)
+        spans = [(new, new + prefix, None)]
+        layout = KVLayout("mla", 1, 64, BF16, latent_dim=576, kv_lora_rank=512)
+        pool = KVPool(layout, pages_for(spans, 64), "cuda")
+        pool.pages.copy_(torch.randn(pool.pages.shape, generator=gen).to(BF16))
+        batch = random_batch(pool, spans, gen, "cuda")
+        shapes = ((new, 128, 128), (new, 128, 64), (new, 576), (128, 128, 512), (128, 128, 512))
+        q_nope, q_rope, latent, w_uk, w_uv = (
+            torch.randn(*s, generator=gen).to("cuda", BF16) for s in shapes
+        )
+        w_uk, w_uv = w_uk / 512**0.5, w_uv / 512**0.5
+        backend = TritonBackend(pool)
+        backend.plan(batch)
+        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+        absorbed = backend.forward_mla(0, q_latent, q_rope, latent, 192**-0.5)
+        absorbed = torch.einsum("thr,hvr->thv", absorbed, w_uv)
+        got = backend.forward_mla_expanded(0, q_nope, q_rope, latent, w_uk, w_uv, 192**-0.5)
+        rows.append(
+            {
+                "kernel": "MLA expanded vs absorbed",
+                "shape": f"128 heads, {new} new over {prefix}",
+                "tolerance": ATTENTION_TOL,
+                "error": relative_error(absorbed, got),
+            }
+        )
+    return rows
+
+
 def mha_rows(backends: list[str]) -> list[dict]:
     return [
         {
@@ -431,7 +466,8 @@ def main() -> None:
     args = parser.parse_args()
     rows = dsa_rows(args.backends)
     if not args.only_dsa:
-        rows = mla_rows(args.backends) + mha_rows(args.backends) + elementwise_rows()
+        rows = mla_rows(args.backends) + mla_expanded_rows() + mha_rows(args.backends)
+        rows += elementwise_rows()
         rows += moe_rows() + fp8_rows() + fp8_moe_rows() + dsa_rows(args.backends)
     print(f"{'kernel':<34} {'shape':<34} {'rel. error':>10} {'tolerance':>10}  ok")
     for r in rows:

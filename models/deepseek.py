@@ -78,12 +78,28 @@ class MLAttention(nn.Module):
         ]  # W_UK [H,N,R], W_UV [H,V,R]
 
     def forward(self, x: torch.Tensor, cos_sin, backend) -> torch.Tensor:
+        if backend.expand_mla:  # a prompt-sized pass: per-head keys and values, as prefills
+            q_nope, q_rope, latent, _ = self.queries(x, cos_sin)
+            w_uk, w_uv = self._absorbed_weights()
+            out = backend.forward_mla_expanded(
+                self.layer_id, q_nope, q_rope, latent, w_uk, w_uv, self.scale
+            )
+            return self.o_proj(out.flatten(1))
         q_latent, q_rope, latent, _ = self.project(x, cos_sin)
         o_latent = backend.forward_mla(self.layer_id, q_latent, q_rope, latent, self.scale)
         return self.output(o_latent)
 
     def project(self, x: torch.Tensor, cos_sin):
         """(q_latent [T, H, R], q_rope [T, H, P], the tokens' latents [T, R + P], and the
+        normalised q-LoRA latent [T, q_lora_rank] or None)."""
+        q_nope, q_rope, latent, q_resid = self.queries(x, cos_sin)
+        w_uk, _ = self._absorbed_weights()
+        # per head [T, N] @ [N, R], read and written in place through strides (no copies of q)
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+        return q_latent, q_rope, latent, q_resid
+
+    def queries(self, x: torch.Tensor, cos_sin):
+        """(q_nope [T, H, N], q_rope [T, H, P] roped, the tokens' latents [T, R + P], and the
         normalised q-LoRA latent [T, q_lora_rank] or None)."""
         cfg, rotary = self.cfg, self._rotary
         q_resid = None
@@ -102,10 +118,7 @@ class MLAttention(nn.Module):
         q_rope = rotary.apply(q_rope, cos, sin)
         k_rope = rotary.apply(k_rope.unsqueeze(1), cos, sin).squeeze(1)
         latent = torch.cat([self.kv_a_layernorm(c_kv), k_rope], dim=-1)
-        w_uk, _ = self._absorbed_weights()
-        # per head [T, N] @ [N, R], read and written in place through strides (no copies of q)
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
-        return q_latent, q_rope, latent, q_resid
+        return q_nope, q_rope, latent, q_resid
 
     def output(self, o_latent: torch.Tensor) -> torch.Tensor:
         """The attention-weighted latents [T, H, R] out through W_UV and o_proj."""

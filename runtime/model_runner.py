@@ -188,6 +188,7 @@ class ModelRunner:
         self.pool = KVPool(layouts[0], num_pages, self.device)
         self.index_pool = KVPool(indexed, num_pages, self.device) if indexed else None
         self.backend = create_backend(config.attention_backend, self.pool, self.index_pool)
+        self.backend.expand_min_tokens = config.mla_expand_min_tokens
         self._use_kernels()
         if self.draft is not None:
             self.draft_pool = KVPool(layouts[1], num_pages, self.device)
