@@ -156,7 +156,8 @@ class AttentionBackend(ABC):
     def expand_mla(self) -> bool:
         """Whether MLA runs expanded in this pass (`forward_mla_expanded`): a prompt-sized
         pass (at least `expand_min_tokens` new tokens) of causal spans (no draft trees), no
-        context over `mla_expanded.MAX_CONTEXT`, not sparse attention."""
+        context over `mla_expanded.MAX_CONTEXT`, not sparse attention, not a pass a CUDA graph
+        replays (the expanded form loops over the spans on the host)."""
         from dserve.attention.mla_expanded import MAX_CONTEXT
 
         b = self.batch
@@ -166,6 +167,7 @@ class AttentionBackend(ABC):
             and b.tree_masks is None
             and b.num_tokens >= self.expand_min_tokens
             and max(b.seq_lens, default=0) <= MAX_CONTEXT
+            and not self.runs_static(PassShape.of(b))  # its host-side loop over spans
         )
 
     def forward_mla_expanded(

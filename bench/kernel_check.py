@@ -5,7 +5,7 @@ intermediate 2048, top 8) and GLM-5's sparse attention (64 heads, latent 512 + 6
 top-k 2048: the indexer's selection against the float32 reference scores, the sparse MLA on a
 given selection):
 
-    python -m bench.kernel_check [--backends triton,flashinfer]
+    python -m bench.kernel_check [--backends triton,flashinfer] [--only dsa,mla_expanded]
 
 Attention runs through the backends (store of the new tokens, then decode / extend / draft-tree
 attention over scattered pages) against `TorchBackend` on the same pool and batch; norms, rotary and
@@ -453,6 +453,18 @@ def dsa_rows(backends: list[str]) -> list[dict]:
     return rows
 
 
+GROUPS = {  # name: rows(backends)
+    "mla": mla_rows,
+    "mla_expanded": lambda _: mla_expanded_rows(),
+    "mha": mha_rows,
+    "elementwise": lambda _: elementwise_rows(),
+    "moe": lambda _: moe_rows(),
+    "fp8": lambda _: fp8_rows(),
+    "fp8_moe": lambda _: fp8_moe_rows(),
+    "dsa": dsa_rows,
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -462,13 +474,16 @@ def main() -> None:
         help="attention backends to check: triton, flashinfer",
     )
     parser.add_argument("--out", default="bench/results/kernel_check.json")
-    parser.add_argument("--only-dsa", action="store_true", help="the sparse-attention rows only")
+    parser.add_argument(
+        "--only",
+        type=lambda v: v.split(","),
+        default=None,
+        help="groups of rows to run (default: all): " + ", ".join(GROUPS),
+    )
     args = parser.parse_args()
-    rows = dsa_rows(args.backends)
-    if not args.only_dsa:
-        rows = mla_rows(args.backends) + mla_expanded_rows() + mha_rows(args.backends)
-        rows += elementwise_rows()
-        rows += moe_rows() + fp8_rows() + fp8_moe_rows() + dsa_rows(args.backends)
+    rows = []
+    for name in args.only or list(GROUPS):
+        rows += GROUPS[name](args.backends)
     print(f"{'kernel':<34} {'shape':<34} {'rel. error':>10} {'tolerance':>10}  ok")
     for r in rows:
         r["ok"] = r["error"] <= r["tolerance"]

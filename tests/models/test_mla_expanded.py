@@ -82,3 +82,14 @@ def _batch(spans: list[tuple[int, int]], page: int, gen) -> ForwardBatch:
     return ForwardBatch(
         ids, torch.cat(positions), q_lens, seq_lens, table, torch.cat(slots), torch.arange(tokens)
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_expanded_on_a_gpu_gives_the_reference_tokens(tiny_dir, make_engine):
+    """PyTorch's fused attention on the GPU (float32, the triton backend), every pass expanded."""
+    path = tiny_dir("deepseek_v3")
+    engine = make_engine(path, device="cuda", dtype="float32", mla_expand_min_tokens=1)
+    prompts = random_prompts(2, 512, [40, 90], seed=13)
+    for prompt, result in zip(prompts, engine.generate(input_ids=prompts, sampling_params=PARAMS)):
+        assert result.output_ids == hf_greedy(path, prompt, 6)

@@ -37,7 +37,7 @@ def test_streamed_prompts_keep_the_exact_tokens(arch, tiny_dir, tmp_path):
     model = tiny_dir(arch)
     cluster = start_cluster(model, tmp_path)
     try:
-        prompts = random_prompts(3, 512, [70, 250, 400], seed=5)
+        prompts = random_prompts(3, 512, [70, 300, 600], seed=5)
         with ThreadPoolExecutor(3) as pool:
             answers = list(pool.map(lambda ids: ask(cluster.url, ids), prompts))
         streamed = []
@@ -61,7 +61,7 @@ def test_a_room_whose_final_push_fails_never_decodes(tiny_dir, tmp_path):
     no_retries = ["--retry-max-retries", "0", "--cb-failure-threshold", "100"]  # one room each
     cluster = start_cluster(tiny_dir("deepseek_v3"), tmp_path, fail, router_args=no_retries)
     try:
-        prompts = random_prompts(3, 512, [90, 120, 64], seed=6)
+        prompts = random_prompts(3, 512, [400, 500, 600], seed=6)  # long: parts go first
         with ThreadPoolExecutor(3) as pool:
             answers = list(pool.map(lambda ids: ask(cluster.url, ids), prompts))
         for status, body in answers:
