@@ -150,15 +150,16 @@ class Scheduler:
         """Pages for `n` more tokens of a running request, preempting from the back when short.
         A request alone that still cannot grow waits (preempted) while pages held past their
         requests (KV being sent) fill the pool, and is ended when it has outgrown the whole
-        pool (once the token a step in flight samples for it has arrived)."""
+        pool or when waiting requests hold the pages it lacks (once the token a step in flight
+        samples for it has arrived)."""
         while not self.kv.allocate_slots(req.rid, req.num_computed_tokens + n):
             victim = self.running[-1]
             if victim is req and len(self.running) == 1:
                 if req.num_pending_tokens:  # the token in flight is its own: take it first
                     return False
                 pages = -(-(req.num_computed_tokens + n) // self.kv.page_size)
-                if pages <= self.kv.num_pages:  # it fits once the held pages come back
-                    self._preempt(req)
+                if pages <= self.kv.num_pages and not self._queue_holds_pages():
+                    self._preempt(req)  # it fits once the held pages come back
                     return False
                 self.finish(req, "abort", error="the KV cache is too small for this request")
                 return False
@@ -166,6 +167,11 @@ class Scheduler:
             if victim is req:
                 return False
         return True
+
+    def _queue_holds_pages(self) -> bool:
+        """Whether waiting requests hold pages (a decode's prompts received, not yet running):
+        those come back only once they run, so a request waiting for them would wait forever."""
+        return any(self.kv.tables.get(r.rid) for r in self.waiting)
 
     def _preempt(self, req: Request) -> None:
         self._leave(req)

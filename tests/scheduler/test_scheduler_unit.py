@@ -266,3 +266,22 @@ def test_every_token_is_computed_once_whatever_the_chunk(chunk):
         ends = [s + n for s, n in covered]
         assert [s for s, _ in covered] == [0] + ends[:-1], "contiguous, no overlap"
         assert ends[-1] == len(req.prompt_ids) + 2  # the last sampled token has no KV
+
+
+def test_a_request_alone_is_ended_when_waiting_requests_hold_the_pages_it_lacks():
+    """A decode's received prompts wait with their pages: they run only after the queue's head,
+    so a lone running request that needs their pages would wait forever: it ends instead."""
+    sched = make(pages=4, chunk=64, running=1)
+    req = request("a", 8, max_new=6)
+    sched.add(req)
+    step(sched)  # 2 pages, then it needs a third
+    joined = request("joined", 8, max_new=2, first=700)
+    assert sched.kv.allocate_slots(joined.rid, 8)  # its received prompt: 2 pages
+    joined.num_computed_tokens = 8
+    sched.add(joined)
+    for _ in range(4):
+        step(sched)
+    assert req.finished and req.finish_reason == "abort" and "too small" in req.error
+    while not joined.finished:
+        step(sched)
+    check(sched)
