@@ -17,9 +17,9 @@ weight-only: the program widens the e4m3 weights to the activations' dtype (exac
 each K block's product by the weight rows' scales (float32's rounding against the dequantized
 reference).
 
-Launch parameters (BLOCK_N, warps, stages) come per dtype, expert shape and token count from
-the table `bench.moe_gemm --sweep --write` measures (`moe_gemm_configs.json` beside this file);
-shapes it lacks take the defaults.
+Launch parameters (row block, BLOCK_N, warps, stages) come per dtype, expert shape and token count from
+the table `bench.moe_gemm --sweep --write` measures (`moe_gemm_configs.json` beside this file),
+keyed by how many experts this rank holds; shapes it lacks take the defaults.
 """
 
 from __future__ import annotations

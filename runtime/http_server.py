@@ -14,7 +14,6 @@ the instance has loaded and warmed up (`warm_up`: every kernel a step launches c
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import os
@@ -89,10 +88,16 @@ class Instance:
             host = front_host(engine_kwargs)
             self.manager = TransferManager(host)
             host = host or config.host
-            transfer = AgentConfig(self.manager.address, host, config.transfer_fail_rate)
+            stream_tokens = 0  # prefill: pages leave in parts of a chunk's tokens
             if config.role == "prefill" and config.kv_streaming:
-                chunk = engine_kwargs.get("chunked_prefill_size", EngineConfig.chunked_prefill_size)
-                transfer = dataclasses.replace(transfer, stream_tokens=chunk)
+                default = EngineConfig.chunked_prefill_size
+                stream_tokens = engine_kwargs.get("chunked_prefill_size", default)
+            transfer = AgentConfig(
+                self.manager.address,
+                host,
+                config.transfer_fail_rate,
+                stream_tokens=stream_tokens,
+            )
         self.engine = Engine(model_path, transfer=transfer, **engine_kwargs)
         if self.manager is not None:
             from dserve.runtime import pd

@@ -223,6 +223,16 @@ def post(url: str, body, timeout: float = 120) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
+GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+
+
+def generate(url: str, ids: list[int], **params) -> tuple[int, dict]:
+    """POST `ids` to `url`/generate: greedy, 6 tokens, `ignore_eos`, unless `params` say
+    otherwise."""
+    body = {"input_ids": ids, "sampling_params": {**GREEDY, **params}}
+    return post(url + "/generate", body)
+
+
 def stream(url: str, body: dict, timeout: float = 120) -> list[dict]:
     """The SSE events of a streamed request, parsed, up to [DONE]."""
     req = urllib.request.Request(

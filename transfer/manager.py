@@ -130,7 +130,7 @@ class TransferManager:
             "routes": self._routes(room, mine, theirs),
             "dst_ranks": [r.address for r in theirs],
             "dst_heads_held": [len(p.held_heads) for p in all_pools(theirs)],
-            "message_pages": message_pages(mine, theirs),
+            "message_pages": agreed_message_pages(mine, theirs),
         }
         if ready_pages is not None:
             for r in mine:
@@ -156,7 +156,7 @@ class TransferManager:
             "timeout_s": timeout_s,
             "routes": self._routes(room, theirs, mine),
             "src_heads_held": [len(p.held_heads) for p in all_pools(theirs)],
-            "message_pages": message_pages(theirs, mine),
+            "message_pages": agreed_message_pages(theirs, mine),
         }
         self._start("received", room, dp_rank, mine, cmd)
 
@@ -245,7 +245,7 @@ class TransferManager:
         self.ipc_dir.cleanup()
 
 
-def message_pages(prefill: list[RankDescriptor], decode: list[RankDescriptor]) -> list[int]:
+def agreed_message_pages(prefill: list[RankDescriptor], decode: list[RankDescriptor]) -> list[int]:
     """Per pool, the most pages one message of a room carries: the smaller cap of the two
     sides (the decode's staging limit, the prefill's streaming part), 0 when neither caps.
     Both sides compute it from both descriptors, so they cut a room alike."""

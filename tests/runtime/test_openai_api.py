@@ -14,7 +14,7 @@ import pytest
 from tests.runtime.test_structured_output import REGEX, SCHEMA, check_json
 from tests.servers import assert_all_pages_free, openai_client, post, start_instance
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("pages_back")]
 GREEDY = {"temperature": 0, "max_tokens": 5, "extra_body": {"ignore_eos": True}}
 
 
@@ -27,13 +27,6 @@ def server(tiny_dir, tmp_path_factory):
     proc.name = model.rstrip("/").rsplit("/", 1)[-1]
     yield proc
     proc.stop()
-
-
-@pytest.fixture(autouse=True)
-def pages_back(server):
-    """Every test's traffic gives every page back."""
-    yield
-    assert_all_pages_free(server)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 from dserve.models.tiny_chat import DEEPSEEK
 from tests.servers import assert_all_pages_free, openai_client, start_instance
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("pages_back")]
 WEATHER = {
     "type": "function",
     "function": {
@@ -67,13 +67,6 @@ def server(request, tmp_path_factory):
     proc.family, proc.opens, proc.name = request.param, family["opens"], "model"
     yield proc
     proc.stop()
-
-
-@pytest.fixture(autouse=True)
-def pages_back(server):
-    """Every test's traffic gives every page back."""
-    yield
-    assert_all_pages_free(server)
 
 
 def think_regex(server) -> str:

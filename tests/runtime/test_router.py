@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.servers import (
     assert_all_pages_free,
     free_port,
+    generate,
     get,
     metric_value,
     post,
@@ -63,7 +64,7 @@ def tries(proc, role: str) -> dict[str, float]:
 
 
 def ask(url: str, ids: list[int], **params) -> tuple[int, dict]:
-    return post(url + "/generate", {"input_ids": ids, "sampling_params": {**GREEDY, **params}})
+    return generate(url, ids, **{**GREEDY, **params})
 
 
 def test_cache_aware_keeps_a_prefix_on_one_prefill(instances):

@@ -13,7 +13,7 @@ import pytest
 
 from tests.servers import Proc, assert_all_pages_free, get, post, start_instance, stream
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("pages_back")]
 GREEDY = {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}
 
 
@@ -26,13 +26,6 @@ def server(tiny_dir, tmp_path_factory):
     proc.model = model
     yield proc
     proc.stop()
-
-
-@pytest.fixture(autouse=True)
-def pages_back(server):
-    """Every test's traffic gives every page back."""
-    yield
-    assert_all_pages_free(server)
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.servers import (
+    GREEDY,
     assert_all_pages_free,
     free_port,
+    generate,
     get,
     metric_value,
     post,
@@ -24,11 +26,6 @@ from tests.servers import (
 )
 
 pytestmark = pytest.mark.slow
-GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
-
-
-def ask(url: str, ids: list[int], **params) -> tuple[int, dict]:
-    return post(url + "/generate", {"input_ids": ids, "sampling_params": {**GREEDY, **params}})
 
 
 def test_injected_transfer_failures(tiny_dir, tmp_path):
@@ -43,7 +40,7 @@ def test_injected_transfer_failures(tiny_dir, tmp_path):
     )
     try:
         with ThreadPoolExecutor(8) as pool:
-            answers = list(pool.map(lambda i: ask(cluster.url, [10 + i] * (5 + i)), range(16)))
+            answers = list(pool.map(lambda i: generate(cluster.url, [10 + i] * (5 + i)), range(16)))
         failed = [b for s, b in answers if s != 200]
         assert all(s in (200, 500, 502) for s, _ in answers)  # 502: the prefill's error, relayed
         assert 0 < len(failed) < 16
@@ -89,7 +86,7 @@ def test_client_disconnect_mid_stream(case, tiny_dir, tmp_path):
             "the decode drops the request of the client that left",
         )
         assert_all_pages_free(cluster.prefill, cluster.decode)
-        assert ask(cluster.url, [5, 6, 7])[0] == 200
+        assert generate(cluster.url, [5, 6, 7])[0] == 200
     finally:
         cluster.stop()
 
@@ -106,7 +103,9 @@ def test_decode_killed_in_flight(tiny_dir, tmp_path):
         wait_for(lambda: get(router.url + "/health")[0] == 200, 30, "router ready")
         long = {**GREEDY, "max_new_tokens": 400}
         with ThreadPoolExecutor(8) as pool:
-            futures = [pool.submit(ask, router.url, [20 + i] * (30 + i), **long) for i in range(8)]
+            futures = [
+                pool.submit(generate, router.url, [20 + i] * (30 + i), **long) for i in range(8)
+            ]
             time.sleep(1.0)
             decode.kill()
             start = time.monotonic()
@@ -119,7 +118,7 @@ def test_decode_killed_in_flight(tiny_dir, tmp_path):
         wait_for(
             lambda: get(router.url + "/health")[0] == 503, 15, "router takes the dead decode out"
         )
-        assert ask(router.url, [1, 2, 3])[0] == 503
+        assert generate(router.url, [1, 2, 3])[0] == 503
         # a new decode on the same port comes back into rotation
         port = decode.port
         decode = start_instance("decode", model, tmp_path, port=port)
@@ -130,7 +129,7 @@ def test_decode_killed_in_flight(tiny_dir, tmp_path):
             30,
             "router puts the new decode in rotation",
         )
-        assert ask(router.url, [1, 2, 3])[0] == 200
+        assert generate(router.url, [1, 2, 3])[0] == 200
         assert_all_pages_free(prefill, decode)
     finally:
         for p in procs:
@@ -182,7 +181,7 @@ def test_incompatible_pair_is_refused_with_the_difference(tiny_dir, tmp_path):
         ["--page-size", "8"],
     )
     try:
-        status, answer = ask(cluster.url, [4, 5, 6])
+        status, answer = generate(cluster.url, [4, 5, 6])
         assert status == 400
         assert "page_size differs (decode: 8, prefill: 16)" in answer["error"]["message"]
         assert_all_pages_free(cluster.prefill, cluster.decode)

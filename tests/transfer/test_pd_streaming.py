@@ -16,20 +16,16 @@ import pytest
 from tests.conftest import random_prompts
 from tests.reference import hf_greedy
 from tests.servers import (
+    GREEDY,
     assert_all_pages_free,
+    generate,
     get,
     metric_value,
-    post,
     start_cluster,
     wait_for,
 )
 
 pytestmark = pytest.mark.slow
-GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
-
-
-def ask(url: str, ids: list[int], **params) -> tuple[int, dict]:
-    return post(url + "/generate", {"input_ids": ids, "sampling_params": {**GREEDY, **params}})
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])  # MLA latents, MHA heads
@@ -39,7 +35,7 @@ def test_streamed_prompts_keep_the_exact_tokens(arch, tiny_dir, tmp_path):
     try:
         prompts = random_prompts(3, 512, [70, 300, 600], seed=5)
         with ThreadPoolExecutor(3) as pool:
-            answers = list(pool.map(lambda ids: ask(cluster.url, ids), prompts))
+            answers = list(pool.map(lambda ids: generate(cluster.url, ids), prompts))
         streamed = []
         for ids, (status, body) in zip(prompts, answers):
             assert status == 200, body
@@ -63,7 +59,7 @@ def test_a_room_whose_final_push_fails_never_decodes(tiny_dir, tmp_path):
     try:
         prompts = random_prompts(3, 512, [400, 500, 600], seed=6)  # long: parts go first
         with ThreadPoolExecutor(3) as pool:
-            answers = list(pool.map(lambda ids: ask(cluster.url, ids), prompts))
+            answers = list(pool.map(lambda ids: generate(cluster.url, ids), prompts))
         for status, body in answers:
             assert status in (500, 502), body
             assert "injected" in body["error"]["message"], body
@@ -86,7 +82,7 @@ def test_preempted_while_streaming(tiny_dir, tmp_path):
     try:
         prompts = random_prompts(4, 512, [150, 170, 190, 210], seed=7)
         with ThreadPoolExecutor(4) as pool:
-            answers = list(pool.map(lambda ids: ask(cluster.url, ids), prompts))
+            answers = list(pool.map(lambda ids: generate(cluster.url, ids), prompts))
         for ids, (status, body) in zip(prompts, answers):
             assert status == 200, body
             assert body["output_ids"] == hf_greedy(model, ids, 6)
@@ -119,6 +115,6 @@ def test_client_leaves_while_the_prompt_streams(tiny_dir, tmp_path):
             "the decode drops the request of the client that left",
         )
         assert_all_pages_free(cluster.prefill, cluster.decode, timeout=30)
-        assert ask(cluster.url, random_prompts(1, 512, [40], seed=9)[0])[0] == 200
+        assert generate(cluster.url, random_prompts(1, 512, [40], seed=9)[0])[0] == 200
     finally:
         cluster.stop()
