@@ -140,7 +140,7 @@ class TritonBackend(AttentionBackend):
         store_tokens(b.out_slots, [(cache, latent)])
         lens, width = b.token_ctx_lens, self.max_len
         if selection is not None:  # sparse: every token a row over its selected positions
-            lens, width = (selection >= 0).sum(-1, dtype=torch.int32), selection.shape[1]
+            lens, width = None, selection.shape[1]
             selection = selection.contiguous()
         if selection is not None or self.decode:
             from dserve.attention.triton_mla import mla_decode

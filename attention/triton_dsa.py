@@ -68,6 +68,7 @@ def indexer_scores(
     scale: float,
     width: int,
     block_n: int = 64,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """q [T, H, D], weights [T, H] float32, `keys` one layer's indexer pages [num_pages,
     page_size, D] (the model's dtype), token t's page-table row `row_seqs[t]` and context length
@@ -101,5 +102,6 @@ def indexer_scores(
         D=dim,
         BLOCK_N=block_n,
         IEEE=q.dtype == torch.float32,
+        num_warps=num_warps,
     )
     return out

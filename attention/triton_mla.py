@@ -29,6 +29,7 @@ def _split_kernel(
     MidO,
     MidLse,
     s_sel_b,
+    sel_width,
     s_ql_b,
     s_ql_h,
     s_qr_b,
@@ -61,7 +62,11 @@ def _split_kernel(
     # accumulator only its own, which keeps it in registers when R is wide
     hb, vb = tl.program_id(1) // (R // BLOCK_V), tl.program_id(1) % (R // BLOCK_V)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    seq_len = tl.load(SeqLens + b)
+    sel_row = Selected + b.to(tl.int64) * s_sel_b
+    if SELECT:  # the row's selection, -1 where it has no position
+        seq_len = sel_width
+    else:
+        seq_len = tl.load(SeqLens + b)
     # a short context takes fewer splits than the launch has (no split under min_split tokens): the
     # split count is fixed at launch (a CUDA graph keeps it) while contexts vary from step to step
     per_split = tl.cdiv(tl.maximum(tl.cdiv(seq_len, NUM_SPLITS), min_split), BLOCK_N) * BLOCK_N
@@ -100,7 +105,6 @@ def _split_kernel(
         start = whole_end
     for n0 in range(start, end, BLOCK_N):
         if SELECT:  # sparse attention: the row's selected positions, not its whole context
-            sel_row = Selected + b.to(tl.int64) * s_sel_b
             toks, tmask, page, off = _selected_block(table, sel_row, n0, end, page_size, BLOCK_N)
         else:
             toks, tmask, page, off = _context_block(table, n0, end, page_size, BLOCK_N)
@@ -139,11 +143,12 @@ def _context_block(table, n0, end, page_size, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _selected_block(table, sel_row, n0, end, page_size, BLOCK_N: tl.constexpr):
-    """`_context_block` for entries n0 .. n0 + BLOCK_N (valid below `end`) of a row's selected
+    """`_context_block` for entries n0 .. n0 + BLOCK_N (below `end`, not -1) of a row's selected
     context positions `sel_row`."""
     idx = n0 + tl.arange(0, BLOCK_N)
-    valid = idx < end
-    pos = tl.load(sel_row + idx, mask=valid, other=0)
+    pos = tl.load(sel_row + idx, mask=idx < end, other=-1)
+    valid = pos >= 0
+    pos = tl.maximum(pos, 0)
     page = tl.load(table + pos // page_size, mask=valid, other=0).to(tl.int64)
     return pos, valid, page, pos % page_size
 
@@ -222,6 +227,7 @@ def default_splits(
     device: torch.device,
     block_h: int = 16,
     value_blocks: int = 1,
+    gathered: bool = False,
 ) -> int:
     """Enough programs to fill the GPU, no split shorter than four blocks, at most 256; a power of
     two. Programs of few heads are memory-bound and fill it twice over; programs of many heads
@@ -229,13 +235,16 @@ def default_splits(
     share of the merge: they fill it once. (H100, 16 heads, batch 1, 32k context: 256 splits read at
     32% of the copy bandwidth, 64 splits at 23%: bench/notes/flashinfer-2026-11-23.md; 128 heads,
     1k context: 1 split at batch 128 takes 0.22 ms a layer where 4 took 0.35, 2 splits at batch 32
-    0.07 ms where 16 took 0.12: bench/notes/rank-steps-2026-11-23.md.)"""
+    0.07 ms where 16 took 0.12: bench/notes/rank-steps-2026-11-23.md.) Sparse attention's
+    `gathered` positions allow splits of two blocks: batch 1 over 2048 positions took 20 us in
+    32 splits where 16 took 24-31 (H100, bench/notes/session22-h100-2026-11-24.md)."""
     sms = 8
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
     waves = 2 if block_h <= 16 else 1
     programs = batch * triton.cdiv(heads, block_h) * value_blocks
-    want = max(1, min(256, -(-waves * sms // programs), max_len // (4 * block_n)))
+    shortest = (2 if gathered else 4) * block_n  # gathered positions: latency-bound
+    want = max(1, min(256, -(-waves * sms // programs), max_len // shortest))
     return 1 << (want - 1).bit_length()
 
 
@@ -264,7 +273,7 @@ def mla_decode(
     q_rope: torch.Tensor,
     cache: torch.Tensor,
     page_table: torch.Tensor,
-    seq_lens: torch.Tensor,
+    seq_lens: torch.Tensor | None,
     scale: float,
     num_splits: int | None = None,
     block_n: int | None = None,
@@ -288,7 +297,7 @@ def mla_decode(
     the R value columns (by default all). `tma` reads whole blocks through tensor descriptors (Hopper's
     TMA; half the value columns per program, blocks within a page). Parameters left None come from
     `default_tune`. Sparse attention: `selected` [B, K] lists each row's context positions to
-    attend (valid ones first), and `seq_lens` counts them."""
+    attend (-1 for none, anywhere in the row) and `seq_lens` is not read (None)."""
     batch, heads, rank = q_latent.shape
     tune = default_tune(heads, rank, cache.shape[1], q_latent.device)
     block_n, block_h, num_warps = (
@@ -297,12 +306,18 @@ def mla_decode(
         num_warps or tune["num_warps"],
     )
     tma = tune.get("tma", False) if tma is None else tma
-    tma = tma and selected is None  # selected positions are gathered, not whole blocks
-    block_v = block_v or (rank // 2 if tma else rank)
+    # selected positions are gathered, not whole blocks: a few rows of many heads still take
+    # half the value columns a program, for twice the programs (H100, 64 heads: batch 1 took
+    # 20-25 us with half the columns, 20-31 with all; batch 32 and 128 were faster with all)
+    few_rows = tma and batch < 8
+    tma = tma and selected is None
+    block_v = block_v or (rank // 2 if tma or few_rows else rank)
     if num_splits is None:
         longest, device = max_len or 1 << 16, q_latent.device
         value_blocks = rank // block_v
-        num_splits = default_splits(batch, heads, longest, block_n, device, block_h, value_blocks)
+        num_splits = default_splits(
+            batch, heads, longest, block_n, device, block_h, value_blocks, selected is not None
+        )
     if row_seqs is None:
         row_seqs = torch.arange(batch, device=q_latent.device)
     rope = q_rope.shape[-1]
@@ -333,11 +348,12 @@ def mla_decode(
         ropes,
         page_table,
         row_seqs,
-        seq_lens,
+        selected if seq_lens is None else seq_lens,
         selected if selected is not None else seq_lens,
         mid_out,
         mid_lse,
         selected.stride(0) if selected is not None else 0,
+        selected.shape[1] if selected is not None else 0,
         q_latent.stride(0),
         q_latent.stride(1),
         q_rope.stride(0),

@@ -45,17 +45,15 @@ def test_mla_decode_over_selected_positions_matches_torch():
     )  # fmt: skip
     gen = torch.Generator().manual_seed(5)
     selected = torch.full((3, 6), -1, dtype=torch.int64)
-    counts = []
     for b, n in enumerate(lens.tolist()):
         picks = torch.randperm(n, generator=gen)[:6]
         selected[b, : len(picks)] = picks
-        counts.append(len(picks))
-    counts_t = torch.tensor(counts, dtype=torch.int32, device=DEVICE)
+        selected[b] = selected[b, torch.randperm(6, generator=gen)]  # -1 anywhere
     got = mla_decode(
-        q_latent, q_rope, cache, table, counts_t, 0.3, max_len=6, selected=selected.to(DEVICE)
+        q_latent, q_rope, cache, table, None, 0.3, max_len=6, selected=selected.to(DEVICE)
     )
-    for b, n in enumerate(counts):
-        pos = selected[b, :n].to(DEVICE)
+    for b in range(3):
+        pos = selected[b][selected[b] >= 0].to(DEVICE)
         ctx = cache[table[b, pos // 4].long(), pos % 4].float()
         scores = (q_latent[b] @ ctx[:, :32].T + q_rope[b] @ ctx[:, 32:].T) * 0.3
         want = scores.softmax(-1) @ ctx[:, :32]
