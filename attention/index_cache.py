@@ -23,21 +23,31 @@ def stored_width(head_dim: int, fp8: bool) -> int:
     return head_dim + SCALE_BYTES if fp8 else head_dim
 
 
-def write_keys(pool: KVPool, layer: int, slots: torch.Tensor, keys: torch.Tensor) -> None:
-    """Store `keys` [T, D] at `slots` of the pool's `layer`."""
-    if pool.layout.dtype != torch.uint8:
-        pool.write(layer, 0, slots, keys)
-        return
+def stored_rows(keys: torch.Tensor, fp8: bool) -> torch.Tensor:
+    """`keys` [T, D] as the pool stores them: unchanged, or per token its FP8 bytes and
+    float32 scale, [T, D + 4] uint8."""
+    if not fp8:
+        return keys
     scale = keys.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
     q = (keys.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    row = torch.cat([q.view(torch.uint8), scale.view(torch.uint8)], dim=-1)
-    pool.write(layer, 0, slots, row)
+    return torch.cat([q.view(torch.uint8), scale.view(torch.uint8)], dim=-1)
+
+
+def write_keys(pool: KVPool, layer: int, slots: torch.Tensor, keys: torch.Tensor) -> None:
+    """Store `keys` [T, D] at `slots` of the pool's `layer`."""
+    rows = stored_rows(keys, pool.layout.dtype == torch.uint8)
+    pool.write(layer, 0, slots, rows)
 
 
 def read_keys(pool: KVPool, layer: int, slots: torch.Tensor) -> torch.Tensor:
     """The keys at `slots`, [S, D], float32."""
     rows = pool.read(layer, 0, slots)
-    if pool.layout.dtype != torch.uint8:
+    return widened_keys(rows, pool.layout.dtype == torch.uint8)
+
+
+def widened_keys(rows: torch.Tensor, fp8: bool) -> torch.Tensor:
+    """Rows as `stored_rows` writes them back to keys, [S, D] float32."""
+    if not fp8:
         return rows.float()
     q, scale = rows[:, :-SCALE_BYTES], rows[:, -SCALE_BYTES:]
     return q.contiguous().view(FP8).float() * scale.contiguous().view(torch.float32)

@@ -20,7 +20,7 @@ import torch
 import triton
 
 from dserve.attention.backend import AttentionBackend, ForwardBatch, PassShape
-from dserve.attention.index_cache import select_top
+from dserve.attention.index_cache import select_top, stored_rows
 from dserve.attention.triton_store import store_tokens
 
 MAX_DECODE_LIKE = 8  # spans up to this many tokens go through the decode kernel, one row per token
@@ -40,11 +40,6 @@ class TritonBackend(AttentionBackend):
             raise ValueError(
                 "attention_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1, which "
                 "runs its kernels in Triton's interpreter, for tests); use the torch backend on the CPU"
-            )
-        if index_pool is not None and index_pool.layout.dtype == torch.uint8:
-            raise ValueError(
-                "attention_backend='triton' reads the indexer keys in the model's dtype: "
-                "indexer_cache_dtype='fp8' runs on the torch backend so far"
             )
         super().__init__(pool, index_pool)
         self.extend_tune = {
@@ -113,7 +108,8 @@ class TritonBackend(AttentionBackend):
 
         b = self.batch
         keys = self.index_pool.buffers[layer][0]
-        store_tokens(b.out_slots, [(keys, k)])
+        rows = stored_rows(k, keys.dtype == torch.uint8)
+        store_tokens(b.out_slots, [(keys, rows)])
         scores = indexer_scores(
             q.contiguous(),
             weights.contiguous(),

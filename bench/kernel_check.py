@@ -349,108 +349,11 @@ def fp8_rows() -> list[dict]:
     return rows
 
 
-# GLM-5's sparse attention: 64 heads of latent 512 + rope 64, indexer 32 heads x 128, top-k 2048
-GLM5 = (64, 512, 64, 64, 32, 128, 2048)  # heads, rank, rope, page, indexer heads and dim, top-k
-DSA_SPANS = {
-    "decode": [(1, 8192, None), (1, 32768, None), (1, 1500, None)],
-    "extend": [(200, 4200, None)],
-}
-
-
-def dsa_case(spans, backend_class, gen, device="cuda", shape=GLM5) -> tuple[float, float, float]:
-    """(selection deficit, selection overlap, sparse-MLA relative error) of `backend_class`
-    against the torch reference on one GLM-5-shaped layer over `spans`. The deficit is how far
-    the worst position the backend selected scores below the reference's top-k cut, relative to
-    the largest score (0: it selected a true top-k); the sparse MLA runs both on the
-    reference's selection."""
-    from dserve.attention.index_cache import read_keys
-
-    heads, rank, rope, page, idx_heads, idx_dim, topk = shape
-    latent = KVLayout("mla", 1, page, BF16, latent_dim=rank + rope, kv_lora_rank=rank)
-    index = KVLayout("index", 1, page, BF16, latent_dim=idx_dim)
-    pages = pages_for(spans, page)
-    pools = [KVPool(layout, pages, device) for layout in (latent, index)]
-    for pool in pools:
-        pool.pages.copy_(torch.randn(pool.pages.shape, generator=gen).to(BF16))
-    batch = random_batch(pools[0], spans, gen, device)
-    t = batch.num_tokens
-    q, k = (
-        torch.randn(*s, generator=gen).to(device, BF16)
-        for s in ((t, idx_heads, idx_dim), (t, idx_dim))
-    )
-    w = (torch.rand(t, idx_heads, generator=gen) * idx_heads**-0.5).to(device)
-    scale = idx_dim**-0.5
-    chosen = []
-    for backend in (TorchBackend(*pools), backend_class(*pools)):
-        backend.plan(batch)
-        chosen.append(backend.forward_indexer(0, q, k, w, scale, topk))
-    deficit, overlap = selection_quality(pools[1], batch, q, w, scale, *chosen, read_keys)
-    mla = []
-    q_latent, q_rope, new = (
-        torch.randn(*s, generator=gen).to(device, BF16)
-        for s in ((t, heads, rank), (t, heads, rope), (t, rank + rope))
-    )
-    for backend in (TorchBackend(*pools), backend_class(*pools)):
-        backend.plan(batch)
-        out = backend.forward_mla(0, q_latent, q_rope, new, (rank + rope) ** -0.5, chosen[0])
-        mla.append(out.float())
-    return deficit, overlap, relative_error(*mla)
-
-
-def selection_quality(pool, batch, q, w, scale, ref, got, read_keys) -> tuple[float, float]:
-    """(worst deficit of `got`'s positions under the reference top-k cut relative to the largest
-    score, mean share of `ref`'s positions `got` also has), from float32 reference scores."""
-    deficits, overlaps = [], []
-    row = 0
-    for span, (q_len, seq_len) in enumerate(zip(batch.q_lens, batch.seq_lens)):
-        pos = torch.arange(seq_len, device=q.device)
-        table = batch.page_table[span]
-        slots = table[pos // pool.layout.page_size] * pool.layout.page_size
-        keys = read_keys(pool, 0, slots + pos % pool.layout.page_size)
-        for i in range(q_len):
-            tok = row + i
-            visible = seq_len - q_len + i + 1
-            s = torch.relu(q[tok].float() @ keys[:visible].T * scale)  # [H, visible]
-            scores = w[tok] @ s
-            kept = min(ref.shape[1], visible)
-            cut = scores.topk(kept).values[-1]
-            mine = got[tok][got[tok] >= 0]
-            top = scores.abs().max().clamp(min=1e-30)
-            deficits.append(float((cut - scores[mine].min()).clamp(min=0) / top))
-            theirs = set(ref[tok][ref[tok] >= 0].tolist())
-            overlaps.append(len(theirs & set(mine.tolist())) / max(len(theirs), 1))
-        row += q_len
-    return max(deficits), sum(overlaps) / len(overlaps)
-
-
 def dsa_rows(backends: list[str]) -> list[dict]:
-    from dserve.attention.triton_backend import TritonBackend
+    """GLM-5's sparse attention: `bench/kernel_check_dsa.py`."""
+    from bench.kernel_check_dsa import dsa_rows as rows
 
-    rows = []
-    classes = {"triton": TritonBackend}
-    for backend in [b for b in backends if b in classes]:
-        for kind, spans in DSA_SPANS.items():
-            for span in spans:
-                gen = torch.Generator().manual_seed(3)
-                deficit, overlap, error = dsa_case([span], classes[backend], gen)
-                shape = f"ctx {span[1]}, {span[0]} new, top-k 2048"
-                rows.append(
-                    {
-                        "kernel": f"DSA indexer {kind} ({backend})",
-                        "shape": shape + f", overlap {overlap:.3f}",
-                        "tolerance": ATTENTION_TOL,
-                        "error": deficit,
-                    }
-                )
-                rows.append(
-                    {
-                        "kernel": f"DSA sparse MLA {kind} ({backend})",
-                        "shape": shape + ", 64 heads",
-                        "tolerance": ATTENTION_TOL,
-                        "error": error,
-                    }
-                )
-    return rows
+    return rows(backends)
 
 
 GROUPS = {  # name: rows(backends)

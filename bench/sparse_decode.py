@@ -4,9 +4,9 @@ GPU, at GLM-5's shapes per rank (64 heads, latent 512 + 64, indexer 32 heads x 1
     python -m bench.sparse_decode [--contexts 32768,131072] [--batches 1,32,128]
 
 Per (batch, context) one decode token per request over a paged bf16 cache (pages of 64,
-scattered): the dense step is `mla_decode` over every position; the sparse step is what the
-triton backend runs, the indexer's scores over every position's key (`indexer_scores`), the
-top-k (torch, unsorted: `select_top`), and `mla_decode` over the selected positions. Each is
+scattered; `--fp8-keys`: the indexer keys in FP8, the production layout): the dense step is
+`mla_decode` over every position; the sparse step is what the triton backend runs, the
+indexer's scores over every position's key (`indexer_scores`), the top-k (torch, unsorted: `select_top`), and `mla_decode` over the selected positions. Each is
 timed as a CUDA graph replay (median), the sparse step's parts too (a sorted top-k beside the
 unsorted one), and the sparse step against its roofline: the bytes it must read (every
 token's indexer key, the selected latents) over the copy bandwidth measured in the same run.
@@ -28,14 +28,14 @@ HEADS, RANK, ROPE, PAGE = 64, 512, 64, 64
 INDEX_HEADS, INDEX_DIM, TOPK = 32, 128, 2048
 
 
-def make_case(batch: int, context: int) -> dict:
+def make_case(batch: int, context: int, fp8_keys: bool = False) -> dict:
     pages = context // PAGE
     num = batch * pages
     dev, bf16 = "cuda", torch.bfloat16
     table = torch.randperm(num, device=dev).to(torch.int32).view(batch, pages)
     return {
         "cache": torch.randn(num, PAGE, RANK + ROPE, device=dev, dtype=bf16),
-        "keys": torch.randn(num, PAGE, INDEX_DIM, device=dev, dtype=bf16),
+        "keys": index_keys(num, fp8_keys),
         "table": table,
         "lens": torch.full((batch,), context, dtype=torch.int32, device=dev),
         "rows": torch.arange(batch, dtype=torch.int32, device=dev),
@@ -44,6 +44,14 @@ def make_case(batch: int, context: int) -> dict:
         "q_index": torch.randn(batch, INDEX_HEADS, INDEX_DIM, device=dev, dtype=bf16),
         "weights": torch.randn(batch, INDEX_HEADS, device=dev),
     }
+
+
+def index_keys(pages: int, fp8: bool) -> torch.Tensor:
+    """Random indexer pages as the pool holds them: bf16 keys, or FP8 rows with scales."""
+    from dserve.attention.index_cache import stored_rows
+
+    keys = torch.randn(pages * PAGE, INDEX_DIM, device="cuda", dtype=torch.bfloat16)
+    return stored_rows(keys, fp8).view(pages, PAGE, -1)
 
 
 def dense_step(c: dict, context: int) -> torch.Tensor:
@@ -94,8 +102,9 @@ def sparse_step(c: dict, context: int) -> torch.Tensor:
     return sparse_mla_part(c, top_part(scores_part(c, context)))
 
 
-def row(batch: int, context: int, repeats: int, copy: float) -> dict:
-    c = make_case(batch, context)
+def row(batch: int, context: int, repeats: int, copy: float, fp8_keys: bool) -> dict:
+    c = make_case(batch, context, fp8_keys)
+    key_bytes = c["keys"][0, 0].numel() * c["keys"].element_size()
     scores = scores_part(c, context)
     chosen = top_part(scores)
     times = {
@@ -109,7 +118,7 @@ def row(batch: int, context: int, repeats: int, copy: float) -> dict:
     r = {"batch": batch, "context": context}
     for name, fn in times.items():
         r[name] = graph_seconds(fn, repeats) * 1e3
-    nbytes = batch * (context * INDEX_DIM * 2 + min(TOPK, context) * (RANK + ROPE) * 2)
+    nbytes = batch * (context * key_bytes + min(TOPK, context) * (RANK + ROPE) * 2)
     c.clear()  # the pools go before the next case's
     torch.cuda.empty_cache()
     r["sparse_over_dense"] = r["sparse_ms"] / r["dense_ms"]
@@ -139,6 +148,9 @@ def main() -> None:
     parser.add_argument("--contexts", type=ints, default=[32768, 131072])
     parser.add_argument("--batches", type=ints, default=[1, 32, 128])
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument(
+        "--fp8-keys", action="store_true", help="indexer keys in FP8 (132 bytes a token)"
+    )
     parser.add_argument("--out", default="bench/results/sparse_decode.json")
     args = parser.parse_args()
     copy = copy_bandwidth()
@@ -147,12 +159,13 @@ def main() -> None:
     print(" ".join(f"{title:>{len(fmt.format(0))}}" for _, title, fmt in COLUMNS))
     for context in args.contexts:
         for batch in args.batches:
-            r = row(batch, context, args.repeats, copy)
+            r = row(batch, context, args.repeats, copy, args.fp8_keys)
             rows.append(r)
             print(" ".join(fmt.format(r[key]) for key, _, fmt in COLUMNS), flush=True)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         meta = {"device": torch.cuda.get_device_name(), "copy_gb_s": copy / 1e9}
+        meta["fp8_keys"] = args.fp8_keys
         json.dump({**meta, "rows": rows}, f, indent=2)
     print(f"wrote {args.out}")
 

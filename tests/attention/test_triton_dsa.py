@@ -10,6 +10,7 @@ import torch
 
 pytest.importorskip("triton")  # tests/conftest.py sets TRITON_INTERPRET=1 on a CPU host
 
+from dserve.attention.index_cache import stored_rows, widened_keys  # noqa: E402
 from dserve.attention.triton_dsa import indexer_scores  # noqa: E402
 from dserve.attention.triton_mla import mla_decode  # noqa: E402
 from tests.attention.test_triton_mla import case  # noqa: E402
@@ -19,17 +20,21 @@ from tests.reference import hf_greedy  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def test_indexer_scores_match_torch():
+@pytest.mark.parametrize("fp8", [False, True], ids=["keys", "fp8-keys"])
+def test_indexer_scores_match_torch(fp8):
     gen = torch.Generator().manual_seed(3)
     heads, dim, page_size, lens = 16, 32, 4, [1, 9, 23, 40]
     keys = torch.randn(40, page_size, dim, generator=gen)
+    stored = stored_rows(keys.view(-1, dim), fp8).view(40, page_size, -1)
+    if fp8:  # what the pool holds, widened: the reference's keys
+        keys = widened_keys(stored.view(-1, stored.shape[-1]), fp8).view(40, page_size, dim)
     table = torch.randperm(40, generator=gen).view(4, 10).to(torch.int32)
     q = torch.randn(4, heads, dim, generator=gen)
     w = torch.randn(4, heads, generator=gen)
     to = lambda t: t.to(DEVICE)  # noqa: E731
     ctx = torch.tensor(lens, dtype=torch.int32)
     rows = torch.arange(4, dtype=torch.int32)
-    got = indexer_scores(to(q), to(w), to(keys), to(table), to(rows), to(ctx), 0.2, 40).cpu()
+    got = indexer_scores(to(q), to(w), to(stored), to(table), to(rows), to(ctx), 0.2, 40).cpu()
     for t, n in enumerate(lens):
         pos = torch.arange(n)
         k = keys[table[t, pos // page_size].long(), pos % page_size]
@@ -68,3 +73,20 @@ def test_engine_with_the_triton_backend_gives_the_reference_tokens(tiny_dir, mak
     prompts = random_prompts(2, 512, [9, 30], seed=21)
     for prompt, result in zip(prompts, engine.generate(input_ids=prompts, sampling_params=params)):
         assert result.output_ids == hf_greedy(path, prompt, 6)
+
+
+def test_triton_backend_with_fp8_indexer_keys_selects_as_torch(tiny_dir, make_engine):
+    """The production layout of the indexer cache on the triton backend: the same tokens as
+    the torch backend reading the same FP8 keys (float32, where the two differ only in the
+    order of their float sums)."""
+    path = tiny_dir("glm_moe_dsa")
+    kwargs = dict(dtype="float32", page_size=4, chunked_prefill_size=16)
+    kwargs.update(indexer_cache_dtype="fp8")
+    params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    prompts = random_prompts(2, 512, [9, 30], seed=22)
+    tokens = []
+    for backend, device in (("torch", "cpu"), ("triton", DEVICE)):
+        engine = make_engine(path, attention_backend=backend, device=device, **kwargs)
+        results = engine.generate(input_ids=prompts, sampling_params=params)
+        tokens.append([r.output_ids for r in results])
+    assert tokens[0] == tokens[1]

@@ -118,14 +118,10 @@ def test_disaggregated_pair_moves_the_indexer_keys(pair, tiny_dir, tmp_path):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (
-            dict(attention_backend="triton", indexer_cache_dtype="fp8"),
-            "runs on the torch backend so far",
-        ),
         (dict(attention_backend="flashinfer"), "no sparse attention"),
         (dict(pp_size=2, pp_layer_partition="1,2"), "start at 'full' indexer layers"),
     ],
-    ids=["triton-fp8-cache", "flashinfer", "pp-at-shared-layer"],
+    ids=["flashinfer", "pp-at-shared-layer"],
 )
 def test_what_is_not_supported_yet_is_refused(kwargs, message, tiny_dir, make_engine):
     from dserve.runtime.executor import RankFailure
