@@ -2,7 +2,7 @@
 step's roofline, and against `transformers` running the same model on the same GPU.
 
     python -m bench.decode_step [--layers 4 --experts 32] [--batches 1,8,32,128] [--context 1024]
-                                [--peer-batches 1,32] [--eager]
+                                [--peer-batches 1,32] [--eager] [--arch glm5]
 
 The model has DeepSeek-V3's real shapes (hidden 7168, MLA, 8 of the routed experts per token) with
 fewer layers and experts so it fits one GPU, made on the device from its config (`load_format=dummy`).
@@ -15,7 +15,9 @@ selected in this step, counted per layer, and one embedding row per token) and t
 With the triton backend the steps replay CUDA graphs (`--eager`: not); CUDA events around
 `ModelRunner.forward` (packing the step's inputs included), median of the repeats. The peer runs
 `transformers`' DeepseekV3ForCausalLM (random weights, bf16) one token per request over a prefilled
-DynamicCache of the same context. Prints a table and writes JSON.
+DynamicCache of the same context. `--arch glm5`: GLM-5's shapes instead (sparse attention: the
+KV read is the selected tokens' latents and every token's indexer keys). Prints a table and
+writes JSON.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from bench.cuda_timing import copy_bandwidth, median_seconds
 from bench.spec_verify import (
     deepseek_v3_config_dir,
     dummy_runner,
+    glm5_config_dir,
     model_args,
     step_batch,
     timing_args,
@@ -87,8 +90,18 @@ def step_bytes_parts(runner, batch) -> StepBytes:
             rows += batch.num_tokens * p.shape[1] * p.element_size()
         else:
             dense += p.numel() * p.element_size()
-    kv = sum(batch.seq_lens) * runner.pool.layout.bytes_per_token
-    return StepBytes(dense, sum(touched), experts, rows, kv)
+    return StepBytes(dense, sum(touched), experts, rows, kv_bytes(runner, batch))
+
+
+def kv_bytes(runner, batch) -> int:
+    """The KV a step reads: every context token's latent, or with sparse attention the
+    selected tokens' latents and every token's indexer keys."""
+    latent = runner.pool.layout.bytes_per_token
+    if runner.index_pool is None:
+        return sum(batch.seq_lens) * latent
+    topk = runner.model_config.index_topk
+    selected = sum(min(n, topk) for n in batch.seq_lens)
+    return selected * latent + sum(batch.seq_lens) * runner.index_pool.layout.bytes_per_token
 
 
 def step_bytes(runner, batch) -> int:
@@ -145,10 +158,14 @@ def main() -> None:
         "--peer-batches", type=lambda s: [int(x) for x in s.split(",") if x], default=[1, 32]
     )
     parser.add_argument("--out", default="bench/results/decode_step.json")
+    parser.add_argument(
+        "--arch", default="deepseek_v3", choices=["deepseek_v3", "glm5"], help="the shapes"
+    )
     args = parser.parse_args()
 
     copy = copy_bandwidth()
-    path = deepseek_v3_config_dir(args.layers, args.experts)
+    shapes = {"deepseek_v3": deepseek_v3_config_dir, "glm5": glm5_config_dir}
+    path = shapes[args.arch](args.layers, args.experts)
     rows, parameter_bytes = our_steps(path, args, copy)
     gc.collect()  # our model's memory back before the peer's is made
     torch.cuda.empty_cache()

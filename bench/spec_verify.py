@@ -76,6 +76,43 @@ def deepseek_v3_config_dir(layers: int, experts: int) -> str:
     return out
 
 
+def glm5_config_dir(layers: int, experts: int) -> str:
+    """A config.json of GLM-5's shapes (sparse attention: 64 heads, latent 512 + 64, indexer
+    32 x 128, top-k 2048; every layer with an indexer) with `layers` layers, the first dense,
+    and `experts` routed experts (8 per token)."""
+    import transformers as tf
+
+    cfg = tf.GlmMoeDsaConfig(
+        vocab_size=154880,
+        hidden_size=6144,
+        intermediate_size=12288,
+        moe_intermediate_size=2048,
+        num_hidden_layers=layers,
+        num_attention_heads=64,
+        num_key_value_heads=64,
+        n_shared_experts=1,
+        n_routed_experts=experts,
+        num_experts_per_tok=8,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        kv_lora_rank=512,
+        q_lora_rank=2048,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=192,
+        v_head_dim=256,
+        index_n_heads=32,
+        index_head_dim=128,
+        index_topk=2048,
+        indexer_types=["full"] * layers,
+        max_position_embeddings=202752,
+        architectures=["GlmMoeDsaForCausalLM"],
+    )
+    out = tempfile.mkdtemp(prefix="glm5-shape-")
+    cfg.to_json_file(os.path.join(out, "config.json"))
+    return out
+
+
 def dummy_runner(
     path: str,
     max_requests: int,

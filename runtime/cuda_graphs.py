@@ -17,6 +17,10 @@ they are gathered into the draft's static input on the device before the replay,
 graphs per width of those states (an EAGLE-3 draft's catch-up reads the target's three aux
 states, its further passes its own state).
 
+A sparse-attention (DSA) model's indexer scores and top-k span the widest context of the
+pass, so its graphs come in context widths too (x4 apart from 4096): a pass takes the smallest
+width that holds its longest context.
+
 The pass's tokens are padded up to the next bucket. A pad token reads the first context slot of
 the batch's first sequence, writes its KV into a scratch page the KV manager never hands out (each
 pool's last page), and is routed to no expert (`ForwardBatch.real_tokens`). Per pass the host
@@ -76,6 +80,22 @@ def token_buckets(max_tokens: int) -> list[int]:
     return sizes + [max_tokens]
 
 
+SPARSE_FIRST_CONTEXT = 4096  # the narrowest graphs of a sparse-attention model
+
+
+def context_buckets(max_context: int, sparse: bool) -> list[int]:
+    """The context widths graphs are captured for: all of it, or for sparse attention (whose
+    indexer scores and top-k span the pass's widest context) widths x4 apart from
+    SPARSE_FIRST_CONTEXT up to it, so a short context does not pay for the longest."""
+    widths = [max_context]
+    if sparse:
+        width = SPARSE_FIRST_CONTEXT
+        while width < max_context:
+            widths.insert(-1, width)
+            width *= 4
+    return widths
+
+
 def output_widths(runner, hidden_width: int | None) -> dict[str, tuple[int, torch.dtype]]:
     """The shared output buffers of a set of graphs: name -> (row width, dtype)."""
     dtype = runner.config.torch_dtype
@@ -116,6 +136,8 @@ class StaticSteps:
         self.max_pages = runner.max_pages
         self.max_context = self.max_pages * page_size
         self.buckets = token_buckets(max_tokens)
+        sparse = runner.index_pool is not None
+        self.contexts = context_buckets(self.max_context, sparse)
         self.fused = runner.config.speculative_naive and hidden_width is None
         if hidden_width is not None:
             self.backends = [runner.draft_backend]
@@ -141,7 +163,8 @@ class StaticSteps:
         pad = dict(out_slots=self.scratch_slot, token_ctx_lens=1, from_target=-1)  # the rest 0
         self.pad = np.array([pad.get(name, 0) for name in FIELDS], dtype=np.int64)[:, None]
         self.copied = torch.cuda.Event() if pinned else None  # the host buffer is free again
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # (padded tokens, context width) -> its graph
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
 
     def _views(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         most = self.buckets[-1]
@@ -153,8 +176,9 @@ class StaticSteps:
         """Whether the backends of the pass (the draft's too, fused) run one token statically."""
         return all(b.runs_static(PassShape(1, 1, 1)) for b in self.backends)
 
-    def bucket_for(self, shapes: list[PassShape]) -> int | None:
-        """The bucket every group pads the pass to, or None where a group's part does not fit."""
+    def bucket_for(self, shapes: list[PassShape]) -> tuple[int, int] | None:
+        """The (tokens, context) bucket every group pads the pass to, or None where a group's
+        part does not fit."""
         most = max(shape.tokens for shape in shapes)
         fits = all(
             shape.tokens <= self.buckets[-1]
@@ -164,10 +188,14 @@ class StaticSteps:
         )
         if not fits or most == 0:
             return None
-        return next(b for b in self.buckets if b >= most)
+        longest = max(shape.max_seq_len for shape in shapes)
+        tokens = next(b for b in self.buckets if b >= most)
+        context = next(c for c in self.contexts if c >= longest)
+        return tokens, context
 
-    def static_batch(self, n: int) -> ForwardBatch:
-        """The batch a graph of `n` tokens is captured for: its tensors are the static buffers."""
+    def static_batch(self, n: int, context: int) -> ForwardBatch:
+        """The batch a graph of `n` tokens over contexts up to `context` is captured for: its
+        tensors are the static buffers."""
         f = dict(zip(FIELDS, self.ints[:, :n]))
         fused = None
         if self.fused:
@@ -177,7 +205,7 @@ class StaticSteps:
             input_ids=f["input_ids"],
             positions=f["positions"],
             q_lens=[1] * n,
-            seq_lens=[self.max_context] * n,
+            seq_lens=[context] * n,
             page_table=self.table[:n],
             out_slots=f["out_slots"],
             logits_indices=self.rows[:n],
@@ -212,32 +240,39 @@ class StaticSteps:
         self.host_ints[:] = self.pad
         self.flat.copy_(self.host)
         pool = torch.cuda.graph_pool_handle()
-        for n in reversed(self.buckets):
-            batch = self.static_batch(n)
-            for _ in range(2):  # compile the kernels, settle the allocator
-                self._layers(batch)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._layers(batch)
-            self.graphs[n] = graph
+        for context in reversed(self.contexts):
+            for n in reversed(self.buckets):
+                self.graphs[n, context] = self._capture(n, context, pool)
         torch.cuda.synchronize(self.device)
         what = "steps"
         if self.hidden_width is not None:
             what = f"draft passes over states of width {self.hidden_width}"
         seconds = time.monotonic() - started
         log.info(
-            "captured %d CUDA graphs of %s (up to %d tokens, contexts up to %d) in %.1f s",
+            "captured %d CUDA graphs of %s (up to %d tokens, contexts up to %s) in %.1f s",
             len(self.graphs),
             what,
             self.buckets[-1],
-            self.max_context,
+            ", ".join(map(str, self.contexts)),
             seconds,
         )
 
-    def run(self, batch: ForwardBatch, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _capture(self, n: int, context: int, pool) -> torch.cuda.CUDAGraph:
+        batch = self.static_batch(n, context)
+        for _ in range(2):  # compile the kernels, settle the allocator
+            self._layers(batch)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self._layers(batch)
+        return graph
+
+    def run(
+        self, batch: ForwardBatch, bucket: tuple[int, int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits at the batch's rows, hidden states at every padded row) of one pass padded to
-        `n` tokens; a draft pass reads `states` rows named by `batch.hidden_rows`."""
+        the `bucket`'s tokens; a draft pass reads `states` rows named by `batch.hidden_rows`."""
+        n, context = bucket
         if self.copied is not None:
             self.copied.synchronize()  # the last pass's copy has left the pinned buffer
         wanted = self._pack(batch, n)
@@ -248,10 +283,10 @@ class StaticSteps:
         if self.hidden_width is not None and batch.num_tokens:  # padding only: nothing to read
             rows = self.ints[ROW["hidden_rows"], :n]
             torch.index_select(self.runner.last_hidden, 0, rows, out=self.hidden[:n])
-        if n in self.graphs:
-            self.graphs[n].replay()
+        if bucket in self.graphs:
+            self.graphs[bucket].replay()
         else:  # the CPU: the same buffers, run eagerly
-            self._layers(self.static_batch(n))
+            self._layers(self.static_batch(n, context))
         return self._heads(self.select[:wanted], n, batch)
 
     def _heads(self, select: torch.Tensor, n: int, batch: ForwardBatch):

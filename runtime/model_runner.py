@@ -177,7 +177,7 @@ class ModelRunner:
         self.aux_layers = aux_layers(config, self.model_config.num_hidden_layers)
         if self.draft is not None:
             layouts.append(kv_layout(self.draft.cfg, config.page_size, dtype, attn, 1))
-        static = uses_static_steps(config) and not indexed  # DSA: eager so far
+        static = uses_static_steps(config)
         widths = self._static_widths() if static else []
         reserved = sum(output_bytes(self, self.graph_tokens, w) for w in widths)
         sized = layouts + [lay for lay in (indexed, draft_indexed) if lay]

@@ -81,7 +81,7 @@ def test_triton_backend_with_fp8_indexer_keys_selects_as_torch(tiny_dir, make_en
     order of their float sums)."""
     path = tiny_dir("glm_moe_dsa")
     kwargs = dict(dtype="float32", page_size=4, chunked_prefill_size=16)
-    kwargs.update(indexer_cache_dtype="fp8")
+    kwargs.update(indexer_cache_dtype="fp8", max_total_tokens=4096)
     params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
     prompts = random_prompts(2, 512, [9, 30], seed=22)
     tokens = []

@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dserve.runtime.cuda_graphs import token_buckets
+from dserve.runtime import cuda_graphs
+from dserve.runtime.cuda_graphs import context_buckets, token_buckets
 from tests.conftest import count_calls, random_prompts
+from tests.reference import hf_greedy
 
 pytest.importorskip("triton")
 # the interpreter runs the kernels on a CPU host
@@ -22,6 +24,33 @@ def test_token_buckets():
     assert token_buckets(100) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 100]
     sizes = token_buckets(1000)
     assert sizes == sorted(set(sizes)) and sizes[-1] == 1000 and 256 in sizes and 320 in sizes
+
+
+def test_context_buckets():
+    assert context_buckets(163840, sparse=False) == [163840]
+    assert context_buckets(163840, sparse=True) == [4096, 16384, 65536, 163840]
+    assert context_buckets(4096, sparse=True) == [4096]
+    assert context_buckets(2048, sparse=True) == [2048]
+
+
+def test_sparse_attention_steps_run_statically_by_context_width(tiny_dir, make_engine, monkeypatch):
+    """A DSA model's decode steps run from static buffers (CUDA graphs on a GPU), each in the
+    narrowest context width that holds its longest context (the indexer's scores and top-k
+    span that width), with the reference's tokens as they grow through the widths."""
+    monkeypatch.setattr(cuda_graphs, "SPARSE_FIRST_CONTEXT", 16)
+    path = tiny_dir("glm_moe_dsa")
+    engine = make_engine(path, attention_backend="triton", chunked_prefill_size=16, **EXACT)
+    (static,) = engine.executor.runner.statics
+    assert static.contexts[:3] == [16, 64, 256]
+    used, run = [], static.run
+    static.run = lambda batch, bucket: used.append(bucket) or run(batch, bucket)
+    prompt = random_prompts(1, 512, [9], seed=5)[0]
+    params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    (result,) = engine.generate(input_ids=[prompt], sampling_params=params)
+    assert result.output_ids == hf_greedy(path, prompt, 12)
+    assert {context for _, context in used} == {16, 64}  # contexts 10 to 21
+    if DEVICE == "cuda":
+        assert {(1, 16), (1, 64)} <= set(static.graphs)
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"], ids=["mla-decode", "mha-decode"])
@@ -44,7 +73,7 @@ def test_static_steps_give_the_reference_tokens(arch, tiny_dir, make_engine):
         # at least the steps where one request is left
         assert len(calls) >= LENGTHS[-1] - LENGTHS[1] - 1
         if DEVICE == "cuda":
-            assert sorted(static.graphs) == static.buckets
+            assert sorted(static.graphs) == [(n, static.max_context) for n in static.buckets]
 
 
 def test_disabled_static_steps_run_eagerly(tiny_dir, make_engine):
