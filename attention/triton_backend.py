@@ -27,10 +27,13 @@ MAX_DECODE_LIKE = 8  # spans up to this many tokens go through the decode kernel
 # Extend launches: `rows` (token, head) rows per program, keys per block, warps, pipelining depth
 # (None: Triton's default); MLA programs take `block_h` heads of a token. MLA: 64 heads of one token,
 # 64 keys a block, 3 stages ran 1.4x faster than 16 heads of 4 tokens with 32 keys on an H100
-# (`python -m bench.extend_attention --tune ...`, bench/notes/flashinfer-2026-11-23.md).
+# (`python -m bench.extend_attention --tune ...`, bench/notes/flashinfer-2026-11-23.md). MHA/GQA
+# programs take `block_g` query heads of a KV head (None: all of them): 128 tokens of one head,
+# 64 keys a block ran 4.3x faster than 4 tokens of 16 heads (96/8 heads of 128, 4k prompt: 1.96
+# against 8.29 ms, bench/notes/session22-h100-2026-11-24.md).
 EXTEND_TUNE = {
     "mla": {"rows": 64, "block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 3},
-    "mha": {"rows": 64, "block_n": 32, "num_warps": 4, "num_stages": None},
+    "mha": {"rows": 128, "block_n": 64, "num_warps": 8, "num_stages": 3, "block_g": 1},
 }
 
 
@@ -89,7 +92,7 @@ class TritonBackend(AttentionBackend):
         from dserve.attention.triton_extend import mha_extend
 
         tune = self.extend_tune["mha"]
-        group = triton.next_power_of_2(q.shape[1] // k.shape[1])
+        group = tune["block_g"] or triton.next_power_of_2(q.shape[1] // k.shape[1])
         plan = self.extend_plan(max(1, tune["rows"] // group))
         return mha_extend(
             q.contiguous(),
@@ -101,6 +104,7 @@ class TritonBackend(AttentionBackend):
             block_n=tune["block_n"],
             num_warps=tune["num_warps"],
             num_stages=tune["num_stages"],
+            block_g=tune["block_g"],
         )
 
     def forward_indexer(self, layer, q, k, weights, scale, topk):

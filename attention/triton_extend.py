@@ -30,6 +30,7 @@ class ExtendPlan:
     tail_starts: torch.Tensor  # int32 [T]: where its tree mask starts (= ctx_lens: no tree)
     tree: torch.Tensor  # int8 [T, max(1, longest tail)]: the tree mask row over the tail
     block_m: int
+    has_tree: bool = False  # any span has a tree mask (else masks are causal only)
 
 
 def plan_extend(
@@ -53,7 +54,9 @@ def plan_extend(
             tree[row : row + q_len, : mask.shape[1]] = mask.to(device, torch.int8)
         row += q_len
     ints = lambda v: torch.tensor(v, dtype=torch.int32).to(device, non_blocking=True)  # noqa: E731
-    return ExtendPlan(ints(blocks).reshape(-1, 3), ints(ctx), ints(tails), tree, block_m)
+    has_tree = any(m is not None for m in tree_masks or [])
+    blocks_t = ints(blocks).reshape(-1, 3)
+    return ExtendPlan(blocks_t, ints(ctx), ints(tails), tree, block_m, has_tree)
 
 
 @triton.jit
@@ -74,9 +77,22 @@ def _block_rows(Blocks, CtxLens, TailStarts, BLOCK_M: tl.constexpr, BLOCK_H: tl.
 
 
 @triton.jit
-def _visible(Tree, s_tree_t, toks, tmask, ctx, tail, kv):
-    """[rows, BLOCK_N]: which of the context positions `kv` each row sees."""
+def _seen_by_all(rmask, ctx, end, BLOCK_N: tl.constexpr, TREE: tl.constexpr):
+    """Where the context blocks every row sees whole end (0 with a draft tree): those run
+    with no mask, the rest masked per row."""
+    seen = tl.min(tl.where(rmask, ctx, end), 0) // BLOCK_N * BLOCK_N
+    if TREE:
+        seen = seen * 0
+    return seen
+
+
+@triton.jit
+def _visible(Tree, s_tree_t, toks, tmask, ctx, tail, kv, TREE: tl.constexpr):
+    """[rows, BLOCK_N]: which of the context positions `kv` each row sees (TREE: the batch
+    has a draft tree, whose masks are read; else the bound is causal alone)."""
     vis = (kv[None, :] < ctx[:, None]) & tmask[:, None]
+    if not TREE:
+        return vis
     in_tail = kv[None, :] >= tail[:, None]
     bits = tl.load(
         Tree + toks[:, None].to(tl.int64) * s_tree_t + (kv[None, :] - tail[:, None]),
@@ -116,6 +132,7 @@ def _mla_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
+    TREE: tl.constexpr,
 ):
     span, toks, hrow, tmask, ctx, tail = _block_rows(Blocks, CtxLens, TailStarts, BLOCK_M, BLOCK_H)
     heads = tl.program_id(1) * BLOCK_H + hrow
@@ -137,20 +154,70 @@ def _mla_kernel(
     l = tl.zeros([BLOCK_M * BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_M * BLOCK_H, R], tl.float32)
     end = tl.max(ctx, 0)  # the furthest position any row sees
-    for n0 in range(0, end, BLOCK_N):
-        kv, kmask, page, off = _context_block(table, n0, end, page_size, BLOCK_N)
-        base = page * s_c_page + off * s_c_tok
-        ckv = tl.load(Cache + base[:, None] + r[None, :], mask=kmask[:, None], other=0.0)
-        kr = tl.load(Cache + base[:, None] + R + p[None, :], mask=kmask[:, None], other=0.0)
-        s = _dot(ql, tl.trans(ckv), IEEE) + _dot(qr, tl.trans(kr), IEEE)
-        vis = _visible(Tree, s_tree_t, toks, rmask, ctx, tail, kv)
-        m, l, acc = _online_softmax_step(s * scale, vis, ckv, m, l, acc, IEEE)
+    seen = _seen_by_all(rmask, ctx, end, BLOCK_N, TREE)
+    for phase in tl.static_range(2):  # blocks [0, seen) unmasked, then [seen, end) masked
+        lo, hi = seen * phase, seen + (end - seen) * phase
+        for n0 in range(lo, hi, BLOCK_N):
+            kv, kmask, page, off = _context_block(table, n0, end, page_size, BLOCK_N)
+            base = page * s_c_page + off * s_c_tok
+            ckv = tl.load(Cache + base[:, None] + r[None, :], mask=kmask[:, None], other=0.0)
+            kr = tl.load(Cache + base[:, None] + R + p[None, :], mask=kmask[:, None], other=0.0)
+            s = _dot(ql, tl.trans(ckv), IEEE) + _dot(qr, tl.trans(kr), IEEE)
+            if phase == 0:
+                vis = kv[None, :] >= 0
+            else:
+                vis = _visible(Tree, s_tree_t, toks, rmask, ctx, tail, kv, TREE)
+            m, l, acc = _online_softmax_step(s * scale, vis, ckv, m, l, acc, IEEE)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(
         Out + t64[:, None] * s_o_t + heads[:, None] * s_o_h + r[None, :],
         out.to(Out.dtype.element_ty),
         mask=rmask[:, None],
     )
+
+
+@triton.jit
+def _kv_block(
+    K,
+    V,
+    table,
+    n0,
+    end,
+    s_k_page,
+    s_k_tok,
+    k_head,
+    s_v_page,
+    s_v_tok,
+    v_head,
+    page_size,
+    head_dim,
+    v_head_dim,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IN_PAGE: tl.constexpr,
+):
+    """One KV head's keys and values at context positions n0 .. n0 + BLOCK_N (zeros from
+    `end` on), and the positions."""
+    if IN_PAGE:  # the block lies in one page: one page id, rows at a fixed stride
+        kv = n0 + tl.arange(0, BLOCK_N)
+        kmask = kv < end
+        page = tl.load(table + n0 // page_size).to(tl.int64) + tl.zeros_like(kv)
+        off = kv % page_size
+    else:
+        kv, kmask, page, off = _context_block(table, n0, end, page_size, BLOCK_N)
+    d, dv = tl.arange(0, D), tl.arange(0, DV)
+    k = tl.load(
+        K + page[:, None] * s_k_page + off[:, None] * s_k_tok + k_head + d[None, :],
+        mask=kmask[:, None] & (d[None, :] < head_dim),
+        other=0.0,
+    )
+    v = tl.load(
+        V + page[:, None] * s_v_page + off[:, None] * s_v_tok + v_head + dv[None, :],
+        mask=kmask[:, None] & (dv[None, :] < v_head_dim),
+        other=0.0,
+    )
+    return k, v, kv
 
 
 @triton.jit
@@ -185,11 +252,17 @@ def _mha_kernel(
     DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_G: tl.constexpr,
+    G_BLOCKS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
+    IN_PAGE: tl.constexpr,
+    TREE: tl.constexpr,
 ):
     span, toks, g, tmask, ctx, tail = _block_rows(Blocks, CtxLens, TailStarts, BLOCK_M, BLOCK_G)
-    kv_head = tl.program_id(1)
+    # BLOCK_G of the KV head's query heads: all of them (a few tokens a program), or fewer
+    # for more tokens a program, each block of K/V then serving more of them
+    kv_head = tl.program_id(1) // G_BLOCKS
+    g = (tl.program_id(1) % G_BLOCKS) * BLOCK_G + g
     heads = kv_head * group + g
     rmask = tmask & (g < group)
     d, dv = tl.arange(0, D), tl.arange(0, DV)
@@ -204,25 +277,21 @@ def _mha_kernel(
     l = tl.zeros([BLOCK_M * BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_M * BLOCK_G, DV], tl.float32)
     end = tl.max(ctx, 0)  # the furthest position any row sees
-    for n0 in range(0, end, BLOCK_N):
-        kv, kmask, page, off = _context_block(table, n0, end, page_size, BLOCK_N)
-        k = tl.load(
-            K + page[:, None] * s_k_page + off[:, None] * s_k_tok + kv_head * s_k_head + d[None, :],
-            mask=kmask[:, None] & (d[None, :] < head_dim),
-            other=0.0,
-        )
-        v = tl.load(
-            V
-            + page[:, None] * s_v_page
-            + off[:, None] * s_v_tok
-            + kv_head * s_v_head
-            + dv[None, :],
-            mask=kmask[:, None] & (dv[None, :] < v_head_dim),
-            other=0.0,
-        )
-        s = _dot(q, tl.trans(k), IEEE)
-        vis = _visible(Tree, s_tree_t, toks, rmask, ctx, tail, kv)
-        m, l, acc = _online_softmax_step(s * scale, vis, v, m, l, acc, IEEE)
+    seen = _seen_by_all(rmask, ctx, end, BLOCK_N, TREE)
+    k_head, v_head = kv_head * s_k_head, kv_head * s_v_head
+    for phase in tl.static_range(2):  # blocks [0, seen) unmasked, then [seen, end) masked
+        lo, hi = seen * phase, seen + (end - seen) * phase
+        for n0 in range(lo, hi, BLOCK_N):
+            k, v, kv = _kv_block(
+                K, V, table, n0, end, s_k_page, s_k_tok, k_head, s_v_page, s_v_tok, v_head,
+                page_size, head_dim, v_head_dim, D, DV, BLOCK_N, IN_PAGE,
+            )  # fmt: skip
+            s = _dot(q, tl.trans(k), IEEE)
+            if phase == 0:
+                vis = kv[None, :] >= 0
+            else:
+                vis = _visible(Tree, s_tree_t, toks, rmask, ctx, tail, kv, TREE)
+            m, l, acc = _online_softmax_step(s * scale, vis, v, m, l, acc, IEEE)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(
         Out + t64[:, None] * s_o_t + heads[:, None] * s_o_h + dv[None, :],
@@ -281,6 +350,7 @@ def mla_extend(
         BLOCK_H=block_h,
         BLOCK_N=block_n,
         IEEE=q_latent.dtype == torch.float32,
+        TREE=plan.has_tree,
         num_warps=num_warps,
         **stages(num_stages),
     )
@@ -302,18 +372,22 @@ def mha_extend(
     block_n: int = 32,
     num_warps: int = 4,
     num_stages: int | None = None,
+    block_g: int | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D]; `k_cache` [num_pages, page_size, Hkv, D] and `v_cache` [.., Hkv, Dv] one layer's
     pages, the new tokens' K/V already stored. Returns [T, Hq, Dv]. The plan's `block_m` tokens times
-    the query heads of one KV head (padded to a power of two) are a program's rows."""
+    `block_g` query heads of one KV head (by default all of them, padded to a power of two) are a
+    program's rows."""
     tokens, heads, head_dim = q.shape
     kv_heads, v_head_dim = k_cache.shape[2], v_cache.shape[-1]
     group = heads // kv_heads
+    block_g = block_g or triton.next_power_of_2(group)
+    g_blocks = triton.cdiv(group, block_g)
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     out = q.new_empty(tokens, heads, v_head_dim)
     if not tokens:
         return out
-    _mha_kernel[(plan.blocks.shape[0], kv_heads)](
+    _mha_kernel[(plan.blocks.shape[0], kv_heads * g_blocks)](
         q,
         k_cache,
         v_cache,
@@ -343,9 +417,12 @@ def mha_extend(
         D=triton.next_power_of_2(head_dim),
         DV=triton.next_power_of_2(v_head_dim),
         BLOCK_M=plan.block_m,
-        BLOCK_G=triton.next_power_of_2(group),
+        BLOCK_G=block_g,
+        G_BLOCKS=g_blocks,
         BLOCK_N=block_n,
         IEEE=q.dtype == torch.float32,
+        IN_PAGE=k_cache.shape[1] % block_n == 0,
+        TREE=plan.has_tree,
         num_warps=num_warps,
         **stages(num_stages),
     )

@@ -3,6 +3,7 @@ triton backend) against the torch reference backend, at DeepSeek-V3's MLA shapes
 heads, 512 + 64, page 64) and GLM-4.5's GQA shapes (96 heads over 8 KV heads of 128), bf16:
 
     python -m bench.extend_attention [--cases 2048:0,1024:8192] [--mla-heads 128] [--tune JSON] [--flashinfer]
+                                     [--kinds mla,mha]
 
 A case NEW:PREFIX is one span of NEW tokens over PREFIX tokens already in pages. FLOPs count the
 causally visible (query, key) pairs; the limit is a large bf16 matmul measured in the same run. Prints
@@ -117,6 +118,9 @@ def main() -> None:
         default=[(1024, 0), (4096, 0), (1024, 8192), (256, 32768)],
     )
     parser.add_argument("--mla-heads", type=int, default=128)
+    parser.add_argument(
+        "--kinds", type=lambda s: s.split(","), default=["mla", "mha"], help="mla, mha or both"
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
         "--no-torch", action="store_true", help="skip the (slow) torch reference backend"
@@ -148,7 +152,8 @@ def main() -> None:
     )
     rows = []
     for tune in tunes:
-        for kind, heads in (("mla", args.mla_heads), ("mha", 96)):
+        kinds = [k for k in (("mla", args.mla_heads), ("mha", 96)) if k[0] in args.kinds]
+        for kind, heads in kinds:
             for new, prefix in args.cases:
                 try:
                     row = run_case(kind, new, prefix, heads, backends, args.repeats, tune)

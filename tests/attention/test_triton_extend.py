@@ -25,7 +25,12 @@ def mla_case(heads, rank, rope, page_size, dtype, spans=SPANS):
     )
 
 
-def mha_case(heads, kv_heads, head_dim, page_size, dtype, spans=SPANS):
+def mha_case(heads, kv_heads, head_dim, page_size, dtype, spans=SPANS, block_g=None):
+    def backend(pool, index_pool=None):
+        made = TritonBackend(pool, index_pool)
+        made.extend_tune["mha"]["block_g"] = block_g
+        return made
+
     return kernel_check.mha_case(
         heads,
         kv_heads,
@@ -33,7 +38,7 @@ def mha_case(heads, kv_heads, head_dim, page_size, dtype, spans=SPANS):
         page_size,
         dtype,
         spans,
-        TritonBackend,
+        backend,
         DEVICE,
         expect_extend=True,
     )
@@ -45,8 +50,20 @@ def test_mla_spans_and_tree_match_the_reference():
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 24), (4, 4, 16), (8, 1, 16)])
-def test_mha_gqa_spans_and_tree_match_the_reference(heads, kv_heads, head_dim):
-    ref, ours = mha_case(heads, kv_heads, head_dim, page_size=4, dtype=torch.float32)
+@pytest.mark.parametrize("block_g", [None, 1, 2], ids=["group", "head", "two-heads"])
+def test_mha_gqa_spans_and_tree_match_the_reference(heads, kv_heads, head_dim, block_g):
+    """A program takes every query head of its KV head, one, or two (a group of 3 then splits
+    into a block of two and one of one)."""
+    ref, ours = mha_case(
+        heads, kv_heads, head_dim, page_size=4, dtype=torch.float32, block_g=block_g
+    )
+    assert torch.allclose(ours, ref, atol=1e-4, rtol=1e-4), (ours - ref).abs().max()
+
+
+def test_mha_blocks_within_pages_match_the_reference():
+    """Pages of 32 tokens, blocks of 32 keys: each block reads one page id."""
+    spans = [(37, 37, None), (20, 90, None), (4, 40, 5)]
+    ref, ours = mha_case(6, 2, 16, page_size=32, dtype=torch.float32, spans=spans)
     assert torch.allclose(ours, ref, atol=1e-4, rtol=1e-4), (ours - ref).abs().max()
 
 
@@ -74,7 +91,8 @@ def test_deepseek_v3_shapes_match_the_reference():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real shapes run on a GPU")
 def test_glm45_shapes_match_the_reference():
     """GLM-4.5: 96 query heads over 8 KV heads of 128, page size 64, bf16."""
-    ref, ours = mha_case(
-        heads=96, kv_heads=8, head_dim=128, page_size=64, dtype=torch.bfloat16, spans=GPU_SPANS
-    )
-    assert (ours - ref).abs().max() / ref.abs().max() < 2e-2
+    for block_g in (None, 1):
+        ref, ours = mha_case(
+            96, 8, 128, page_size=64, dtype=torch.bfloat16, spans=GPU_SPANS, block_g=block_g
+        )
+        assert (ours - ref).abs().max() / ref.abs().max() < 2e-2
