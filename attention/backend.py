@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from dserve.scheduler.kv_pool import KVPool
+from dserve.memory.kv_pool import KVPool
 
 
 @dataclass

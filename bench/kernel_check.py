@@ -25,8 +25,8 @@ import torch
 
 from dserve.attention.backend import ForwardBatch, create_backend
 from dserve.attention.torch_backend import TorchBackend
+from dserve.memory.kv_pool import KVLayout, KVPool
 from dserve.models.quant import dequantize
-from dserve.scheduler.kv_pool import KVLayout, KVPool
 
 BF16 = torch.bfloat16
 ATTENTION_TOL = 2e-2

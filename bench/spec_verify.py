@@ -109,7 +109,7 @@ def dummy_runner(
 
 def step_batch(kv, batch_size: int, context: int, q_len: int):
     """`batch_size` requests with `context` tokens in KV, each adding `q_len` tokens with logits at all."""
-    from dserve.runtime.batch import Seq, assemble, table_rows
+    from dserve.step.batch import Seq, assemble, table_rows
 
     entries = []
     for i in range(batch_size):

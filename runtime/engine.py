@@ -22,16 +22,16 @@ import torch
 
 from dserve.runtime.config import EngineConfig
 from dserve.runtime.executor import RankFailure, make_executor
-from dserve.runtime.grammar import Grammars
 from dserve.runtime.intake import NoTokenizer, as_params, batch_inputs, load_tokenizer, prompt_ids
 from dserve.runtime.output import GenerateResult, StreamChunk, TextTracker, make_result
-from dserve.runtime.plan import InputLogprobs, SpanOutcome, StepResult
 from dserve.runtime.planner import LaunchedStep, Planner
 from dserve.scheduler.kv_manager import KVCacheManager
 from dserve.scheduler.request import Request
-from dserve.scheduler.scheduler import Scheduler, SchedulerConfig, Span
+from dserve.scheduler.scheduler import Scheduler, Span
 from dserve.spec.strategy import make_speculation
 from dserve.spec.tree import well_formed
+from dserve.step.grammar import Grammars
+from dserve.step.plan import InputLogprobs, SpanOutcome, StepResult
 from dserve.transfer.agent import AgentConfig
 
 log = logging.getLogger("dserve.runtime")
@@ -66,10 +66,7 @@ class Engine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.max_context = self.model_config.max_position_embeddings
         pipelined = c.pp_size > 1
-        micro_batches = c.pp_micro_batches if pipelined else 1
-        limits = SchedulerConfig(
-            c.max_num_batched_tokens, c.chunked_prefill_size, c.max_running_requests, micro_batches
-        )
+        limits = c.scheduler()
         self.groups = [
             DPGroup(Scheduler(limits, KVCacheManager(pages, c.page_size, c.enable_prefix_caching)))
             for pages in self.executor.num_pages
@@ -82,7 +79,7 @@ class Engine:
         """Prefill: requests whose pages outlive them, to be sent."""
         self.held: dict[str, tuple[int, str]] = {}
         """Holder key -> (DP group, rid) of pages in flight."""
-        self.speculation = make_speculation(c)
+        self.speculation = make_speculation(c.speculative())
         self.planner = Planner(
             [g.scheduler for g in self.groups],
             self.speculation,
@@ -95,7 +92,7 @@ class Engine:
         """Tokens this engine's steps sampled so far (not a decode's first token: its prefill
         sampled it)."""
         self._grammars: Grammars | None = None
-        self.depth = micro_batches if pipelined else 1 + (not c.disable_overlap_schedule)
+        self.depth = limits.micro_batches if pipelined else 1 + (not c.disable_overlap_schedule)
         """Steps in flight at most: one, two with overlapped scheduling, a pipeline's micro-batches."""
 
     # ---- request lifecycle ----------------------------------------------------------------

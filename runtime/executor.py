@@ -25,7 +25,7 @@ from dserve.models.parallel import split_layers
 from dserve.models.registry import resolve
 from dserve.runtime.config import EngineConfig
 from dserve.runtime.nodes import ControlListener, local_ranks, node_of, open_store
-from dserve.runtime.plan import Settle, StepPlan, StepResult
+from dserve.step.plan import Settle, StepPlan, StepResult
 
 log = logging.getLogger("dserve.runtime")
 

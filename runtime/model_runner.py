@@ -16,6 +16,7 @@ import torch
 
 from dserve.attention.backend import ForwardBatch, PassShape, create_backend
 from dserve.attention.index_cache import stored_width
+from dserve.memory.kv_pool import KVLayout, KVPool
 from dserve.models.config import ModelConfig
 from dserve.models.layers.moe import Experts
 from dserve.models.layers.norm import RMSNorm
@@ -24,7 +25,6 @@ from dserve.models.loader import load_embedding, load_model, parameter_bytes
 from dserve.models.parallel import SINGLE, ParallelContext
 from dserve.runtime.config import EngineConfig
 from dserve.runtime.cuda_graphs import StaticSteps, output_bytes
-from dserve.scheduler.kv_pool import KVLayout, KVPool
 
 log = logging.getLogger("dserve.runtime")
 CPU_DEFAULT_TOKENS = 16384

@@ -20,9 +20,12 @@ from dataclasses import dataclass, field
 import torch
 
 from dserve.attention.backend import PassShape
-from dserve.runtime.batch import Seq, assemble
-from dserve.runtime.grammar import Grammars
-from dserve.runtime.plan import (
+from dserve.spec.strategy import make_drafter
+from dserve.spec.tree import ancestor_mask, depths, is_chain
+from dserve.spec.verify import accepted_path, move_accepted, move_paths, verify_spans
+from dserve.step.batch import Seq, assemble
+from dserve.step.grammar import Grammars
+from dserve.step.plan import (
     GroupPlan,
     InputLogprobs,
     PlannedSpan,
@@ -30,11 +33,8 @@ from dserve.runtime.plan import (
     StepPlan,
     StepResult,
 )
-from dserve.runtime.rank_state import RankRequests, RankSpan
-from dserve.runtime.sampler import Sampled, Sampler, device_ints, has_penalties
-from dserve.spec.strategy import make_drafter
-from dserve.spec.tree import ancestor_mask, depths, is_chain
-from dserve.spec.verify import accepted_path, move_accepted, move_paths, verify_spans
+from dserve.step.rank_state import RankRequests, RankSpan
+from dserve.step.sampler import Sampled, Sampler, device_ints, has_penalties
 
 
 def target_shape(group: GroupPlan) -> PassShape:
@@ -147,7 +147,7 @@ class StepRunner:
         self.requests = RankRequests(config.max_running_requests, runner.max_pages)
         self.sampler = Sampler(runner.device, config.random_seed)
         self.last_stage = runner.ctx.stage.last
-        self.drafter = make_drafter(config, self) if self.last_stage else None
+        self.drafter = make_drafter(config.speculative(), self) if self.last_stage else None
         self.trees: dict[int, PlannedSpan] = {}
         """A stage before the last: by slot, the verify span whose accepted path it has yet to
         learn (the last stage verifies and drafts; the others follow its verdicts)."""

@@ -148,7 +148,7 @@ def run_steps(steps, conn, leader: bool) -> None:
     overlaps, its own result waits until the next plan is launched (or a `Settle` asks for it),
     so the device runs that plan while the front reads this one's tokens."""
     from dserve.runtime.executor import result_digest
-    from dserve.runtime.plan import StepPlan
+    from dserve.step.plan import StepPlan
 
     launched = deque()
     while True:

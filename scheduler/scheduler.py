@@ -26,10 +26,16 @@ from dserve.scheduler.request import Request, Status
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int = 4096
-    chunked_prefill_size: int = 2048
-    max_running_requests: int = 256
-    micro_batches: int = 1
+    """A DP group's scheduling limits, built from `EngineConfig`'s fields
+    (`EngineConfig.scheduler`): no defaults here, so the two cannot drift."""
+
+    max_num_batched_tokens: int
+    """Token budget of one step."""
+    chunked_prefill_size: int
+    """Most prompt tokens one request computes in one step."""
+    max_running_requests: int
+    """Requests running at once (slots)."""
+    micro_batches: int
     """Steps in flight at once over disjoint requests (pipeline stages): a step takes its share
     of the requests on hand, and no request whose token a step in flight still owes."""
 

@@ -21,17 +21,16 @@ from __future__ import annotations
 import torch
 
 from dserve.attention.backend import FusedDraft
-from dserve.runtime.config import EngineConfig
-from dserve.runtime.rank_state import RankSpan
 from dserve.scheduler.kv_manager import KVCacheManager
 from dserve.scheduler.scheduler import Span
-from dserve.spec.strategy import Speculation
+from dserve.spec.strategy import Speculation, SpeculativeConfig
+from dserve.step.rank_state import RankSpan
 
 
 class Naive(Speculation):
     """The front's half: every span's tokens feed the fused draft; drafting requests propose."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: SpeculativeConfig):
         super().__init__(1, 1)
 
     def flags(self, span: Span, kv: KVCacheManager) -> tuple[bool, bool]:

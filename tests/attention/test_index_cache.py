@@ -10,7 +10,7 @@ import torch
 from dserve.attention.backend import ForwardBatch
 from dserve.attention.index_cache import read_keys, write_keys
 from dserve.attention.torch_backend import TorchBackend
-from dserve.scheduler.kv_pool import KVLayout, KVPool
+from dserve.memory.kv_pool import KVLayout, KVPool
 from tests.conftest import random_prompts
 
 E4M3_STEP = 2**-4  # half an ulp of a 3-bit mantissa, relative

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dserve.runtime.batch import Seq, assemble, assemble_draft, table_rows
 from dserve.scheduler.kv_manager import KVCacheManager
+from dserve.step.batch import Seq, assemble, assemble_draft, table_rows
 from tests.reference import relative_error
 from tests.spec.test_mtp import GREEDY, checkpoint_tensors, prompts
 
