@@ -119,7 +119,7 @@ def step_batch(kv, batch_size: int, context: int, q_len: int):
         entries.append(
             Seq(rid, context, [100 + 7 * i + j for j in range(q_len)], list(range(q_len)))
         )
-    rows = table_rows(kv.tables, [seq.key for seq in entries])
+    rows = table_rows(kv.tables, [seq.holder for seq in entries])
     return assemble(entries, rows, kv.page_size)
 
 

@@ -180,7 +180,7 @@ class StaticSteps:
             seq_lens=[self.max_context] * n,
             page_table=self.table[:n],
             out_slots=f["out_slots"],
-            logits_indices=self.rows[:n],
+            logits_rows=self.rows[:n],
             fused_draft=fused,
             token_seqs=f["token_seqs"],
             token_ctx_lens=f["token_ctx_lens"],
@@ -263,7 +263,7 @@ class StaticSteps:
         if not self.fused:
             logits = runner.model.compute_logits(out["hidden"][select])
             return logits, out.get("feed", out["hidden"])[:n]
-        k = len(batch.logits_indices)  # the target's rows, then the draft's
+        k = len(batch.logits_rows)  # the target's rows, then the draft's
         target = out["logits"][select[:k]]
         draft = runner.draft.compute_logits(out["hidden"][select[k:]])
         return torch.cat([target, draft]), None
@@ -278,14 +278,14 @@ class StaticSteps:
         if batch.hidden_rows is not None:
             h[ROW["hidden_rows"], :t] = batch.hidden_rows.numpy()
         h[ROW["real_tokens"], :t] = 1
-        select = batch.logits_indices.numpy()
+        select = batch.logits_rows.numpy()
         if batch.fused_draft is not None:  # the graph's draft reads the target's argmax at rows
             fused = batch.fused_draft
             h[ROW["next_ids"], :t] = fused.next_ids.numpy()
             from_target = fused.from_target.numpy()
             rows = select[np.maximum(from_target, 0)] if len(select) else 0
             h[ROW["from_target"], :t] = np.where(from_target >= 0, rows, -1)
-            select = np.concatenate([select, fused.logits_indices.numpy()])
+            select = np.concatenate([select, fused.logits_rows.numpy()])
         self.host_select[: len(select)] = select
         seqs, width = batch.page_table.shape
         self.host_table[:seqs, :width] = batch.page_table.numpy()

@@ -78,7 +78,7 @@ class Engine:
         self.keep_pages: set[str] = set()
         """Prefill: requests whose pages outlive them, to be sent."""
         self.held: dict[str, tuple[int, str]] = {}
-        """Holder key -> (DP group, rid) of pages in flight."""
+        """Holder -> (DP group, rid) of pages in flight (`hold`)."""
         self.speculation = make_speculation(c.speculative())
         self.planner = Planner(
             [g.scheduler for g in self.groups],
@@ -155,7 +155,7 @@ class Engine:
         that computes it has its result for it dropped)."""
         req = self.requests.get(rid)
         if req is not None and not req.finished:
-            self._scheduler(req).finish(req, "abort", error="aborted")
+            self._scheduler(req).finish_and_free(req, "abort", error="aborted")
 
     def pop_result(self, rid: str) -> GenerateResult:
         result = make_result(self.requests[rid], self.trackers[rid].text)
@@ -247,7 +247,7 @@ class Engine:
     def _fail_all(self, message: str) -> None:
         for req in self.requests.values():
             if not req.finished:
-                self._scheduler(req).finish(req, "abort", error=message)
+                self._scheduler(req).finish_and_free(req, "abort", error=message)
 
     def _scheduler(self, req: Request) -> Scheduler:
         return self.groups[self.group_of[req.rid]].scheduler
@@ -261,28 +261,28 @@ class Engine:
         if req.rid in self.keep_pages:  # prefill: the first token ends it; its pages wait
             self.keep_pages.discard(req.rid)
             self.hold(req.rid, "send")
-            scheduler.finish(req, "length")
+            scheduler.finish_and_free(req, "length")
         elif (
             p.stop_token_ids
             and token in p.stop_token_ids
             or not p.ignore_eos
             and token in self.eos_token_ids
         ):
-            scheduler.finish(req, "stop", token)
+            scheduler.finish_and_free(req, "stop", token)
         elif matched is not None:
-            scheduler.finish(req, "stop", matched)
+            scheduler.finish_and_free(req, "stop", matched)
         elif req.num_tokens >= req.stop_length:
-            scheduler.finish(req, "length")
+            scheduler.finish_and_free(req, "length")
 
     # ---- pages that outlive their request (disaggregation) -------------------------------------
     def hold(self, rid: str, why: str) -> str:
         """Keep `rid`'s pages after it ends (KV being sent, or receives not yet settled);
-        returns the key to `release` them with."""
+        returns their holder, to `release` them with."""
         group = self.group_of[rid]
-        key = hold_key(rid, why)
-        self.groups[group].kv.hold(rid, key)
-        self.held[key] = (group, rid)
-        return key
+        holder = hold_key(rid, why)
+        self.groups[group].kv.hold(rid, holder)
+        self.held[holder] = (group, rid)
+        return holder
 
     def written_tokens(self, req: Request) -> int:
         """Tokens of `req` whose KV the steps read back so far have written (a step still in
@@ -300,13 +300,13 @@ class Engine:
         """The pages of a running request, in order."""
         return list(self.groups[self.group_of[rid]].kv.tables[rid])
 
-    def held_pages(self, key: str) -> list[int]:
-        group, _ = self.held[key]
-        return list(self.groups[group].kv.tables[key])
+    def held_pages(self, holder: str) -> list[int]:
+        group, _ = self.held[holder]
+        return list(self.groups[group].kv.tables[holder])
 
-    def release(self, key: str) -> None:
-        group, _ = self.held.pop(key)
-        self.groups[group].kv.free(key)
+    def release(self, holder: str) -> None:
+        group, _ = self.held.pop(holder)
+        self.groups[group].kv.free(holder)
 
     def prealloc(self, req: Request) -> list[int] | None:
         """Decode: pages for the whole prompt before its KV arrives; None while the pool is
@@ -420,5 +420,5 @@ class Engine:
 
 
 def hold_key(rid: str, why: str) -> str:
-    """The key under which `Engine.hold(rid, why)` keeps a request's pages."""
+    """The holder under which `Engine.hold(rid, why)` keeps a request's pages."""
     return f"{rid}#{why}"

@@ -167,7 +167,9 @@ class Scheduler:
                 if pages <= self.kv.num_pages and not self._queue_holds_pages():
                     self._preempt(req)  # it fits once the held pages come back
                     return False
-                self.finish(req, "abort", error="the KV cache is too small for this request")
+                self.finish_and_free(
+                    req, "abort", error="the KV cache is too small for this request"
+                )
                 return False
             self._preempt(victim)
             if victim is req:
@@ -221,8 +223,11 @@ class Scheduler:
         if req.status is Status.RUNNING:
             self.kv.commit(req.rid, req.all_ids, req.num_computed_tokens)
 
-    def finish(self, req: Request, reason: str, matched=None, error: str | None = None) -> None:
-        """End a request wherever it is (running, waiting or not yet added) and free its pages."""
+    def finish_and_free(
+        self, req: Request, reason: str, matched=None, error: str | None = None
+    ) -> None:
+        """End a request wherever it is (running, waiting or not yet added), give its slot and pages
+        back, and record the end on it (`Request.finish`)."""
         if req in self.running:
             self._leave(req)
         elif req in self.waiting:

@@ -113,7 +113,7 @@ class TwoPassDrafter:
 
     def _run(self, seqs: list[Seq], shapes: list[PassShape]) -> torch.Tensor:
         steps = self.steps
-        rows = steps.requests.tables.rows([s.key for s in seqs])
+        rows = steps.requests.tables.rows([s.holder for s in seqs])
         batch = assemble_draft(seqs, rows, steps.page_size)
         return steps.runner.forward(batch, shapes)
 

@@ -49,7 +49,7 @@ def test_fp8_selection_differs_only_between_near_ties():
         seq_lens=[n],
         page_table=torch.arange(3)[None],
         out_slots=torch.arange(n),
-        logits_indices=torch.tensor([n - 1]),
+        logits_rows=torch.tensor([n - 1]),
     )
     chosen = {}
     for fp8 in (False, True):

@@ -47,7 +47,7 @@ def answer(sched: Scheduler, sampling: list[Span], token: int = 7) -> None:
         req.output_ids.append(token)
         sched.received(req)
         if req.num_tokens >= req.stop_length:
-            sched.finish(req, "length")
+            sched.finish_and_free(req, "length")
 
 
 def step(sched: Scheduler) -> list[Span]:
@@ -241,8 +241,8 @@ def test_finish_frees_running_and_waiting_requests_alike():
     sched.add(b)
     step(sched)
     assert a.status is Status.RUNNING and b.status is Status.WAITING
-    sched.finish(a, "abort", error="aborted")
-    sched.finish(b, "abort", error="aborted")
+    sched.finish_and_free(a, "abort", error="aborted")
+    sched.finish_and_free(b, "abort", error="aborted")
     assert a.finished and b.finished and not sched.has_work
     assert sched.kv.num_used_pages == 0
     check(sched)
