@@ -29,7 +29,7 @@ def reference_draft_logits(
     """The EAGLE-3 layer written with transformers' LlamaAttention (its q/k/v read 2 * hidden, its
     o_proj writes hidden), LlamaMLP and rotary embedding (the module bench/train_eagle3.py trains);
     logits over the draft vocabulary."""
-    from bench.train_eagle3 import Eagle3Head
+    from tests.drafts import Eagle3Head
 
     return Eagle3Head.from_checkpoint(draft)(embed[tokens][None], aux[None])[0]
 
