@@ -69,11 +69,18 @@ def token_buckets(max_tokens: int) -> list[int]:
     sizes, n = [], 1
     while n < max_tokens:
         sizes.append(n)
-        if n < 8:
-            n *= 2
-        else:
-            n += 8 if n < 64 else 16 if n < 128 else 32 if n < 256 else 64
+        n += _bucket_step(n)
     return sizes + [max_tokens]
+
+
+def _bucket_step(n: int) -> int:
+    """How far the bucket after `n` tokens is (`token_buckets`)."""
+    if n < 8:
+        return n  # doubling
+    for below, step in ((64, 8), (128, 16), (256, 32)):
+        if n < below:
+            return step
+    return 64
 
 
 def output_widths(runner, hidden_width: int | None) -> dict[str, tuple[int, torch.dtype]]:
