@@ -17,24 +17,24 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from dserve.scheduler.kv_pool import KVPool
+from dserve.memory.kv_pool import KVPool
 
 
 @dataclass
 class FusedDraft:
     """Naive speculation (`spec/naive.py`): the draft runs over the batch's own tokens in the same
     call. Its input at row r is `next_ids[r]`, or where `from_target[r]` >= 0 the target's argmax in
-    that row of the target's logits; the draft's logits are wanted at rows `logits_indices`."""
+    that row of the target's logits; the draft's logits are wanted at rows `logits_rows`."""
 
     next_ids: torch.Tensor  # [T]
     from_target: torch.Tensor  # [T]
-    logits_indices: torch.Tensor  # [M]
+    logits_rows: torch.Tensor  # [M]
 
     def to(self, device: torch.device) -> "FusedDraft":
         return FusedDraft(
             *(
                 t.to(device, non_blocking=True)
-                for t in (self.next_ids, self.from_target, self.logits_indices)
+                for t in (self.next_ids, self.from_target, self.logits_rows)
             )
         )
 
@@ -53,7 +53,7 @@ class ForwardBatch:
     """[B, max_pages] page ids of each sequence (padding beyond its pages)."""
     out_slots: torch.Tensor
     """[T] slot (page * page_size + offset) each new token's KV is written to."""
-    logits_indices: torch.Tensor
+    logits_rows: torch.Tensor
     """[N] rows of the flattened tokens whose logits are wanted."""
     dp_num_tokens: list[int] | None = None
     """With DP attention: every DP group's token count this pass."""
@@ -100,7 +100,7 @@ class ForwardBatch:
             positions=move(self.positions),
             page_table=move(self.page_table),
             out_slots=move(self.out_slots),
-            logits_indices=move(self.logits_indices),
+            logits_rows=move(self.logits_rows),
             hidden_rows=move(self.hidden_rows),
             tree_masks=None if self.tree_masks is None else [move(m) for m in self.tree_masks],
             fused_draft=None if self.fused_draft is None else self.fused_draft.to(device),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from dserve.scheduler.kv_pool import KVPool
+from dserve.memory.kv_pool import KVPool
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from dserve.scheduler.kv_pool import KVPool
+from dserve.memory.kv_pool import KVPool
 
 MAX_CONTEXT = 32768
 """Longest context expanded: its per-head keys and values are materialised for the span (at

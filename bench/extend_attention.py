@@ -49,7 +49,7 @@ def span_batch(pool, new: int, prefix: int):
 def run_case(
     kind: str, new: int, prefix: int, heads: int, backends, repeats: int, tune: dict
 ) -> dict:
-    from dserve.scheduler.kv_pool import KVLayout, KVPool
+    from dserve.memory.kv_pool import KVLayout, KVPool
 
     ps, dtype, total = 64, torch.bfloat16, new + prefix
     if kind == "mla":

@@ -23,10 +23,11 @@ import os
 
 import torch
 
-from dserve.attention.backend import ForwardBatch, create_backend
+from dserve.attention.backend import create_backend
 from dserve.attention.torch_backend import TorchBackend
+from dserve.memory.kv_pool import KVLayout, KVPool
 from dserve.models.quant import dequantize
-from dserve.scheduler.kv_pool import KVLayout, KVPool
+from tests.kernel_cases import mha_case, mla_case, pages_for, random_batch
 
 BF16 = torch.bfloat16
 ATTENTION_TOL = 2e-2
@@ -36,118 +37,6 @@ SPANS = {
     "extend": [(700, 700, None), (300, 1500, None), (1, 90, None), (8, 200, None)],
     "tree": [(8, 200, 9), (4, 4000, 5)],
 }
-
-
-def tree_mask(q_len: int, tail: int, gen) -> torch.Tensor:
-    """Every token sees the tail's first position (the last accepted token) and itself; others at random."""
-    mask = torch.rand(q_len, tail, generator=gen) < 0.5
-    mask[:, 0] = True
-    mask[torch.arange(q_len), tail - q_len + torch.arange(q_len)] = True
-    return mask
-
-
-def random_batch(pool: KVPool, spans, gen, device: str) -> ForwardBatch:
-    """One batch of `spans` over pages scattered through `pool`, each span's new tokens in its last slots."""
-    ps = pool.layout.page_size
-    pages = [(seq_len + ps - 1) // ps for _, seq_len, _ in spans]
-    order = torch.randperm(pool.num_pages, generator=gen)[: sum(pages)]
-    table = torch.zeros(len(spans), max(pages), dtype=torch.int64)
-    used = 0
-    for i, n in enumerate(pages):
-        table[i, :n] = order[used : used + n]
-        used += n
-    slots, positions = [], []
-    for i, (q_len, seq_len, _) in enumerate(spans):
-        pos = torch.arange(seq_len - q_len, seq_len)
-        slots.append(table[i, pos // ps] * ps + pos % ps)
-        positions.append(pos)
-    tokens = sum(q for q, _, _ in spans)
-    masks = [None if tail is None else tree_mask(q_len, tail, gen) for q_len, _, tail in spans]
-    batch = ForwardBatch(
-        torch.zeros(tokens, dtype=torch.int64),
-        torch.cat(positions),
-        [q for q, _, _ in spans],
-        [s for _, s, _ in spans],
-        table,
-        torch.cat(slots),
-        torch.arange(tokens),
-        tree_masks=masks,
-    )
-    return batch.to(torch.device(device))
-
-
-def pages_for(spans, page_size: int) -> int:
-    """A pool with room for the spans' pages to be scattered over (at least 64 pages)."""
-    return max(64, 2 * sum(-(-seq_len // page_size) for _, seq_len, _ in spans))
-
-
-def run_both(
-    pool, batch, forward, backend_class, expect_extend: bool = False
-) -> list[torch.Tensor]:
-    """The torch reference's output and `backend_class(pool)`'s (float32), on the same pool and batch."""
-    outs = []
-    for backend in (TorchBackend(pool), backend_class(pool)):
-        backend.plan(batch)
-        if expect_extend:
-            assert not getattr(backend, "decode", False), "the batch must take the extend path"
-        outs.append(forward(backend).float())
-    return outs
-
-
-def mla_case(
-    heads, rank, rope, page_size, dtype, spans, backend_class, device="cuda", expect_extend=False
-):
-    """(reference, backend) outputs of one absorbed-MLA layer over a random pool and batch of `spans`."""
-    gen = torch.Generator().manual_seed(0)
-    layout = KVLayout("mla", 1, page_size, dtype, latent_dim=rank + rope, kv_lora_rank=rank)
-    pool = KVPool(layout, pages_for(spans, page_size), device)
-    pool.pages.copy_(torch.randn(pool.pages.shape, generator=gen).to(dtype))
-    batch = random_batch(pool, spans, gen, device)
-    tokens = batch.num_tokens
-    q_latent, q_rope, latent = (
-        torch.randn(*shape, generator=gen).to(device, dtype)
-        for shape in ((tokens, heads, rank), (tokens, heads, rope), (tokens, rank + rope))
-    )
-    return run_both(
-        pool,
-        batch,
-        lambda b: b.forward_mla(0, q_latent, q_rope, latent, (rank + rope) ** -0.5),
-        backend_class,
-        expect_extend,
-    )
-
-
-def mha_case(
-    heads,
-    kv_heads,
-    head_dim,
-    page_size,
-    dtype,
-    spans,
-    backend_class,
-    device="cuda",
-    expect_extend=False,
-):
-    """(reference, backend) outputs of one MHA/GQA layer over a random pool and batch of `spans`."""
-    gen = torch.Generator().manual_seed(1)
-    layout = KVLayout(
-        "mha", 1, page_size, dtype, num_kv_heads=kv_heads, head_dim=head_dim, v_head_dim=head_dim
-    )
-    pool = KVPool(layout, pages_for(spans, page_size), device)
-    pool.pages.copy_(torch.randn(pool.pages.shape, generator=gen).to(dtype))
-    batch = random_batch(pool, spans, gen, device)
-    tokens = batch.num_tokens
-    q, k, v = (
-        torch.randn(tokens, h, head_dim, generator=gen).to(device, dtype)
-        for h in (heads, kv_heads, kv_heads)
-    )
-    return run_both(
-        pool,
-        batch,
-        lambda b: b.forward_mha(0, q, k, v, head_dim**-0.5),
-        backend_class,
-        expect_extend,
-    )
 
 
 def relative_error(ref: torch.Tensor, got: torch.Tensor) -> float:

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from bench.kernel_check import ATTENTION_TOL, BF16, pages_for, random_batch, relative_error
+from bench.kernel_check import ATTENTION_TOL, BF16, relative_error
 from dserve.attention.torch_backend import TorchBackend
-from dserve.scheduler.kv_pool import KVLayout, KVPool
+from dserve.memory.kv_pool import KVLayout, KVPool
+from tests.kernel_cases import pages_for, random_batch
 
 # GLM-5's sparse attention: 64 heads of latent 512 + rope 64, indexer 32 heads x 128, top-k 2048
 GLM5 = (64, 512, 64, 64, 32, 128, 2048)  # heads, rank, rope, page, indexer heads and dim, top-k

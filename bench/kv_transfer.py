@@ -28,8 +28,8 @@ import torch
 import zmq
 
 from bench.ucx_floor import bare_ucx_seconds
+from dserve.memory.kv_pool import KVLayout, KVPool
 from dserve.runtime.config import _DTYPES
-from dserve.scheduler.kv_pool import KVLayout, KVPool
 from dserve.transfer.descriptor import PoolDescriptor
 from dserve.transfer.manager import TransferManager
 

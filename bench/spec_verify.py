@@ -28,6 +28,9 @@ import tempfile
 import torch
 
 from bench.cuda_timing import median_seconds
+from tests.kernel_cases import step_batch
+
+__all__ = ["step_batch"]  # bench's step scripts take it from here
 
 
 def deepseek_v3_config_dir(layers: int, experts: int) -> str:
@@ -142,22 +145,6 @@ def dummy_runner(
     )
     runner = ModelRunner(config)
     return runner, KVCacheManager(runner.num_pages, runner.pool.layout.page_size, False)
-
-
-def step_batch(kv, batch_size: int, context: int, q_len: int):
-    """`batch_size` requests with `context` tokens in KV, each adding `q_len` tokens with logits at all."""
-    from dserve.runtime.batch import Seq, assemble, table_rows
-
-    entries = []
-    for i in range(batch_size):
-        rid = f"r{i}"
-        if rid not in kv.tables:
-            assert kv.allocate_slots(rid, context + 8), "pool too small"
-        entries.append(
-            Seq(rid, context, [100 + 7 * i + j for j in range(q_len)], list(range(q_len)))
-        )
-    rows = table_rows(kv.tables, [seq.key for seq in entries])
-    return assemble(entries, rows, kv.page_size)
 
 
 def model_args(parser: argparse.ArgumentParser, layers: int = 4) -> None:

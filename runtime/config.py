@@ -9,6 +9,8 @@ from typing import Literal
 import torch
 
 from dserve.models.weights import LOAD_FORMATS
+from dserve.scheduler.scheduler import SchedulerConfig
+from dserve.spec.strategy import SpeculativeConfig
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -253,6 +255,26 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
+
+    def scheduler(self) -> SchedulerConfig:
+        """Each DP group's scheduling limits, from these fields."""
+        micro_batches = self.pp_micro_batches if self.pp_size > 1 else 1
+        return SchedulerConfig(
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            chunked_prefill_size=self.chunked_prefill_size,
+            max_running_requests=self.max_running_requests,
+            micro_batches=micro_batches,
+        )
+
+    def speculative(self) -> SpeculativeConfig:
+        """The speculation settings, from these fields."""
+        return SpeculativeConfig(
+            algorithm=self.speculative_algorithm,
+            num_steps=self.speculative_num_steps,
+            eagle_topk=self.speculative_eagle_topk,
+            num_draft_tokens=self.speculative_num_draft_tokens,
+            naive=self.speculative_naive,
+        )
 
     @classmethod
     def field_names(cls) -> list[str]:

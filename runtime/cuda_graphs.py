@@ -73,11 +73,18 @@ def token_buckets(max_tokens: int) -> list[int]:
     sizes, n = [], 1
     while n < max_tokens:
         sizes.append(n)
-        if n < 8:
-            n *= 2
-        else:
-            n += 8 if n < 64 else 16 if n < 128 else 32 if n < 256 else 64
+        n += _bucket_step(n)
     return sizes + [max_tokens]
+
+
+def _bucket_step(n: int) -> int:
+    """How far the bucket after `n` tokens is (`token_buckets`)."""
+    if n < 8:
+        return n  # doubling
+    for below, step in ((64, 8), (128, 16), (256, 32)):
+        if n < below:
+            return step
+    return 64
 
 
 SPARSE_FIRST_CONTEXT = 4096  # the narrowest graphs of a sparse-attention model
@@ -208,7 +215,7 @@ class StaticSteps:
             seq_lens=[context] * n,
             page_table=self.table[:n],
             out_slots=f["out_slots"],
-            logits_indices=self.rows[:n],
+            logits_rows=self.rows[:n],
             fused_draft=fused,
             token_seqs=f["token_seqs"],
             token_ctx_lens=f["token_ctx_lens"],
@@ -298,7 +305,7 @@ class StaticSteps:
         if not self.fused:
             logits = runner.model.compute_logits(out["hidden"][select])
             return logits, out.get("feed", out["hidden"])[:n]
-        k = len(batch.logits_indices)  # the target's rows, then the draft's
+        k = len(batch.logits_rows)  # the target's rows, then the draft's
         target = out["logits"][select[:k]]
         draft = runner.draft.compute_logits(out["hidden"][select[k:]])
         return torch.cat([target, draft]), None
@@ -313,14 +320,14 @@ class StaticSteps:
         if batch.hidden_rows is not None:
             h[ROW["hidden_rows"], :t] = batch.hidden_rows.numpy()
         h[ROW["real_tokens"], :t] = 1
-        select = batch.logits_indices.numpy()
+        select = batch.logits_rows.numpy()
         if batch.fused_draft is not None:  # the graph's draft reads the target's argmax at rows
             fused = batch.fused_draft
             h[ROW["next_ids"], :t] = fused.next_ids.numpy()
             from_target = fused.from_target.numpy()
             rows = select[np.maximum(from_target, 0)] if len(select) else 0
             h[ROW["from_target"], :t] = np.where(from_target >= 0, rows, -1)
-            select = np.concatenate([select, fused.logits_indices.numpy()])
+            select = np.concatenate([select, fused.logits_rows.numpy()])
         self.host_select[: len(select)] = select
         seqs, width = batch.page_table.shape
         self.host_table[:seqs, :width] = batch.page_table.numpy()

@@ -22,16 +22,16 @@ import torch
 
 from dserve.runtime.config import EngineConfig
 from dserve.runtime.executor import RankFailure, make_executor
-from dserve.runtime.grammar import Grammars
 from dserve.runtime.intake import NoTokenizer, as_params, batch_inputs, load_tokenizer, prompt_ids
 from dserve.runtime.output import GenerateResult, StreamChunk, TextTracker, make_result
-from dserve.runtime.plan import InputLogprobs, SpanOutcome, StepResult
 from dserve.runtime.planner import LaunchedStep, Planner
 from dserve.scheduler.kv_manager import KVCacheManager
 from dserve.scheduler.request import Request
-from dserve.scheduler.scheduler import Scheduler, SchedulerConfig, Span
+from dserve.scheduler.scheduler import Scheduler, Span
 from dserve.spec.strategy import make_speculation
 from dserve.spec.tree import well_formed
+from dserve.step.grammar import Grammars
+from dserve.step.plan import InputLogprobs, SpanOutcome, StepResult
 from dserve.transfer.agent import AgentConfig
 
 log = logging.getLogger("dserve.runtime")
@@ -66,10 +66,7 @@ class Engine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.max_context = self.model_config.max_position_embeddings
         pipelined = c.pp_size > 1
-        micro_batches = c.pp_micro_batches if pipelined else 1
-        limits = SchedulerConfig(
-            c.max_num_batched_tokens, c.chunked_prefill_size, c.max_running_requests, micro_batches
-        )
+        limits = c.scheduler()
         self.groups = [
             DPGroup(Scheduler(limits, KVCacheManager(pages, c.page_size, c.enable_prefix_caching)))
             for pages in self.executor.num_pages
@@ -81,8 +78,8 @@ class Engine:
         self.keep_pages: set[str] = set()
         """Prefill: requests whose pages outlive them, to be sent."""
         self.held: dict[str, tuple[int, str]] = {}
-        """Holder key -> (DP group, rid) of pages in flight."""
-        self.speculation = make_speculation(c)
+        """Holder -> (DP group, rid) of pages in flight (`hold`)."""
+        self.speculation = make_speculation(c.speculative())
         self.planner = Planner(
             [g.scheduler for g in self.groups],
             self.speculation,
@@ -95,7 +92,7 @@ class Engine:
         """Tokens this engine's steps sampled so far (not a decode's first token: its prefill
         sampled it)."""
         self._grammars: Grammars | None = None
-        self.depth = micro_batches if pipelined else 1 + (not c.disable_overlap_schedule)
+        self.depth = limits.micro_batches if pipelined else 1 + (not c.disable_overlap_schedule)
         """Steps in flight at most: one, two with overlapped scheduling, a pipeline's micro-batches."""
 
     # ---- request lifecycle ----------------------------------------------------------------
@@ -158,7 +155,7 @@ class Engine:
         that computes it has its result for it dropped)."""
         req = self.requests.get(rid)
         if req is not None and not req.finished:
-            self._scheduler(req).finish(req, "abort", error="aborted")
+            self._scheduler(req).finish_and_free(req, "abort", error="aborted")
 
     def pop_result(self, rid: str) -> GenerateResult:
         result = make_result(self.requests[rid], self.trackers[rid].text)
@@ -250,7 +247,7 @@ class Engine:
     def _fail_all(self, message: str) -> None:
         for req in self.requests.values():
             if not req.finished:
-                self._scheduler(req).finish(req, "abort", error=message)
+                self._scheduler(req).finish_and_free(req, "abort", error=message)
 
     def _scheduler(self, req: Request) -> Scheduler:
         return self.groups[self.group_of[req.rid]].scheduler
@@ -264,28 +261,28 @@ class Engine:
         if req.rid in self.keep_pages:  # prefill: the first token ends it; its pages wait
             self.keep_pages.discard(req.rid)
             self.hold(req.rid, "send")
-            scheduler.finish(req, "length")
+            scheduler.finish_and_free(req, "length")
         elif (
             p.stop_token_ids
             and token in p.stop_token_ids
             or not p.ignore_eos
             and token in self.eos_token_ids
         ):
-            scheduler.finish(req, "stop", token)
+            scheduler.finish_and_free(req, "stop", token)
         elif matched is not None:
-            scheduler.finish(req, "stop", matched)
+            scheduler.finish_and_free(req, "stop", matched)
         elif req.num_tokens >= req.stop_length:
-            scheduler.finish(req, "length")
+            scheduler.finish_and_free(req, "length")
 
     # ---- pages that outlive their request (disaggregation) -------------------------------------
     def hold(self, rid: str, why: str) -> str:
         """Keep `rid`'s pages after it ends (KV being sent, or receives not yet settled);
-        returns the key to `release` them with."""
+        returns their holder, to `release` them with."""
         group = self.group_of[rid]
-        key = hold_key(rid, why)
-        self.groups[group].kv.hold(rid, key)
-        self.held[key] = (group, rid)
-        return key
+        holder = hold_key(rid, why)
+        self.groups[group].kv.hold(rid, holder)
+        self.held[holder] = (group, rid)
+        return holder
 
     def written_tokens(self, req: Request) -> int:
         """Tokens of `req` whose KV the steps read back so far have written (a step still in
@@ -303,13 +300,13 @@ class Engine:
         """The pages of a running request, in order."""
         return list(self.groups[self.group_of[rid]].kv.tables[rid])
 
-    def held_pages(self, key: str) -> list[int]:
-        group, _ = self.held[key]
-        return list(self.groups[group].kv.tables[key])
+    def held_pages(self, holder: str) -> list[int]:
+        group, _ = self.held[holder]
+        return list(self.groups[group].kv.tables[holder])
 
-    def release(self, key: str) -> None:
-        group, _ = self.held.pop(key)
-        self.groups[group].kv.free(key)
+    def release(self, holder: str) -> None:
+        group, _ = self.held.pop(holder)
+        self.groups[group].kv.free(holder)
 
     def prealloc(self, req: Request) -> list[int] | None:
         """Decode: pages for the whole prompt before its KV arrives; None while the pool is
@@ -423,5 +420,5 @@ class Engine:
 
 
 def hold_key(rid: str, why: str) -> str:
-    """The key under which `Engine.hold(rid, why)` keeps a request's pages."""
+    """The holder under which `Engine.hold(rid, why)` keeps a request's pages."""
     return f"{rid}#{why}"

@@ -25,7 +25,7 @@ from dserve.models.parallel import split_layers
 from dserve.models.registry import resolve
 from dserve.runtime.config import EngineConfig
 from dserve.runtime.nodes import ControlListener, local_ranks, node_of, open_store
-from dserve.runtime.plan import Settle, StepPlan, StepResult
+from dserve.step.plan import Settle, StepPlan, StepResult
 
 log = logging.getLogger("dserve.runtime")
 
@@ -148,8 +148,7 @@ class MultiprocessExecutor:
         self.rank_info = [info for _, info in replies]
         # a DP group's page ids index its pools on every stage: the smallest pool bounds them
         self.num_pages = [
-            min(i.num_pages for i in self.rank_info if i.dp_rank == g)
-            for g in range(config.dp_size)
+            min(i.num_pages for i in self.rank_info if i.group == g) for g in range(config.dp_size)
         ]
         log.info(
             "%d ranks up (tp=%d, dp=%d, ep=%d); parameter bytes per rank: %s",

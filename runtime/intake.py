@@ -83,5 +83,6 @@ def batch_inputs(prompts, input_ids, sampling_params) -> tuple[list[tuple], bool
     params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
     if len(params) != n:
         raise ValueError(f"{len(params)} sampling_params for {n} prompts")
-    rows = [(texts[i] if texts else None, ids[i] if ids else None, params[i]) for i in range(n)]
-    return rows, single
+    texts = texts or [None] * n
+    ids = ids or [None] * n
+    return list(zip(texts, ids, params)), single

@@ -16,6 +16,7 @@ import torch
 
 from dserve.attention.backend import ForwardBatch, PassShape, create_backend
 from dserve.attention.index_cache import stored_width
+from dserve.memory.kv_pool import KVLayout, KVPool
 from dserve.models.config import ModelConfig
 from dserve.models.layers.moe import Experts
 from dserve.models.layers.norm import RMSNorm
@@ -24,7 +25,6 @@ from dserve.models.loader import load_embedding, load_model, parameter_bytes
 from dserve.models.parallel import SINGLE, ParallelContext
 from dserve.runtime.config import EngineConfig
 from dserve.runtime.cuda_graphs import StaticSteps, output_bytes
-from dserve.scheduler.kv_pool import KVLayout, KVPool
 
 log = logging.getLogger("dserve.runtime")
 CPU_DEFAULT_TOKENS = 16384
@@ -292,7 +292,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, shapes: list[PassShape] | None = None):
-        """Logits [N, vocab] (float32, on the rank's device) at the batch's `logits_indices` rows
+        """Logits [N, vocab] (float32, on the rank's device) at the batch's `logits_rows` rows
         (with naive speculation, the target's rows then the draft's). `shapes` are every DP
         group's parts of this pass (default: this batch alone): all ranks run the pass statically
         or all eagerly, each group padded to the same bucket."""
@@ -334,9 +334,9 @@ class ModelRunner:
         if self.draft is not None:
             self.last_hidden = feed
         if batch.fused_draft is None:
-            return self.model.compute_logits(hidden[batch.logits_indices])
+            return self.model.compute_logits(hidden[batch.logits_rows])
         logits, draft_hidden = self._fused_tail(batch, hidden, feed)
-        draft = self.draft.compute_logits(draft_hidden[batch.fused_draft.logits_indices])
+        draft = self.draft.compute_logits(draft_hidden[batch.fused_draft.logits_rows])
         return torch.cat([logits, draft])
 
     def stage_input_width(self) -> int:
@@ -388,7 +388,7 @@ class ModelRunner:
         """The target's logits at the batch's rows, and the draft's hidden states over the same
         tokens, each reading the token after it: the target's argmax where that is not known
         yet."""
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        logits = self.model.compute_logits(hidden[batch.logits_rows])
         fused = batch.fused_draft
         if logits.shape[0]:
             argmax = logits.argmax(dim=-1)[fused.from_target.clamp(min=0)]
@@ -404,10 +404,10 @@ class ModelRunner:
         batch = replace(batch, input_ids=self.read_pending(batch.input_ids))
         if batch.hidden_rows is not None:  # a draft pass reads the last pass's hidden states
             hidden = self.draft_layers(batch, self.last_hidden[batch.hidden_rows])
-            return self.draft.compute_logits(hidden[batch.logits_indices]), hidden
+            return self.draft.compute_logits(hidden[batch.logits_rows]), hidden
         if batch.fused_draft is None:
             hidden, feed = self.target_layers(batch)
-            return self.model.compute_logits(hidden[batch.logits_indices]), feed
+            return self.model.compute_logits(hidden[batch.logits_rows]), feed
         logits, draft_hidden, feed = self.fused_layers(batch)
-        draft = self.draft.compute_logits(draft_hidden[batch.fused_draft.logits_indices])
+        draft = self.draft.compute_logits(draft_hidden[batch.fused_draft.logits_rows])
         return torch.cat([logits, draft]), feed

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dserve.runtime.plan import (
+from dserve.scheduler.request import Request
+from dserve.scheduler.scheduler import Scheduler, Span
+from dserve.spec.strategy import Speculation
+from dserve.step.plan import (
     GroupPlan,
     KnownTokens,
     NewRequest,
@@ -22,9 +25,6 @@ from dserve.runtime.plan import (
     PlannedSpan,
     StepPlan,
 )
-from dserve.scheduler.request import Request
-from dserve.scheduler.scheduler import Scheduler, Span
-from dserve.spec.strategy import Speculation
 
 
 @dataclass

@@ -20,9 +20,12 @@ from dataclasses import dataclass, field
 import torch
 
 from dserve.attention.backend import PassShape
-from dserve.runtime.batch import Seq, assemble
-from dserve.runtime.grammar import Grammars
-from dserve.runtime.plan import (
+from dserve.spec.strategy import make_drafter
+from dserve.spec.tree import ancestor_mask, depths, is_chain
+from dserve.spec.verify import accepted_path, move_accepted, move_paths, verify_spans
+from dserve.step.batch import Seq, assemble
+from dserve.step.grammar import Grammars
+from dserve.step.plan import (
     GroupPlan,
     InputLogprobs,
     PlannedSpan,
@@ -30,11 +33,8 @@ from dserve.runtime.plan import (
     StepPlan,
     StepResult,
 )
-from dserve.runtime.rank_state import RankRequests, RankSpan
-from dserve.runtime.sampler import Sampled, Sampler, device_ints, has_penalties
-from dserve.spec.strategy import make_drafter
-from dserve.spec.tree import ancestor_mask, depths, is_chain
-from dserve.spec.verify import accepted_path, move_accepted, move_paths, verify_spans
+from dserve.step.rank_state import RankRequests, RankSpan
+from dserve.step.sampler import Sampled, Sampler, device_ints, has_penalties
 
 
 def target_shape(group: GroupPlan) -> PassShape:
@@ -140,14 +140,15 @@ class PendingStep:
 class StepRunner:
     """The steps of one rank, over its `ModelRunner`."""
 
-    def __init__(self, runner, dp_rank: int = 0):
+    def __init__(self, runner, group: int = 0):
+        """`group`: the index of this rank's DP group."""
         config = runner.config
-        self.runner, self.dp_rank = runner, dp_rank
+        self.runner, self.group = runner, group
         self.page_size = config.page_size
         self.requests = RankRequests(config.max_running_requests, runner.max_pages)
         self.sampler = Sampler(runner.device, config.random_seed)
         self.last_stage = runner.ctx.stage.last
-        self.drafter = make_drafter(config, self) if self.last_stage else None
+        self.drafter = make_drafter(config.speculative(), self) if self.last_stage else None
         self.trees: dict[int, PlannedSpan] = {}
         """A stage before the last: by slot, the verify span whose accepted path it has yet to
         learn (the last stage verifies and drafts; the others follow its verdicts)."""
@@ -157,12 +158,12 @@ class StepRunner:
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> PendingStep:
-        group = plan.groups[self.dp_rank]
+        mine = plan.groups[self.group]
         static_before = self.runner.static_passes
         if self.trees:
-            self._follow_verdicts(group)
-        self.requests.apply(group)
-        spans = self._spans(group)
+            self._follow_verdicts(mine)
+        self.requests.apply(mine)
+        spans = self._spans(mine)
         batch = self._target_batch(spans)
         if self.drafter is not None:
             self.drafter.fuse(batch, spans)
@@ -175,7 +176,7 @@ class StepRunner:
             if not self.last_stage:
                 self.trees.update((s.plan.slot, s.plan) for s in spans if s.plan.draft)
                 return pending  # the last stage samples
-        n = len(batch.logits_indices)
+        n = len(batch.logits_rows)
         self._input_logprobs(pending, logits[:n])
         self._sample(pending, logits[:n])
         if self.drafter is not None:
@@ -201,7 +202,7 @@ class StepRunner:
         import torch.distributed as dist
 
         stage, runner = self.runner.ctx.stage, self.runner
-        tokens = shapes[self.dp_rank].tokens  # the same group's rank in each stage
+        tokens = shapes[self.group].tokens  # the same group's rank in each stage
         hidden = None
         if not stage.first:
             width, dtype = runner.stage_input_width(), runner.config.torch_dtype

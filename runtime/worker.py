@@ -25,7 +25,8 @@ from dserve.runtime.config import EngineConfig
 @dataclass(frozen=True)
 class RankInfo:
     rank: int
-    dp_rank: int
+    group: int
+    """Its DP group."""
     attn_tp_rank: int
     num_pages: int
     parameter_bytes: int
@@ -46,15 +47,15 @@ def build_context(rank: int, config: EngineConfig, num_layers: int) -> ParallelC
         mlp = dist.new_group(list(range(base, base + tp))) if pp > 1 else dist.group.WORLD
         groups.append((attn, dps, mlp))
     stage, local = divmod(rank, tp)
-    dp_rank, attn_rank = divmod(local, a)
+    group, attn_rank = divmod(local, a)
     attn, dps, mlp = groups[stage]
     layers = split_layers(num_layers, pp, config.layer_counts)[stage]
     prev_rank = rank - tp if stage > 0 else None
     next_rank = rank + tp if stage < pp - 1 else None
     return ParallelContext(
-        attn=TPGroup(attn_rank, a, attn[dp_rank]),
+        attn=TPGroup(attn_rank, a, attn[group]),
         mlp=TPGroup(local, tp, mlp),
-        dp=TPGroup(dp_rank, dp, dps[attn_rank]),
+        dp=TPGroup(group, dp, dps[attn_rank]),
         ep_size=config.ep_size,
         stage=Stage(stage, pp, layers, prev_rank, next_rank),
     )
@@ -148,7 +149,7 @@ def run_steps(steps, conn, leader: bool) -> None:
     overlaps, its own result waits until the next plan is launched (or a `Settle` asks for it),
     so the device runs that plan while the front reads this one's tokens."""
     from dserve.runtime.executor import result_digest
-    from dserve.runtime.plan import StepPlan
+    from dserve.step.plan import StepPlan
 
     launched = deque()
     while True:

@@ -72,15 +72,19 @@ def chain_hash(previous: bytes, tokens: list[int]) -> bytes:
 
 
 class KVCacheManager:
-    """Which pages each request owns in one pool, and which full pages a new request can reuse."""
+    """Which pages each holder owns in one pool, and which full pages a new request can reuse.
 
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_cache: bool = True):
+    A page table's **holder** is a running request (by its rid) or, once `hold` moved a
+    request's pages past its end (KV being sent), the name they are held under."""
+
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages)
-        self.enable_prefix_cache = enable_prefix_cache
+        self.enable_prefix_caching = enable_prefix_caching
         self.tables: dict[str, list[int]] = {}
+        """Holder -> its pages, in order."""
         self.hashes: dict[str, list[bytes]] = {}
         self.cut: dict[str, int] = {}
         """Per table, the fewest pages it kept since `changed_from` last looked (trims)."""
@@ -97,11 +101,11 @@ class KVCacheManager:
     def num_used_pages(self) -> int:
         return self.num_pages - self.allocator.num_free
 
-    def match_prefix(self, rid: str, tokens: list[int]) -> int:
-        """Give `rid` the cached pages of its longest cached full-page prefix; returns tokens covered.
+    def match_prefix(self, holder: str, tokens: list[int]) -> int:
+        """Give `holder` the cached pages of its longest cached full-page prefix; returns tokens covered.
         At least one token is always left to compute, so the last position's logits exist."""
         pages, hashes, key = [], [], b""
-        if self.enable_prefix_cache:
+        if self.enable_prefix_caching:
             for i in range((len(tokens) - 1) // self.page_size):
                 key = chain_hash(key, tokens[i * self.page_size : (i + 1) * self.page_size])
                 page = self.allocator.cached.get(key)
@@ -111,13 +115,13 @@ class KVCacheManager:
                 hashes.append(key)
         for page in pages:
             self.allocator.take(page)
-        self.tables[rid], self.hashes[rid] = pages, hashes
+        self.tables[holder], self.hashes[holder] = pages, hashes
         return len(pages) * self.page_size
 
-    def allocate_slots(self, rid: str, num_tokens_total: int) -> bool:
-        """Grow `rid`'s table to hold `num_tokens_total` tokens; False (nothing taken) if pages run out."""
-        table = self.tables.setdefault(rid, [])
-        self.hashes.setdefault(rid, [])
+    def allocate_slots(self, holder: str, num_tokens_total: int) -> bool:
+        """Grow `holder`'s table to hold `num_tokens_total` tokens; False (nothing taken) if pages run out."""
+        table = self.tables.setdefault(holder, [])
+        self.hashes.setdefault(holder, [])
         need = -(-num_tokens_total // self.page_size) - len(table)
         if need <= 0:
             return True
@@ -127,51 +131,52 @@ class KVCacheManager:
         table.extend(pages)
         return True
 
-    def commit(self, rid: str, tokens: list[int], num_computed: int) -> None:
-        """Publish the now fully computed pages of `rid` to the prefix cache. A page goes only once all
+    def commit(self, holder: str, tokens: list[int], num_computed: int) -> None:
+        """Publish the now fully computed pages of `holder` to the prefix cache. A page goes only once all
         its token ids are in `tokens`: a verify's accepted drafts have KV before their ids are
         appended, so their pages are published at a later step."""
-        if not self.enable_prefix_cache:
+        if not self.enable_prefix_caching:
             return
-        table, hashes = self.tables[rid], self.hashes[rid]
+        table, hashes = self.tables[holder], self.hashes[holder]
         for i in range(len(hashes), min(num_computed, len(tokens)) // self.page_size):
             previous = hashes[-1] if hashes else b""
             key = chain_hash(previous, tokens[i * self.page_size : (i + 1) * self.page_size])
             hashes.append(key)
             self.allocator.register(table[i], key)
 
-    def free(self, rid: str) -> None:
-        """Return every page of `rid` (tail first, so its tail is evicted before its shared prefix)."""
-        for page in reversed(self.tables.pop(rid, [])):
+    def free(self, holder: str) -> None:
+        """Return every page of `holder` (tail first, so its tail is evicted before its shared prefix)."""
+        for page in reversed(self.tables.pop(holder, [])):
             self.allocator.release(page)
-        self.hashes.pop(rid, None)
-        self.cut.pop(rid, None)
+        self.hashes.pop(holder, None)
+        self.cut.pop(holder, None)
 
-    def trim(self, rid: str, num_tokens: int) -> None:
-        """Give back the pages of `rid` past its first `num_tokens` tokens (rejected draft tokens)."""
-        table = self.tables[rid]
+    def trim(self, holder: str, num_tokens: int) -> None:
+        """Give back the pages of `holder` past its first `num_tokens` tokens (rejected draft tokens)."""
+        table = self.tables[holder]
         keep = -(-num_tokens // self.page_size)
         if len(table) > keep:
-            self.cut[rid] = min(self.cut.get(rid, keep), keep)
+            self.cut[holder] = min(self.cut.get(holder, keep), keep)
         while len(table) > keep:
             self.allocator.release(table.pop())
 
-    def changed_from(self, rid: str, known: int) -> int:
-        """The first index of `rid`'s table that may differ from a copy of its first `known`
+    def changed_from(self, holder: str, known: int) -> int:
+        """The first index of `holder`'s table that may differ from a copy of its first `known`
         pages taken earlier (pages past a trim may have been given out again)."""
-        return min(known, self.cut.pop(rid, known))
+        return min(known, self.cut.pop(holder, known))
 
-    def hold(self, rid: str, key: str) -> list[int]:
-        """Move `rid`'s pages to a holder `key` (pages in flight outlive their request); free(key) ends it."""
-        if key in self.tables:
-            raise ValueError(f"pages are already held under {key!r}")
-        self.tables[key] = self.tables.pop(rid, [])
-        self.hashes[key] = self.hashes.pop(rid, [])
+    def hold(self, rid: str, holder: str) -> list[int]:
+        """Move request `rid`'s pages to `holder` (pages in flight outlive their request);
+        `free(holder)` gives them back."""
+        if holder in self.tables:
+            raise ValueError(f"pages are already held under {holder!r}")
+        self.tables[holder] = self.tables.pop(rid, [])
+        self.hashes[holder] = self.hashes.pop(rid, [])
         self.cut.pop(rid, None)
-        return self.tables[key]
+        return self.tables[holder]
 
-    def slots(self, rid: str, start: int, end: int) -> list[int]:
-        table, ps = self.tables[rid], self.page_size
+    def slots(self, holder: str, start: int, end: int) -> list[int]:
+        table, ps = self.tables[holder], self.page_size
         return [table[pos // ps] * ps + pos % ps for pos in range(start, end)]
 
     def check_invariants(self, live: set[str] | None = None) -> None:
@@ -179,8 +184,8 @@ class KVCacheManager:
         exactly the zero-ref pages; with `live`, no table belongs to a request that has ended."""
         alloc = self.allocator
         owners = [0] * alloc.num_pages
-        for rid, table in self.tables.items():
-            assert len(set(table)) == len(table), f"request {rid} holds a page twice: {table}"
+        for holder, table in self.tables.items():
+            assert len(set(table)) == len(table), f"{holder} holds a page twice: {table}"
             for page in table:
                 owners[page] += 1
         assert owners == alloc.ref, "page ref counts differ from the page tables"

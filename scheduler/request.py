@@ -290,6 +290,8 @@ class Request:
         return bool(self.stop_length) and self.num_total_tokens >= self.stop_length
 
     def finish(self, reason: str, matched: int | str | None = None, error: str | None = None):
+        """Record the end (status, reason, time); frees nothing: a scheduled request ends
+        through `Scheduler.finish_and_free`, which also gives its pages and slot back."""
         self.status, self.finish_reason = Status.FINISHED, reason
         self.matched_stop, self.error = matched, error
         self.finish_time = time.perf_counter()

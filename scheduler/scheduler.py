@@ -26,10 +26,16 @@ from dserve.scheduler.request import Request, Status
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int = 4096
-    chunked_prefill_size: int = 2048
-    max_running_requests: int = 256
-    micro_batches: int = 1
+    """A DP group's scheduling limits, built from `EngineConfig`'s fields
+    (`EngineConfig.scheduler`): no defaults here, so the two cannot drift."""
+
+    max_num_batched_tokens: int
+    """Token budget of one step."""
+    chunked_prefill_size: int
+    """Most prompt tokens one request computes in one step."""
+    max_running_requests: int
+    """Requests running at once (slots)."""
+    micro_batches: int
     """Steps in flight at once over disjoint requests (pipeline stages): a step takes its share
     of the requests on hand, and no request whose token a step in flight still owes."""
 
@@ -161,7 +167,9 @@ class Scheduler:
                 if pages <= self.kv.num_pages and not self._queue_holds_pages():
                     self._preempt(req)  # it fits once the held pages come back
                     return False
-                self.finish(req, "abort", error="the KV cache is too small for this request")
+                self.finish_and_free(
+                    req, "abort", error="the KV cache is too small for this request"
+                )
                 return False
             self._preempt(victim)
             if victim is req:
@@ -215,8 +223,11 @@ class Scheduler:
         if req.status is Status.RUNNING:
             self.kv.commit(req.rid, req.all_ids, req.num_computed_tokens)
 
-    def finish(self, req: Request, reason: str, matched=None, error: str | None = None) -> None:
-        """End a request wherever it is (running, waiting or not yet added) and free its pages."""
+    def finish_and_free(
+        self, req: Request, reason: str, matched=None, error: str | None = None
+    ) -> None:
+        """End a request wherever it is (running, waiting or not yet added), give its slot and pages
+        back, and record the end on it (`Request.finish`)."""
         if req in self.running:
             self._leave(req)
         elif req in self.waiting:

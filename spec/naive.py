@@ -21,17 +21,16 @@ from __future__ import annotations
 import torch
 
 from dserve.attention.backend import FusedDraft
-from dserve.runtime.config import EngineConfig
-from dserve.runtime.rank_state import RankSpan
 from dserve.scheduler.kv_manager import KVCacheManager
 from dserve.scheduler.scheduler import Span
-from dserve.spec.strategy import Speculation
+from dserve.spec.strategy import Speculation, SpeculativeConfig
+from dserve.step.rank_state import RankSpan
 
 
 class Naive(Speculation):
     """The front's half: every span's tokens feed the fused draft; drafting requests propose."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: SpeculativeConfig):
         super().__init__(1, 1)
 
     def flags(self, span: Span, kv: KVCacheManager) -> tuple[bool, bool]:
@@ -48,17 +47,18 @@ class NaiveDrafter:
     def fuse(self, batch, spans: list[RankSpan]) -> None:
         """The draft's part of the pass over `spans` (laid out as the target's), and per span the
         first of its rows in the draft's logits (None: no proposal from it)."""
-        next_ids, from_target, draft_rows, self.firsts = [], [], [], []
+        next_ids, from_target, draft_rows = [], [], []
+        self.firsts = []
         for span in spans:
             p, req = span.plan, span.req
-            after = (
-                [] if p.draft else req.tokens_at(p.start + 1, p.start + p.length + 1 - p.samples)
-            )
+            after = []
+            if not p.draft:
+                after = req.tokens_at(p.start + 1, p.start + p.length + 1 - p.samples)
             for i in range(p.length):
                 by_target = bool(p.draft) or (p.samples and i == p.length - 1)
-                from_target.append(span.logits_row + (i if p.draft else 0) if by_target else -1)
+                from_target.append(_target_row(span, i) if by_target else -1)
                 next_ids.append(0 if by_target else after[i])
-            wants = list(range(p.length)) if p.draft else [p.length - 1] if p.samples else []
+            wants = _proposing_rows(p)
             self.firsts.append(len(draft_rows) if wants and p.proposes else None)
             if self.firsts[-1] is not None:
                 draft_rows += [span.row + i for i in wants]
@@ -74,3 +74,21 @@ class NaiveDrafter:
             p = span.plan
             row = first + (len(span.kept) - 1 if p.draft else 0)
             span.draft_out = ([argmax[row]], [-1])
+
+
+def _target_row(span: RankSpan, i: int) -> int:
+    """The target's logits row that token `i` of `span` reads: its own in a verify, the span's
+    last (the token sampled after it) otherwise."""
+    if span.plan.draft:
+        return span.logits_row + i
+    return span.logits_row
+
+
+def _proposing_rows(p) -> list[int]:
+    """The span's rows whose draft outputs may propose: every node of a verify, else the last
+    row of a span that samples."""
+    if p.draft:
+        return list(range(p.length))
+    if p.samples:
+        return [p.length - 1]
+    return []

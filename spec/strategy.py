@@ -12,11 +12,29 @@ and the scheduler sends it back to verify in the next step.
 
 from __future__ import annotations
 
-from dserve.runtime.config import EngineConfig
-from dserve.runtime.plan import SpanOutcome
+from dataclasses import dataclass
+
 from dserve.scheduler.kv_manager import KVCacheManager
 from dserve.scheduler.scheduler import Span
 from dserve.spec.tree import depths
+from dserve.step.plan import SpanOutcome
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """The speculation settings, built from `EngineConfig`'s fields (`EngineConfig.speculative`):
+    no defaults here, so the two cannot drift."""
+
+    algorithm: str | None
+    """`mtp`, `eagle3`, or None (plain decoding)."""
+    num_steps: int
+    """Draft passes per step (the depth of the draft tree)."""
+    eagle_topk: int
+    """Branches kept per draft pass."""
+    num_draft_tokens: int
+    """Tokens per verify, root included."""
+    naive: bool
+    """The draft fused into the target's pass."""
 
 
 class Speculation:
@@ -55,11 +73,11 @@ class Speculation:
         )
 
 
-def make_speculation(config: EngineConfig) -> Speculation:
+def make_speculation(config: SpeculativeConfig) -> Speculation:
     """The front's half of the configured strategy."""
-    if not config.speculative_algorithm:
+    if not config.algorithm:
         return Speculation()
-    if config.speculative_naive:
+    if config.naive:
         from dserve.spec.naive import Naive
 
         return Naive(config)
@@ -68,12 +86,12 @@ def make_speculation(config: EngineConfig) -> Speculation:
     return TwoPass(config)
 
 
-def make_drafter(config: EngineConfig, steps):
+def make_drafter(config: SpeculativeConfig, steps):
     """The rank's half of the configured strategy (None: plain decoding); `steps` is the rank's
     `StepRunner`."""
-    if not config.speculative_algorithm:
+    if not config.algorithm:
         return None
-    if config.speculative_naive:
+    if config.naive:
         from dserve.spec.naive import NaiveDrafter
 
         return NaiveDrafter()

@@ -26,22 +26,21 @@ from __future__ import annotations
 import torch
 
 from dserve.attention.backend import PassShape
-from dserve.runtime.batch import Seq, assemble_draft
-from dserve.runtime.config import EngineConfig
-from dserve.runtime.plan import GroupPlan, StepPlan
-from dserve.runtime.rank_state import RankSpan
 from dserve.scheduler.kv_manager import KVCacheManager
 from dserve.scheduler.scheduler import Span
-from dserve.spec.strategy import Speculation
+from dserve.spec.strategy import Speculation, SpeculativeConfig
 from dserve.spec.tree import Candidate, select
+from dserve.step.batch import Seq, assemble_draft
+from dserve.step.plan import GroupPlan, StepPlan
+from dserve.step.rank_state import RankSpan
 
 
 class TwoPass(Speculation):
     """The front's half: which spans draft, and the pages of each tree's nodes."""
 
-    def __init__(self, config: EngineConfig):
-        super().__init__(config.speculative_num_steps, config.speculative_num_draft_tokens - 1)
-        self.topk = config.speculative_eagle_topk
+    def __init__(self, config: SpeculativeConfig):
+        super().__init__(config.num_steps, config.num_draft_tokens - 1)
+        self.topk = config.eagle_topk
 
     def flags(self, span: Span, kv: KVCacheManager) -> tuple[bool, bool]:
         req = span.req
@@ -80,9 +79,9 @@ def top_children(logits: torch.Tensor, topk: int) -> list[list[tuple[float, int]
 class TwoPassDrafter:
     """The rank's half: the draft passes after a step's target pass."""
 
-    def __init__(self, config: EngineConfig, steps):
-        self.num_steps, self.topk = config.speculative_num_steps, config.speculative_eagle_topk
-        self.num_nodes = config.speculative_num_draft_tokens - 1
+    def __init__(self, config: SpeculativeConfig, steps):
+        self.num_steps, self.topk = config.num_steps, config.eagle_topk
+        self.num_nodes = config.num_draft_tokens - 1
         self.steps = steps  # the rank's StepRunner: tables and model
 
     def fuse(self, batch, spans: list[RankSpan]) -> None:
@@ -114,7 +113,7 @@ class TwoPassDrafter:
 
     def _run(self, seqs: list[Seq], shapes: list[PassShape]) -> torch.Tensor:
         steps = self.steps
-        rows = steps.requests.tables.rows([s.key for s in seqs])
+        rows = steps.requests.tables.rows([s.holder for s in seqs])
         batch = assemble_draft(seqs, rows, steps.page_size)
         return steps.runner.forward(batch, shapes)
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from dserve.runtime.plan import PlannedSpan
-from dserve.runtime.rank_state import PageTables, RankSpan
-from dserve.runtime.sampler import Sampler, device_ints, processed_probs
 from dserve.spec.tree import accept_greedy, accept_sampled
+from dserve.step.plan import PlannedSpan
+from dserve.step.rank_state import PageTables, RankSpan
+from dserve.step.sampler import Sampler, device_ints, processed_probs
 
 
 def verify_spans(spans: list[RankSpan], logits: torch.Tensor, sampler: Sampler) -> None:

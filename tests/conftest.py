@@ -68,7 +68,7 @@ def make_engine():
 def forward_spans(engine, spans):
     """Logits of one forward pass over `spans` (whose pages are allocated) on a one-rank engine,
     after the last token of each."""
-    from dserve.runtime.batch import Seq, assemble, table_rows
+    from dserve.step.batch import Seq, assemble, table_rows
 
     kv = engine.groups[0].kv
     seqs = []

@@ -34,7 +34,7 @@ import msgpack
 import numpy as np
 import torch
 
-from dserve.scheduler.kv_pool import KVPool
+from dserve.memory.kv_pool import KVPool
 from dserve.transfer.descriptor import PoolDescriptor, RankDescriptor
 from dserve.transfer.mapping import Route, held_heads
 from dserve.transfer.messages import (

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from dserve.scheduler.kv_pool import KVLayout, KVPool
+from dserve.memory.kv_pool import KVLayout, KVPool
 
 
 class IncompatiblePeer(ValueError):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dserve.attention.backend import create_backend
-from dserve.scheduler.kv_pool import KVLayout, KVPool
+from dserve.memory.kv_pool import KVLayout, KVPool
 
 HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
 needs_flashinfer = pytest.mark.skipif(
@@ -57,8 +57,8 @@ def relative_error(ref, ours) -> float:
 @pytest.mark.parametrize("heads", [128, 16])
 def test_deepseek_v3_mla_matches_the_reference(spans, heads):
     """128 heads (one GPU) and 16 (attention TP 8)."""
-    from bench.kernel_check import mla_case
     from dserve.attention.flashinfer_backend import FlashInferBackend
+    from tests.kernel_cases import mla_case
 
     ref, ours = mla_case(heads, 512, 64, 64, torch.bfloat16, spans, FlashInferBackend)
     assert relative_error(ref, ours) < 2e-2
@@ -69,8 +69,8 @@ def test_deepseek_v3_mla_matches_the_reference(spans, heads):
 @pytest.mark.parametrize("spans", [MIXED, TREE, DECODE], ids=["mixed", "tree", "decode"])
 def test_glm45_mha_matches_the_reference(spans):
     """96 query heads over 8 KV heads of 128."""
-    from bench.kernel_check import mha_case
     from dserve.attention.flashinfer_backend import FlashInferBackend
+    from tests.kernel_cases import mha_case
 
     ref, ours = mha_case(96, 8, 128, 64, torch.bfloat16, spans, FlashInferBackend)
     assert relative_error(ref, ours) < 2e-2

@@ -10,7 +10,7 @@ import torch
 from dserve.attention.backend import ForwardBatch
 from dserve.attention.index_cache import read_keys, write_keys
 from dserve.attention.torch_backend import TorchBackend
-from dserve.scheduler.kv_pool import KVLayout, KVPool
+from dserve.memory.kv_pool import KVLayout, KVPool
 from tests.conftest import random_prompts
 
 E4M3_STEP = 2**-4  # half an ulp of a 3-bit mantissa, relative
@@ -49,7 +49,7 @@ def test_fp8_selection_differs_only_between_near_ties():
         seq_lens=[n],
         page_table=torch.arange(3)[None],
         out_slots=torch.arange(n),
-        logits_indices=torch.tensor([n - 1]),
+        logits_rows=torch.tensor([n - 1]),
     )
     chosen = {}
     for fp8 in (False, True):

@@ -10,8 +10,8 @@ import torch
 
 pytest.importorskip("triton")  # tests/conftest.py sets TRITON_INTERPRET=1 on a CPU host
 
-from bench import kernel_check  # noqa: E402  (the random pools and batches, shared with the GPU check)
 from dserve.attention.triton_backend import TritonBackend  # noqa: E402
+from tests import kernel_cases  # noqa: E402  (the random pools and batches, shared with the GPU check)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (new tokens, context after the step, tree tail or None): a prompt, an extend over a prefix in
@@ -20,7 +20,7 @@ SPANS = [(37, 37, None), (20, 70, None), (1, 9, None), (4, 12, 5), (1, 1, None)]
 
 
 def mla_case(heads, rank, rope, page_size, dtype, spans=SPANS):
-    return kernel_check.mla_case(
+    return kernel_cases.mla_case(
         heads, rank, rope, page_size, dtype, spans, TritonBackend, DEVICE, expect_extend=True
     )
 
@@ -31,7 +31,7 @@ def mha_case(heads, kv_heads, head_dim, page_size, dtype, spans=SPANS, block_g=N
         made.extend_tune["mha"]["block_g"] = block_g
         return made
 
-    return kernel_check.mha_case(
+    return kernel_cases.mha_case(
         heads,
         kv_heads,
         head_dim,

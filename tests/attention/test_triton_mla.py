@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("triton")  # tests/conftest.py sets TRITON_INTERPRET=1 on a CPU host
 
 from dserve.attention.triton_mla import mla_decode  # noqa: E402
-from dserve.scheduler.kv_pool import KVLayout, KVPool  # noqa: E402
+from dserve.memory.kv_pool import KVLayout, KVPool  # noqa: E402
 
 
 def reference(q_latent, q_rope, cache, page_table, seq_lens, scale):

@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("triton")  # tests/conftest.py sets TRITON_INTERPRET=1 on a CPU host
 
 from dserve.attention.triton_store import store_tokens  # noqa: E402
-from dserve.scheduler.kv_pool import KVLayout, KVPool  # noqa: E402
+from dserve.memory.kv_pool import KVLayout, KVPool  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -10,7 +10,7 @@ import torch
 
 from dserve.attention.backend import ForwardBatch
 from dserve.attention.torch_backend import TorchBackend
-from dserve.scheduler.kv_pool import KVLayout, KVPool
+from dserve.memory.kv_pool import KVLayout, KVPool
 from tests.conftest import random_prompts
 from tests.reference import hf_greedy
 

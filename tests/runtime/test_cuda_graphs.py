@@ -90,10 +90,10 @@ def test_disabled_static_steps_run_eagerly(tiny_dir, make_engine):
 def test_graph_replay_has_no_host_sync(tiny_dir):
     """A replayed decode step raises nothing under torch's sync detector set to error, and its
     logits equal the eager step's."""
-    from bench.spec_verify import step_batch
     from dserve.runtime.config import EngineConfig
     from dserve.runtime.model_runner import ModelRunner
     from dserve.scheduler.kv_manager import KVCacheManager
+    from tests.kernel_cases import step_batch
 
     path = tiny_dir("deepseek_v3")
     config = lambda **kw: EngineConfig(

@@ -9,7 +9,7 @@ import pickle
 import pytest
 import torch
 
-from dserve.runtime.plan import StepPlan, StepResult
+from dserve.step.plan import StepPlan, StepResult
 from tests.conftest import random_prompts
 
 MIXED = [

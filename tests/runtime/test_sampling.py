@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from dserve.runtime import SamplingParams
-from dserve.runtime.rank_state import RankRequest
-from dserve.runtime.sampler import Sampler, _penalise, processed_probs
 from dserve.scheduler.request import Request
+from dserve.step.rank_state import RankRequest
+from dserve.step.sampler import Sampler, _penalise, processed_probs
 from tests.conftest import random_prompts
 from tests.reference import hf_greedy, hf_last_logits, hf_model
 

@@ -1,4 +1,4 @@
-"""On a GPU the logits stay on the device and the front moves only what it needs (`runtime/sampler.py`):
+"""On a GPU the logits stay on the device and the front moves only what it needs (`step/sampler.py`):
 sampled rows still draw from each request's own generator, so a seed gives the same tokens whatever
 else is in the batch (with penalties, top-k/top-p, and through speculative verification too), and
 logprobs come back for the tokens chosen."""

@@ -47,7 +47,7 @@ def answer(sched: Scheduler, sampling: list[Span], token: int = 7) -> None:
         req.output_ids.append(token)
         sched.received(req)
         if req.num_tokens >= req.stop_length:
-            sched.finish(req, "length")
+            sched.finish_and_free(req, "length")
 
 
 def step(sched: Scheduler) -> list[Span]:
@@ -241,8 +241,8 @@ def test_finish_frees_running_and_waiting_requests_alike():
     sched.add(b)
     step(sched)
     assert a.status is Status.RUNNING and b.status is Status.WAITING
-    sched.finish(a, "abort", error="aborted")
-    sched.finish(b, "abort", error="aborted")
+    sched.finish_and_free(a, "abort", error="aborted")
+    sched.finish_and_free(b, "abort", error="aborted")
     assert a.finished and b.finished and not sched.has_work
     assert sched.kv.num_used_pages == 0
     check(sched)
@@ -285,3 +285,93 @@ def test_a_request_alone_is_ended_when_waiting_requests_hold_the_pages_it_lacks(
     while not joined.finished:
         step(sched)
     check(sched)
+
+
+# ---- page accounting after aborts and preemptions ----------------------------------------------
+
+
+def test_an_abort_mid_prompt_gives_back_its_pages_and_slot():
+    sched = make(chunk=4)
+    a = request("a", 13, max_new=2)
+    sched.add(a)
+    step(sched)  # the first chunk
+    slot = a.slot
+    assert len(sched.kv.tables["a"]) == 1
+    sched.finish_and_free(a, "abort", error="aborted")
+    assert a.slot is None and sched.ended_slots == [slot] and slot in sched.free_slots
+    assert sched.kv.num_used_pages == 0 and "a" not in sched.kv.tables
+    check(sched)
+
+
+def test_an_abort_while_a_step_is_in_flight_drops_that_steps_token():
+    sched = make(chunk=64)
+    a = request("a", 6, max_new=5)
+    sched.add(a)
+    sampling = launch(sched, sched.schedule())  # the prompt's step, not answered yet
+    sched.finish_and_free(a, "abort", error="aborted")
+    answer(sched, sampling)  # its token comes back after the abort
+    assert a.output_ids == [] and a.finish_reason == "abort"
+    assert sched.kv.num_used_pages == 0 and not sched.has_work
+    check(sched)
+
+
+def test_aborting_one_sharer_keeps_the_prefix_for_the_other():
+    sched = make(chunk=64)
+    a = request("a", 9, max_new=3)
+    sched.add(a)
+    step(sched)
+    b = request("b", 9, max_new=3)  # the same prompt: 2 pages shared
+    sched.add(b)
+    step(sched)
+    shared = sched.kv.tables["b"][:2]
+    assert sched.kv.tables["a"][:2] == shared
+    sched.finish_and_free(a, "abort", error="aborted")
+    assert [sched.kv.allocator.ref[p] for p in shared] == [1, 1]
+    while not b.finished:
+        step(sched)
+        check(sched)
+    assert b.output_ids == [7, 7, 7] and sched.kv.num_used_pages == 0
+
+
+def test_a_preempted_request_holds_nothing_and_finds_its_own_pages_again():
+    sched = make(pages=5, budget=64, chunk=64)
+    a, b = request("a", 8, max_new=4), request("b", 8, max_new=4, first=300)
+    sched.add(a)
+    sched.add(b)
+    step(sched)  # 2 pages each, 1 free
+    step(sched)  # a grows into the free page; b's next token needs one: b gives way
+    assert b.status is Status.WAITING and b.num_preemptions == 1
+    assert "b" not in sched.kv.tables and b.num_computed_tokens == 0
+    check(sched)
+    while not (a.finished and b.finished):
+        step(sched)
+        check(sched)
+    assert b.num_cached_tokens == 0  # its first admission saw no cache
+    assert sched.kv.num_used_pages == 0
+
+
+def test_finishing_a_request_twice_or_before_it_was_added_is_harmless():
+    sched = make()
+    a = request("a", 5)
+    sched.finish_and_free(a, "abort", error="aborted")  # never added
+    sched.finish_and_free(a, "abort", error="again")
+    assert a.finished and a.error == "aborted"
+    assert sched.kv.num_used_pages == 0 and not sched.has_work
+    check(sched)
+
+
+def test_pages_add_up_to_the_tokens_each_running_request_holds():
+    sched = make(pages=32, chunk=5)
+    reqs = [
+        request(r, n, max_new=6, first=100 * i)
+        for i, (r, n) in enumerate([("a", 3), ("b", 9), ("c", 14)])
+    ]
+    for req in reqs:
+        sched.add(req)
+    for _ in range(12):
+        step(sched)
+        check(sched)
+        for req in sched.running:
+            pages = len(sched.kv.tables[req.rid])
+            assert pages == -(-req.num_computed_tokens // PAGE)
+    assert all(r.finished for r in reqs) and sched.kv.num_used_pages == 0

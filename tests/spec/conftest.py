@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.train_mtp import train
+from tests.drafts import train
 
 
 @pytest.fixture(scope="session")
@@ -54,7 +54,7 @@ def trained_eagle3(trained_dir, tmp_path_factory):
 
     def get(arch: str):
         if arch not in made:
-            from bench.train_eagle3 import train_eagle3
+            from tests.drafts import train_eagle3
 
             target, info = trained_dir(arch)
             out = str(tmp_path_factory.mktemp(f"eagle3_trained_{arch}"))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.train_mtp import measure
+from tests.drafts import measure
 
 
 def test_trained_draft_is_accepted(trained):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.train_mtp import train
+from tests.drafts import train
 
 GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
 SHAPES = {

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dserve.runtime.batch import Seq, assemble, assemble_draft, table_rows
 from dserve.scheduler.kv_manager import KVCacheManager
+from dserve.step.batch import Seq, assemble, assemble_draft, table_rows
 from tests.reference import relative_error
 from tests.spec.test_mtp import GREEDY, checkpoint_tensors, prompts
 
@@ -29,7 +29,7 @@ def reference_draft_logits(
     """The EAGLE-3 layer written with transformers' LlamaAttention (its q/k/v read 2 * hidden, its
     o_proj writes hidden), LlamaMLP and rotary embedding (the module bench/train_eagle3.py trains);
     logits over the draft vocabulary."""
-    from bench.train_eagle3 import Eagle3Head
+    from tests.drafts import Eagle3Head
 
     return Eagle3Head.from_checkpoint(draft)(embed[tokens][None], aux[None])[0]
 

@@ -37,7 +37,7 @@ FLASHINFER_SHAPES = {
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
 def test_flashinfer_engine_matches_triton(arch, tmp_path, make_engine):
-    from bench.train_mtp import train
+    from tests.drafts import train
 
     path = str(tmp_path)
     info = train(arch, path, steps=120, log=lambda *_: None, shapes=FLASHINFER_SHAPES[arch])

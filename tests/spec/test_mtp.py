@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dserve.runtime.batch import Seq, assemble_draft, table_rows
 from dserve.scheduler.kv_manager import KVCacheManager
+from dserve.step.batch import Seq, assemble_draft, table_rows
 from tests.reference import relative_error
 
 GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}

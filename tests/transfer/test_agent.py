@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
+from dserve.memory.kv_pool import KVLayout
 from dserve.runtime.worker import rank_processes
-from dserve.scheduler.kv_pool import KVLayout
 from dserve.transfer.mapping import held_heads
 
 pytest.importorskip("ucxx")  # the transfer stack (ucxx, pyzmq) is not on every GPU host
@@ -56,7 +56,7 @@ def rank_process(
     stage: int,
     layers: range,
 ) -> None:
-    from dserve.scheduler.kv_pool import KVPool
+    from dserve.memory.kv_pool import KVPool
     from dserve.transfer.agent import Placement, TransferAgent
     from dserve.transfer.descriptor import PoolDescriptor
 
@@ -138,7 +138,7 @@ def expected_pages(
 ) -> None:
     """Check the decode rank's `received` pages hold the global values of its heads and layers,
     page by page."""
-    from dserve.scheduler.kv_pool import KVPool
+    from dserve.memory.kv_pool import KVPool
 
     pool = KVPool(layout(kind, tp, len(layers)), PAGES, "cpu")
     pool.pages.copy_(received)

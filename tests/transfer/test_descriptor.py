@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from dserve.scheduler.kv_pool import KVLayout
+from dserve.memory.kv_pool import KVLayout
 from dserve.transfer.descriptor import (
     IncompatiblePeer,
     InstanceDescriptor,

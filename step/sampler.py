@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dserve.runtime.grammar import apply_masks
 from dserve.scheduler.request import SamplingParams
+from dserve.step.grammar import apply_masks
 
 
 def seeded_generator(seed: int, position: int) -> torch.Generator:

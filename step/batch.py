@@ -14,14 +14,14 @@ from dserve.attention.backend import ForwardBatch
 @dataclass
 class Seq:
     """One sequence of a pass: `tokens` written at consecutive cache indices from `start` of the
-    page table `tables[key]`, with the logits of local rows `logits_rows`. A negative token
+    page table `tables[holder]` (on a rank a slot), with the logits of local rows `logits_rows`. A negative token
     -(s + 1) stands for the token slot s sampled last, read on the device (`pending_token`). By
     default a token's rotary position is its cache index and it sees the context causally; a draft
     tree gives `positions` and `mask` [len(tokens), tail]: which of the context's last `tail` cache
     indices each token sees (all before them are seen by every token). A draft pass names, per
     token, the row of the previous pass's hidden states it reads (`hidden_rows`)."""
 
-    key: object
+    holder: object
     start: int
     tokens: list[int]
     logits_rows: list[int]
@@ -58,7 +58,7 @@ def assemble(seqs: list[Seq], page_table: np.ndarray, page_size: int) -> Forward
         seq_lens=(starts + q_lens).tolist() if seqs else [],
         page_table=torch.from_numpy(np.ascontiguousarray(page_table, dtype=np.int64)),
         out_slots=torch.from_numpy(slots.astype(np.int64)),
-        logits_indices=_long(logits_rows),
+        logits_rows=_long(logits_rows),
         tree_masks=masks if any(m is not None for m in masks) else None,
     )
 
@@ -71,12 +71,12 @@ def assemble_draft(seqs: list[Seq], page_table: np.ndarray, page_size: int) -> F
     return batch
 
 
-def table_rows(tables: Mapping[object, Sequence[int]], keys: list) -> np.ndarray:
-    """The page tables of `keys` (a KV manager's tables, say) as rows of one array, zero-padded."""
-    width = max((len(tables[k]) for k in keys), default=0)
-    rows = np.zeros((len(keys), width), dtype=np.int64)
-    for i, key in enumerate(keys):
-        rows[i, : len(tables[key])] = tables[key]
+def table_rows(tables: Mapping[object, Sequence[int]], holders: list) -> np.ndarray:
+    """The page tables of `holders` (a KV manager's, say) as rows of one array, zero-padded."""
+    width = max((len(tables[h]) for h in holders), default=0)
+    rows = np.zeros((len(holders), width), dtype=np.int64)
+    for i, holder in enumerate(holders):
+        rows[i, : len(tables[holder])] = tables[holder]
     return rows
 
 

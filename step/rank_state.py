@@ -4,7 +4,7 @@ by slot (the row the front gave each running request).
 A rank learns a request once (`NewRequest`) and from then on appends the tokens it samples itself,
 so the front never sends a token back. The newest token of a request may still be on the device
 only (its step's result not yet copied to the host): the next step reads it there
-(`runtime/batch.pending_token`).
+(`step/batch.pending_token`).
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dserve.runtime.batch import pending_token
-from dserve.runtime.grammar import GrammarState
-from dserve.runtime.plan import GroupPlan, KnownTokens, NewRequest, PageUpdate, PlannedSpan
 from dserve.scheduler.request import SamplingParams
+from dserve.step.batch import pending_token
+from dserve.step.grammar import GrammarState
+from dserve.step.plan import GroupPlan, KnownTokens, NewRequest, PageUpdate, PlannedSpan
 
 
 @dataclass
