@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import msgpack
+
 from dserve.models.config import ModelConfig
 from dserve.runtime.engine import Engine, hold_key
 from dserve.runtime.metrics import InstanceMetrics
@@ -210,7 +212,7 @@ class PrefillSide:
         room.group = self.engine.group_of[room.rid]
         timeout = self.config.transfer_timeout_s
         self.manager.push(
-            room.room, room.group, reg.peer, reg.dp_rank, pages, reg.pages, None, timeout, ready
+            room.room, room.group, reg.peer, reg.dp_rank, pages, reg.pages, timeout, None, ready
         )
         room.streamed_pages = ready
 
@@ -272,8 +274,8 @@ class PrefillSide:
             reg.dp_rank,
             src,
             reg.pages,
-            aux,
             self.config.transfer_timeout_s,
+            msgpack.packb(aux),
         )
         room.state = "transferring"
 
@@ -308,7 +310,7 @@ class PrefillSide:
         reg = room.registration
         timeout = self.config.transfer_timeout_s
         self.manager.push(
-            room.room, room.group, reg.peer, reg.dp_rank, [], reg.pages, None, timeout, error=error
+            room.room, room.group, reg.peer, reg.dp_rank, [], reg.pages, timeout, error=error
         )
         room.state = "transferring"  # its outcome arrives for a room already gone: ignored
 
@@ -495,9 +497,9 @@ class DecodeSide:
                 "bytes": outcome.bytes,
                 "seconds": round(outcome.seconds, 6),
             }
-            if outcome.ok and outcome.aux:
+            if outcome.ok and outcome.payload:
                 self._drop(room)
-                aux = outcome.aux
+                aux = msgpack.unpackb(outcome.payload)
                 received = time.perf_counter()
                 if "input" in aux:
                     req.input_logprobs = list(aux["input"])

@@ -3,15 +3,16 @@
 The agent runs its own asyncio loop in a thread of the rank process. It listens for UCX peers, talks
 to its instance's front over one ZMQ DEALER socket (commands in, events out, msgpack), and:
 
-- `push`   (prefill, `sending.py`) sends the room's messages to each decode rank it has a route to,
-           then one control message per decode rank (success or the error, plus aux data); a
-           dummy sends only that. A streamed room comes in parts first (the messages whose pages
-           the prompt's computed chunks have written), each acknowledged with a "part" event.
-- `expect` (decode) posts a receive for every message and control message of the room straight into
-           its pages (into a staging buffer when only a head slice of a page arrives), and reports the
-           room done once all arrived and every sender said success.
-- `cancel` (decode) completes the room's outstanding receives with empty messages sent to itself, so
-           no late byte can land in pages that are then freed; the room reports failed.
+- `Push`   (prefill, `sending.py`) sends the room's messages to each decode rank it has a route
+           to, then one control message per decode rank (success or the error, plus the payload);
+           a dummy sends only that. A streamed room comes in parts first (the messages whose pages
+           the prompt's computed chunks have written), each acknowledged with a `PartSent` event.
+- `Expect` (decode) posts a receive for every message and control message of the room straight
+           into its pages (into a staging buffer when only a head slice of a page arrives), and
+           reports the room done once all arrived and every sender said success.
+- `Cancel` (decode) completes the room's outstanding receives with empty messages sent to itself,
+           so no late byte can land in pages that are then freed; the room reports failed.
+The commands and events are `commands.py`'s dataclasses.
 
 Peers reach each other by UCX worker address (exchanged in the rank descriptors through the
 bootstrap), not through a listener: making an endpoint is local and needs no handshake. (ucxx's
@@ -30,19 +31,29 @@ import threading
 import time
 from dataclasses import dataclass
 
-import msgpack
 import numpy as np
 import torch
 
 from dserve.scheduler.kv_pool import KVPool
+from dserve.transfer.commands import (
+    Cancel,
+    Expect,
+    Hello,
+    Push,
+    RoomReport,
+    Stop,
+    Transfer,
+    pack,
+    unpack,
+)
 from dserve.transfer.descriptor import PoolDescriptor, RankDescriptor
 from dserve.transfer.mapping import Route, held_heads
 from dserve.transfer.messages import (
     CTRL_BYTES,
+    Control,
     Message,
     ctrl_tag,
     route_messages,
-    unpack_ctrl,
 )
 from dserve.transfer.sending import (
     Sending,
@@ -136,6 +147,16 @@ def message_pages(layout, message_mib: int, stream_tokens: int = 0) -> int:
     return min(caps, default=0)
 
 
+@dataclass
+class Receiving:
+    """A decode room's receives while they are posted."""
+
+    tags: set[int]  # those not completed yet
+    cancelled: bool = False
+    sender_error: str | None = None
+    payload: bytes | None = None
+
+
 class TransferAgent(Sending):
     def __init__(
         self,
@@ -152,7 +173,7 @@ class TransferAgent(Sending):
         self.endpoints: dict[
             str, asyncio.Future
         ] = {}  # peer worker address -> endpoint being made or made
-        self.rooms: dict[int, dict] = {}  # decode: room -> outstanding receive tags
+        self.rooms: dict[int, Receiving] = {}  # decode: the rooms being received
         self.streams: dict[int, Stream] = {}  # prefill: rooms pushed in parts so far
         self.stream = None  # the agent's own CUDA stream for its copies (made on first use)
         self.ready = threading.Event()
@@ -196,16 +217,16 @@ class TransferAgent(Sending):
         self.descriptor = RankDescriptor(
             w.dp_rank, w.attn_rank, w.attn_tp, self.address, pools, w.stage
         )
-        await self._emit({"kind": "hello", "descriptor": self.descriptor.to_dict()})
+        await self._emit(Hello(self.descriptor))
         self.ready.set()
         tasks = set()
         while True:
-            cmd = msgpack.unpackb(await self.sock.recv())
+            command = unpack(await self.sock.recv())
             # monotonic, comparable across processes: timelines in debug logs
-            cmd["arrived"] = time.perf_counter()
-            if cmd["kind"] == "stop":
+            arrived = time.perf_counter()
+            if isinstance(command, Stop):
                 break
-            task = asyncio.ensure_future(self._dispatch(cmd))
+            task = asyncio.ensure_future(self._dispatch(command, arrived))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
         made = [f.result() for f in self.endpoints.values() if made(f)]
@@ -213,40 +234,29 @@ class TransferAgent(Sending):
             ep.abort()
         self.sock.close()
 
-    async def _emit(self, event: dict) -> None:
+    async def _emit(self, event) -> None:
         if log.isEnabledFor(logging.DEBUG):
-            log.debug(
-                "rank %d/%d: event %s",
-                self.dp_rank,
-                self.attn_rank,
-                {k: v for k, v in event.items() if k != "aux"},
-            )
-        await self.sock.send(msgpack.packb(event))
+            name = type(event).__name__
+            log.debug("rank %d/%d: %s %s", self.dp_rank, self.attn_rank, name, event)
+        await self.sock.send(pack(event))
 
-    async def _dispatch(self, cmd: dict) -> None:
-        log.debug(
-            "rank %d/%d: %s room %s", self.dp_rank, self.attn_rank, cmd["kind"], cmd.get("room")
-        )
+    async def _dispatch(self, command, arrived: float) -> None:
+        name = type(command).__name__
+        log.debug("rank %d/%d: %s room %s", self.dp_rank, self.attn_rank, name, command.room)
         try:
-            if cmd["kind"] == "push":
-                await self._push(cmd)
-            elif cmd["kind"] == "expect":
-                await self._expect(cmd)
-            elif cmd["kind"] == "cancel":
-                await self._cancel(cmd["room"])
+            if isinstance(command, Push):
+                await self._push(command, arrived)
+            elif isinstance(command, Expect):
+                await self._expect(command, arrived)
+            elif isinstance(command, Cancel):
+                await self._cancel(command.room)
         except Exception as e:  # noqa: BLE001 - a room fails, the agent keeps serving
-            log.exception("transfer command %s failed", cmd.get("kind"))
-            await self._emit(
-                {
-                    "kind": "pushed" if cmd["kind"] == "push" else "received",
-                    "room": cmd.get("room"),
-                    "ok": False,
-                    "error": f"{type(e).__name__}: {e}",
-                    "aux": None,
-                    "bytes": 0,
-                    "settled": True,
-                }
-            )  # _expect settles its own receives; it fails here before posting any
+            log.exception("transfer command %s failed", name)
+            push = isinstance(command, Push)
+            transfer = Transfer.PUSH if push else Transfer.RECEIVE
+            error = f"{type(e).__name__}: {e}"
+            # _expect settles its own receives; it fails here before posting any
+            await self._emit(RoomReport(command.room, transfer, False, error))
 
     async def _endpoint(self, address: str):
         """One endpoint per peer, shared by all rooms. Rooms that start together wait on the same
@@ -290,27 +300,28 @@ class TransferAgent(Sending):
             self.stream.synchronize()
 
     # ---- messages --------------------------------------------------------------------------------
-    def _messages(self, cmd: dict, route: Route, src_pages) -> list[Message]:
-        """This pair's messages over every pool; `src_pages` is None on the decode side."""
+    def _messages(self, command: Push | Expect, route: Route) -> list[Message]:
+        """This pair's messages over every pool (a `Push`'s with their source pages)."""
         out = []
         for i, (desc, _) in enumerate(self.pools):
-            if route not in [Route(*r) for r in cmd["routes"][i]]:
+            if route not in command.routes[i]:
                 continue  # nothing of this pool moves on this route
             mine = len(desc.held_heads) if desc.kind == "mha" else 0
-            src_held, dst_held = (
-                (mine, cmd["dst_heads_held"][i])
-                if src_pages is not None
-                else (cmd["src_heads_held"][i], mine)
-            )
+            if isinstance(command, Push):
+                src_pages = command.src_pages
+                src_held, dst_held = mine, command.dst_heads_held[i]
+            else:
+                src_pages = None
+                src_held, dst_held = command.src_heads_held[i], mine
             out += route_messages(
-                cmd["room"],
+                command.room,
                 route,
                 i,
-                cmd["dst_pages"],
+                command.dst_pages,
                 src_pages,
                 src_held,
                 dst_held,
-                cmd["message_pages"][i],
+                command.message_pages[i],
             )
         return out
 
@@ -339,111 +350,119 @@ class TransferAgent(Sending):
         staging = torch.empty((n, size), dtype=pool.pages.dtype, device=pool.device)
         return staging, views
 
-    def _pair_routes(self, cmd: dict, p: int, d: int) -> list[Route]:
+    def _pair_routes(self, command: Push | Expect, p: int, d: int) -> list[Route]:
         """Real routes from prefill rank p to decode rank d over all pools (deduplicated)."""
         seen = []
-        for pool_routes in cmd["routes"]:
-            for r in map(lambda x: Route(*x), pool_routes):
+        for pool_routes in command.routes:
+            for r in pool_routes:
                 if r.prefill_rank == p and r.decode_rank == d and not r.dummy and r not in seen:
                     seen.append(r)
         return seen
 
     # ---- decode side ----------------------------------------------------------------------------
-    async def _expect(self, cmd: dict) -> None:
+    async def _expect(self, command: Expect, arrived: float) -> None:
         import ucxx
 
-        room, me = cmd["room"], self.where.slot
-        # (sending prefill rank for a control message else None, tag, buffer)
-        recvs, scatters = [], []
-        senders = {r[0] for pool_routes in cmd["routes"] for r in pool_routes if r[1] == me}
-        for p in sorted(senders):
-            for r in self._pair_routes(cmd, p, me):
-                for msg in self._messages(cmd, r, None):
-                    with (
-                        self._own_stream()
-                        if msg.dst_heads is not None
-                        else contextlib.nullcontext()
-                    ):
-                        # staging: never memory of an in-flight step
-                        target, scatter_to = self._destination(msg)
-                    recvs.append((None, msg.tag, target))
-                    if scatter_to is not None:
-                        scatters.append((target, scatter_to))
-            recvs.append((p, ctrl_tag(room, p, me), np.zeros(CTRL_BYTES, dtype=np.uint8)))
-        state = {
-            "tags": {tag for _, tag, _ in recvs},
-            "cancelled": False,
-            "sender_error": None,
-            "aux": None,
-        }
+        room = command.room
+        recvs, scatters = self._receive_buffers(command)
+        state = Receiving({tag for _, tag, _ in recvs})
         self.rooms[room] = state
 
         async def one(tag, buffer):
-            await ucxx.recv(
-                as_ucx_buffer(buffer) if isinstance(buffer, torch.Tensor) else buffer, tag
-            )
-            state["tags"].discard(tag)
+            if isinstance(buffer, torch.Tensor):
+                await ucxx.recv(as_ucx_buffer(buffer), tag)
+            else:
+                await ucxx.recv(buffer, tag)
+            state.tags.discard(tag)
 
         async def ctrl(p, tag, buffer):
             await one(tag, buffer)
             if not buffer[:4].any():
                 return  # completed empty by a cancel
-            msg = unpack_ctrl(buffer.tobytes())
-            state["aux"] = state["aux"] or msg.get("aux")
+            control = Control.unpack(buffer.tobytes())
+            state.payload = state.payload or control.payload
             # its data will not come: stop waiting
-            if not msg["ok"] and state["sender_error"] is None:
-                state["sender_error"] = f"prefill rank {p}: {msg['error']}"
+            if not control.ok and state.sender_error is None:
+                state.sender_error = f"prefill rank {p}: {control.error}"
                 await self._cancel(room)
 
-        tasks = [
-            asyncio.ensure_future(ctrl(p, tag, buf) if p is not None else one(tag, buf))
-            for p, tag, buf in recvs
-        ]
+        tasks = []
+        for p, tag, buffer in recvs:
+            receive = one(tag, buffer) if p is None else ctrl(p, tag, buffer)
+            tasks.append(asyncio.ensure_future(receive))
         posted = time.perf_counter()
-        error, aux, received = None, None, 0
+        error, payload, received = None, None, 0
         try:
-            error = await self._wait_receives(room, state, tasks, cmd["timeout_s"])
-            error = state["sender_error"] or error
-            aux = state["aux"]
-            if error is None and scatters:
-                with self._own_stream():
-                    for staged, views in scatters:
-                        _scatter(staged, views)
-                self._own_stream_done()  # the pages are whole before the room is reported; staging is freed
+            error = await self._wait_receives(room, state, tasks, command.timeout_s)
+            error = state.sender_error or error
+            payload = state.payload
             if error is None:
-                received = sum(
-                    b.numel() * b.element_size() for _, _, b in recvs if isinstance(b, torch.Tensor)
-                )
+                self._scatter_staged(scatters)
+                received = sum(_nbytes(b) for _, _, b in recvs if isinstance(b, torch.Tensor))
         except Exception as e:  # noqa: BLE001 - the room fails; its receives are settled below first
             log.exception("room %d: receiving failed", room)
             error = f"{type(e).__name__}: {e}"
         finally:  # every way out: no receive may still be posted when the room is reported
             settled = await self._complete_receives(room, tasks)
             self.rooms.pop(room, None)
-        arrived = time.perf_counter()
+        done = time.perf_counter()
         log.debug(
             "room %d expect timeline: command %.6f, posted +%.3f ms, arrived +%.3f ms",
             room,
-            cmd["arrived"],
-            (posted - cmd["arrived"]) * 1e3,
-            (arrived - cmd["arrived"]) * 1e3,
+            arrived,
+            (posted - arrived) * 1e3,
+            (done - arrived) * 1e3,
         )
-        await self._emit(
-            {
-                "kind": "received",
-                "room": room,
-                "ok": error is None,
-                "error": error,
-                "aux": aux,
-                "bytes": received,
-                "settled": settled,
-                "started": cmd["arrived"],
-                "finished": arrived,
-            }
+        report = RoomReport(
+            room,
+            Transfer.RECEIVE,
+            error is None,
+            error,
+            payload,
+            received,
+            settled,
+            started=arrived,
+            finished=done,
         )
+        await self._emit(report)
+
+    def _receive_buffers(self, command: Expect) -> tuple[list, list]:
+        """Where each receive of the room lands: (sending prefill rank for a control message,
+        else None; tag; buffer), and (staging buffer, page views) for each staged message."""
+        room, me = command.room, self.where.slot
+        recvs, scatters = [], []
+        routes = [r for pool_routes in command.routes for r in pool_routes]
+        senders = {r.prefill_rank for r in routes if r.decode_rank == me}
+        for p in sorted(senders):
+            for r in self._pair_routes(command, p, me):
+                for msg in self._messages(command, r):
+                    target, scatter_to = self._receive_into(msg)
+                    recvs.append((None, msg.tag, target))
+                    if scatter_to is not None:
+                        scatters.append((target, scatter_to))
+            ctrl_buffer = np.zeros(CTRL_BYTES, dtype=np.uint8)
+            recvs.append((p, ctrl_tag(room, p, me), ctrl_buffer))
+        return recvs, scatters
+
+    def _receive_into(self, msg: Message) -> tuple[torch.Tensor, list | None]:
+        """`_destination`, its staging buffer made on the agent's stream (never memory of an
+        in-flight step)."""
+        if msg.dst_heads is None:
+            return self._destination(msg)
+        with self._own_stream():
+            return self._destination(msg)
+
+    def _scatter_staged(self, scatters: list) -> None:
+        """Staged messages into their pages, before the room is reported (staging is freed)."""
+        if not scatters:
+            return
+        with self._own_stream():
+            for staged, views in scatters:
+                _scatter(staged, views)
+        self._own_stream_done()
 
     async def _wait_receives(
-        self, room: int, state: dict, tasks: list, timeout_s: float
+        self, room: int, state: Receiving, tasks: list, timeout_s: float
     ) -> str | None:
         """Wait for every receive of the room (those left after a timeout are cancelled by
         `_complete_receives`). The first error, if any."""
@@ -453,7 +472,7 @@ class TransferAgent(Sending):
         )
         if pending:
             error = error or f"KV of room {room} did not arrive within {timeout_s:.0f}s"
-        if state["cancelled"] and error is None:
+        if state.cancelled and error is None:
             error = "the request was cancelled"
         return error
 
@@ -477,10 +496,10 @@ class TransferAgent(Sending):
         state = self.rooms.get(room)
         if state is None:
             return
-        state["cancelled"] = True
+        state.cancelled = True
         ep = await self._endpoint(self.address)
         empty = np.zeros(0, dtype=np.uint8)
-        for tag in list(state["tags"]):
+        for tag in list(state.tags):
             await ep.send(empty, tag=tag, force_tag=True)
 
 
@@ -491,3 +510,7 @@ def _scatter(staged: torch.Tensor, views: list[torch.Tensor]) -> None:
         size = v[0].numel()
         v.copy_(staged[:, offset : offset + size].view(v.shape))
         offset += size
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
