@@ -56,6 +56,17 @@ def front_host(engine_kwargs: dict) -> str | None:
     return engine_kwargs["dist_init_addr"].rsplit(":", 1)[0]
 
 
+def role_connector(role: str):
+    """The connector class of a disaggregated role."""
+    if role == "prefill":
+        from dserve.runtime.pd_prefill import PrefillConnector
+
+        return PrefillConnector
+    from dserve.runtime.pd_decode import DecodeConnector
+
+    return DecodeConnector
+
+
 def warm_up(engine: Engine) -> None:
     """Before the instance reports ready: a few prompts of different shapes (one token, a few
     pages, a long chunk) and their first decode steps, so every kernel a step launches is
@@ -68,7 +79,8 @@ def warm_up(engine: Engine) -> None:
 
 
 class Instance:
-    """Engine + engine thread + role side + transfer manager of one serving instance."""
+    """Engine + engine thread + the role's connector + transfer manager of one serving
+    instance."""
 
     def __init__(
         self,
@@ -78,7 +90,7 @@ class Instance:
         **engine_kwargs,
     ):
         self.config, self.metrics = config, metrics or InstanceMetrics()
-        self.manager = self.side = self.peers = None
+        self.manager = None
         transfer = None
         if config.role != "colocated":
             from dserve.transfer.agent import AgentConfig
@@ -100,14 +112,14 @@ class Instance:
             )
         self.engine = Engine(model_path, transfer=transfer, **engine_kwargs)
         if self.manager is not None:
-            from dserve.runtime import pd
-
             self.manager.wait_for_agents(self.engine.config.world_size)
-            side_class = pd.PrefillSide if config.role == "prefill" else pd.DecodeSide
-            self.side = side_class(self.engine, self.manager, config, self.metrics)
+            connector_class = role_connector(config.role)
+            connector = connector_class(self.engine, self.manager, config, self.metrics)
+            self.engine.connector = connector
+        self.connector = self.engine.connector
         warm_up(self.engine)
         stats = Stats(self.engine, self.metrics, config.batch_log_interval_s)
-        self.loop = EngineLoop(self.engine, self.side, stats)
+        self.loop = EngineLoop(self.engine, stats)
         self.model_name = config.served_model_name or os.path.basename(os.path.normpath(model_path))
         self.chat_template = load_template(config.chat_template)
         self.metrics.watch(self.engine)
@@ -144,52 +156,16 @@ class Instance:
             prompt = part.prompt
             ids = rendered if rendered is not None else prompt.input_ids
             reqs.append(self.engine.make_request(prompt.text, ids, part.sampling, part.rid))
-        if self.side is not None:
-            from dserve.runtime.pd import check_carried
-
-            for req in reqs:
-                check_carried(req)
         return reqs
 
     async def prepare(self, inp: GenerateInput) -> list[tuple]:
         """Each engine request of `inp` and how to start it on the engine thread; BadRequest /
         ConnectionError on failure (nothing started)."""
-        role = self.config.role
-        if role == "colocated" and inp.bootstrap is not None:
-            raise BadRequest(
-                "bootstrap_* fields are for disaggregated instances; this one serves alone"
-            )
-        if role != "colocated" and inp.bootstrap is None:
-            raise BadRequest(
-                f"a {role} instance serves requests sent through `dserve router` "
-                "(bootstrap_host, bootstrap_port and bootstrap_room are required)"
-            )
+        self.connector.check_bootstrap(inp.bootstrap)
         parts = inp.parts()
         reqs = await self.loop.call(self._make_requests, inp, parts)
-        if role == "colocated":
-            return [(req, self.engine.submit) for req in reqs]
-        if role == "prefill":
-            return [(req, self._prefill_start(part.room)) for req, part in zip(reqs, parts)]
-        if self.peers is None:
-            from dserve.runtime.bootstrap import PeerDirectory
-
-            self.peers = PeerDirectory(self.side.descriptor, self.config.bootstrap_timeout_s)
-        b = inp.bootstrap
-        peer = await self.peers.get(b.host, b.port)
-        started = []
-        for req, part in zip(reqs, parts):
-            link = self.peers.link(b.host, b.port, req.rid, self._fail_room)
-            started.append((req, self._decode_start(part.room, peer, link)))
-        return started
-
-    def _prefill_start(self, room: int):
-        return lambda req: self.side.start(req, room)
-
-    def _decode_start(self, room: int, peer, link):
-        return lambda req: self.side.start(req, room, peer, link)
-
-    def _fail_room(self, rid: str, message: str) -> None:
-        self.loop.post(self.side.fail, rid, message)
+        rooms = [part.room for part in parts]
+        return await self.connector.starts(inp.bootstrap, reqs, rooms, self.loop)
 
     def answer(self, inp: GenerateInput, reqs: list) -> Answer:
         c = self.config
@@ -446,7 +422,7 @@ async def _serve(server: Server, sockets, model_path, config, metrics, engine_kw
         if config.role == "prefill":
             from dserve.runtime.bootstrap import bootstrap_app
 
-            app = bootstrap_app(instance.loop, instance.side)
+            app = bootstrap_app(instance.loop, instance.connector)
             runners.append(await start_site(app, sockets[1]))
         if not stop.is_set():
             print("dserve: ready", flush=True)
