@@ -36,7 +36,14 @@ from dserve.runtime.engine import Engine
 from dserve.runtime.engine_loop import EngineLoop, merge
 from dserve.runtime.metrics import CONTENT_TYPE, InstanceMetrics
 from dserve.runtime.openai_protocol import parse_chat, parse_completions
-from dserve.runtime.protocol import BadRequest, GenerateInput, Part, error_body, parse_generate
+from dserve.runtime.protocol import (
+    ROUTES,
+    BadRequest,
+    GenerateInput,
+    Part,
+    error_body,
+    parse_generate,
+)
 from dserve.runtime.server_config import ServerConfig
 from dserve.runtime.sglang_compat import drop_no_op_fields, quiet_h2_probes
 from dserve.runtime.startup import listening_socket, stop_signals
@@ -45,7 +52,6 @@ from dserve.scheduler.request import SamplingParams
 from dserve.transfer.descriptor import IncompatiblePeer
 
 log = logging.getLogger("dserve.server")
-ROUTES = {"/generate": "generate", "/v1/completions": "completions", "/v1/chat/completions": "chat"}
 PARSERS = {"generate": parse_generate, "completions": parse_completions, "chat": parse_chat}
 
 
@@ -139,13 +145,13 @@ class Instance:
                 f"the model {inp.model!r} does not exist (this server serves {self.model_name!r})",
                 404,
             )
-        chat = inp.openai.chat if inp.kind == "chat" else None
+        chat = inp.openai.chat if inp.route == "chat" else None
         if chat and chat.tools and chat.tool_choice != "none" and not self.config.tool_call_parser:
             raise BadRequest("tools need a server started with --tool-call-parser")
 
     def _make_requests(self, inp: GenerateInput, parts: list[Part]) -> list:
         rendered, parser = None, self.config.tool_call_parser
-        if inp.kind == "chat":
+        if inp.route == "chat":
             chat = inp.openai.chat
             rendered = render_chat(self.engine.tokenizer, chat, self.chat_template, parser)
             for part in parts:
@@ -170,7 +176,7 @@ class Instance:
     def answer(self, inp: GenerateInput, reqs: list) -> Answer:
         c = self.config
         kw = {"incremental": c.incremental_streaming_output}
-        if inp.kind == "chat":
+        if inp.route == "chat":
             chat = inp.openai.chat
             kw["make_text"] = lambda: chat_text(chat, c.reasoning_parser, c.tool_call_parser)
         return make_answer(inp, reqs, self.model_name, self.engine.tokenizer, **kw)
@@ -183,8 +189,8 @@ class Server:
     def __init__(self, config: ServerConfig, metrics: InstanceMetrics):
         self.instance, self.metrics = None, metrics
         self.app = web.Application(client_max_size=config.max_request_bytes)
-        for path, kind in ROUTES.items():
-            self.app.router.add_post(path, self._when_ready(self._generation(kind)))
+        for path, route in ROUTES.items():
+            self.app.router.add_post(path, self._when_ready(self._generation(route)))
         self.app.router.add_get("/health", self.health)
         for path, handler in (
             ("/v1/models", self.models),
@@ -259,21 +265,21 @@ class Server:
         }
         return web.json_response(info)
 
-    def _generation(self, kind: str):
+    def _generation(self, route: str):
         async def handler(request: web.Request) -> web.StreamResponse:
             instance = self.instance
             try:
-                inp = PARSERS[kind](drop_no_op_fields(await _read_json(request)))
+                inp = PARSERS[route](drop_no_op_fields(await _read_json(request)))
                 instance.check(inp)
                 started = await instance.prepare(inp)
             except BadRequest as e:
-                self.metrics.request_done(kind, "bad_request")
+                self.metrics.request_done(route, "bad_request")
                 return _error(str(e), e.status)
             except (IncompatiblePeer, ValueError) as e:
-                self.metrics.request_done(kind, "bad_request")
+                self.metrics.request_done(route, "bad_request")
                 return _error(str(e), 400)
             except ConnectionError as e:
-                self.metrics.request_done(kind, "error")
+                self.metrics.request_done(route, "error")
                 return _error(str(e), 502)
             except RuntimeError as e:
                 return _error(str(e), 503)
@@ -292,18 +298,18 @@ class Server:
                 timer.tokens(len(chunk.token_ids))
                 answer.take(index, chunk)
         except ValueError as e:  # rejected when it started (e.g. a room id in use)
-            self.metrics.request_done(inp.kind, "bad_request")
+            self.metrics.request_done(inp.route, "bad_request")
             return _error(str(e), 400)
         except asyncio.CancelledError:  # the client left: abort the requests, free their pages
             await chunks.aclose()
-            self.metrics.request_done(inp.kind, "client_gone")
+            self.metrics.request_done(inp.route, "client_gone")
             raise
         timer.done()
         failed = [c.result for c in answer.choices if c.finish_reason == "abort"]
         if failed:
-            self.metrics.request_done(inp.kind, "error")
+            self.metrics.request_done(inp.route, "error")
             return _error(failed[0].meta.get("error") or "aborted", 500)
-        self.metrics.request_done(inp.kind, "ok")
+        self.metrics.request_done(inp.route, "ok")
         return web.json_response(answer.whole())
 
     async def _sse(
@@ -331,15 +337,15 @@ class Server:
                     await _event(resp, payload)
             await resp.write(b"data: [DONE]\n\n")
         except ValueError as e:
-            self.metrics.request_done(inp.kind, "bad_request")
+            self.metrics.request_done(inp.route, "bad_request")
             return _error(str(e), 400)
         except (ConnectionResetError, asyncio.CancelledError):
             outcome = "client_gone"
             await chunks.aclose()  # aborts the requests and frees their pages
-            self.metrics.request_done(inp.kind, outcome)
+            self.metrics.request_done(inp.route, outcome)
             raise
         timer.done()
-        self.metrics.request_done(inp.kind, outcome)
+        self.metrics.request_done(inp.route, outcome)
         return resp
 
 
