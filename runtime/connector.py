@@ -45,7 +45,7 @@ class Prefilled:
         inputs, input_top = None, None
         if req.params.input_logprobs_from is not None:
             inputs = list(req.input_logprobs)
-            input_top = [[list(x) for x in top] for top in req.input_top_logprobs]
+            input_top = [[list(x) for x in row] for row in req.input_top_logprobs]
         return cls(
             req.output_ids[0],
             logprob,

@@ -60,7 +60,7 @@ class DecodeConnector(PDConnector):
         self.rooms: dict[str, DecodeRoom] = {}
         self.peers = None  # the PeerDirectory, made on the first request (on the event loop)
 
-    # ---- the HTTP front ---------------------------------------------------------------------------
+    # ---- the HTTP front -------------------------------------------------------------------------
     async def starts(self, bootstrap, reqs, rooms, loop) -> list[tuple]:
         """Meet the prefill (once per address), then a link per request to register its room."""
         for req in reqs:
