@@ -24,7 +24,6 @@ import os
 import torch
 
 from dserve.attention.backend import create_backend
-from dserve.attention.torch_backend import TorchBackend
 from dserve.memory.kv_pool import KVLayout, KVPool
 from dserve.models.quant import dequantize
 from tests.kernel_cases import mha_case, mla_case, pages_for, random_batch

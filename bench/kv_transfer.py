@@ -30,6 +30,7 @@ import zmq
 from bench.ucx_floor import bare_ucx_seconds
 from dserve.memory.kv_pool import KVLayout, KVPool
 from dserve.runtime.config import _DTYPES
+from dserve.transfer.commands import Transfer
 from dserve.transfer.descriptor import PoolDescriptor
 from dserve.transfer.manager import TransferManager
 
@@ -96,7 +97,7 @@ def one_room(
     if expect_ahead_s:
         time.sleep(expect_ahead_s)
         t = time.perf_counter()
-    sender.push(room, 0, recv_desc, 0, pages, pages, {"token": 0}, timeout)
+    sender.push(room, 0, recv_desc, 0, pages, pages, timeout, b"0")
     outcomes = {}
     # wake on either side's event; polling them in turn would add up to a ms each
     poller = zmq.Poller()
@@ -105,14 +106,14 @@ def one_room(
     while len(outcomes) < 2:
         poller.poll(1000)
         for o in sender.poll() + receiver.poll():
-            outcomes[o.kind] = o
+            outcomes[o.transfer] = o
             if not o.ok:
                 raise RuntimeError(f"room {room} failed: {o.error}")
     elapsed = time.perf_counter() - t
     logging.getLogger("bench").debug(
         "room %d: started %.6f, both reported +%.3f ms", room, t, elapsed * 1e3
     )
-    return elapsed, outcomes["received"].finished - outcomes["pushed"].started
+    return elapsed, outcomes[Transfer.RECEIVE].finished - outcomes[Transfer.PUSH].started
 
 
 def run(args) -> dict:

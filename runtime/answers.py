@@ -379,8 +379,8 @@ class ChatAnswer(OpenAIAnswer):
 
 
 def make_answer(inp: GenerateInput, reqs: list[Request], model: str, tokenizer, **kw) -> Answer:
-    if inp.kind == "generate":
+    if inp.route == "generate":
         return GenerateAnswer(inp, reqs, model, tokenizer, kw.get("incremental", False))
-    if inp.kind == "completions":
+    if inp.route == "completions":
         return CompletionAnswer(inp, reqs, model, tokenizer)
     return ChatAnswer(inp, reqs, model, tokenizer, kw.get("make_text", ChatText))

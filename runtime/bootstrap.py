@@ -25,11 +25,12 @@ MAX_CONTROL_BYTES = 1 << 20
 MAX_PAGES = 1 << 22
 
 
-def bootstrap_app(engine_loop, side) -> web.Application:
+def bootstrap_app(engine_loop, connector) -> web.Application:
+    """The prefill's bootstrap server over its `PrefillConnector`."""
     app = web.Application(client_max_size=MAX_CONTROL_BYTES)
 
     async def info(_: web.Request) -> web.Response:
-        return web.json_response(side.descriptor.to_dict())
+        return web.json_response(connector.descriptor.to_dict())
 
     async def peer(request: web.Request) -> web.Response:
         body = await _json(request)
@@ -41,7 +42,7 @@ def bootstrap_app(engine_loop, side) -> web.Application:
         except (KeyError, TypeError, ValueError) as e:
             raise web.HTTPBadRequest(text=f"bad peer registration: {e}") from e
         try:
-            await engine_loop.call(side.add_peer, peer_id, descriptor)
+            await engine_loop.call(connector.add_peer, peer_id, descriptor)
         except IncompatiblePeer as e:
             raise web.HTTPBadRequest(text=str(e)) from e
         return web.json_response({"ok": True})
@@ -65,7 +66,7 @@ def bootstrap_app(engine_loop, side) -> web.Application:
             )
             if not ok:
                 raise ValueError("room, dp_rank must be integers and pages a list of page ids")
-            await engine_loop.call(side.register, room_id, peer_id, dp_rank, pages)
+            await engine_loop.call(connector.register, room_id, peer_id, dp_rank, pages)
         except (KeyError, TypeError, ValueError) as e:
             raise web.HTTPBadRequest(text=f"bad room registration: {e}") from e
         return web.json_response({"ok": True})
@@ -74,7 +75,7 @@ def bootstrap_app(engine_loop, side) -> web.Application:
         body = await _json(request)
         if not _is_int(body.get("room")):
             raise web.HTTPBadRequest(text="room must be an integer")
-        engine_loop.post(side.cancel, body["room"])
+        engine_loop.post(connector.cancel, body["room"])
         return web.json_response({"ok": True})
 
     app.router.add_get("/bootstrap/info", info)

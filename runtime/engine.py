@@ -7,6 +7,10 @@ pages of finished requests at once). Sampling, verification and drafting run on 
 overlapped scheduling (on unless `disable_overlap_schedule`) a step whose outcome nothing depends
 on (no drafts) is planned while the one before it still runs, so the front's work hides behind the
 device's. `add_request` / `step` / `abort` are the lower-level loop that the HTTP server drives.
+
+KV that comes from or goes to another instance goes through `connector` (`connector.py`): the
+engine asks it how much of a prompt arrives from elsewhere and tells it what it allocated and when
+a request ends or is preempted; pages may outlive their request (`hold` / `release`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from dserve.runtime.config import EngineConfig
+from dserve.runtime.connector import KVConnector, Prefilled
 from dserve.runtime.executor import RankFailure, make_executor
 from dserve.runtime.intake import NoTokenizer, as_params, batch_inputs, load_tokenizer, prompt_ids
 from dserve.runtime.output import GenerateResult, StreamChunk, TextTracker, make_result
@@ -75,10 +80,14 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.trackers: dict[str, TextTracker] = {}
         self.group_of: dict[str, int] = {}
-        self.keep_pages: set[str] = set()
-        """Prefill: requests whose pages outlive them, to be sent."""
         self.held: dict[str, tuple[int, str]] = {}
         """Holder -> (DP group, rid) of pages in flight (`hold`)."""
+        self.connector = KVConnector(self)
+        """KV from or to elsewhere (a disaggregated instance's role sets its own)."""
+        self.arriving: list[Request] = []
+        """Requests whose prompt's KV arrives from elsewhere, waiting for pages."""
+        for group in self.groups:
+            group.scheduler.keep_pages_of = self._keep_preempted
         self.speculation = make_speculation(c.speculative())
         self.planner = Planner(
             [g.scheduler for g in self.groups],
@@ -134,17 +143,24 @@ class Engine:
 
     def submit(self, req: Request) -> str:
         self.track(req)
-        group = min(range(len(self.groups)), key=lambda g: self.groups[g].load)  # least loaded
+        if self.connector.arriving_tokens(req):
+            self.arriving.append(req)  # its pages come in `poll`
+            return req.rid
+        group = self._least_loaded()
         self.group_of[req.rid] = group
         self.groups[group].scheduler.add(req)
         return req.rid
+
+    def _least_loaded(self) -> int:
+        return min(range(len(self.groups)), key=lambda g: self.groups[g].load)
 
     def track(self, req: Request) -> None:
         """Know a request (its output can be read) before any DP group holds it."""
         self.requests[req.rid] = req
         self.trackers.setdefault(req.rid, TextTracker(self.tokenizer, req))
-        if req.rid in self.keep_pages:  # a prefill's request ends at its first token
-            req.stop_length = len(req.prompt_ids) + 1
+        capped = self.connector.max_new_tokens(req)
+        if capped is not None:
+            req.stop_length = len(req.prompt_ids) + capped
         else:
             most = req.params.max_new_tokens
             wanted = self.max_context if most is None else len(req.prompt_ids) + most
@@ -246,8 +262,12 @@ class Engine:
 
     def _fail_all(self, message: str) -> None:
         for req in self.requests.values():
-            if not req.finished:
+            if req.finished:
+                continue
+            if req.rid in self.group_of:
                 self._scheduler(req).finish_and_free(req, "abort", error=message)
+            else:  # its prompt's KV was still to arrive: it holds nothing
+                req.finish("abort", error=message)
 
     def _scheduler(self, req: Request) -> Scheduler:
         return self.groups[self.group_of[req.rid]].scheduler
@@ -258,28 +278,79 @@ class Engine:
         if p.stop and len(req.output_ids) >= p.min_new_tokens:
             matched = self.trackers[req.rid].update()
         scheduler = self._scheduler(req)
-        if req.rid in self.keep_pages:  # prefill: the first token ends it; its pages wait
-            self.keep_pages.discard(req.rid)
-            self.hold(req.rid, "send")
+        capped = self.connector.max_new_tokens(req) is not None
+        stop_token = bool(p.stop_token_ids) and token in p.stop_token_ids
+        eos = not p.ignore_eos and token in self.eos_token_ids
+        if capped and req.num_tokens >= req.stop_length:  # whatever the token
+            self.connector.request_finished(req)  # it may hold the pages first
             scheduler.finish_and_free(req, "length")
-        elif (
-            p.stop_token_ids
-            and token in p.stop_token_ids
-            or not p.ignore_eos
-            and token in self.eos_token_ids
-        ):
+        elif stop_token or eos:
             scheduler.finish_and_free(req, "stop", token)
         elif matched is not None:
             scheduler.finish_and_free(req, "stop", matched)
         elif req.num_tokens >= req.stop_length:
             scheduler.finish_and_free(req, "length")
 
-    # ---- pages that outlive their request (disaggregation) -------------------------------------
+    # ---- KV from or to elsewhere (the connector's side) ---------------------------------------
+    def poll(self) -> bool:
+        """Between steps: pages for the prompts whose KV arrives, then the connector's events
+        and deadlines. True when a request joined or ended (its answer may go out)."""
+        self._allocate_arriving()
+        return self.connector.poll()
+
+    def _allocate_arriving(self) -> None:
+        """Pages for each arriving prompt, in the least loaded DP group, while the pools have
+        them; the connector hears of each allocation."""
+        for req in list(self.arriving):
+            if req.finished:
+                self.arriving.remove(req)
+                continue
+            group = self._least_loaded()
+            kv = self.groups[group].kv
+            if not kv.allocate_slots(req.rid, len(req.prompt_ids)):
+                kv.free(req.rid)
+                continue
+            self.arriving.remove(req)
+            self.group_of[req.rid] = group
+            self.connector.allocated(req, list(kv.tables[req.rid]))
+
+    def join(self, rid: str, prefilled: Prefilled) -> None:
+        """The prompt's KV (and the draft's, with speculation) is in the pages; the first token
+        computed elsewhere joins and decoding starts, verifying its draft tokens first. A seeded
+        request's draws depend on its seed and each token's position only, so this engine draws
+        what a colocated one would."""
+        req = self.requests[rid]
+        spec, vocab = self.speculation, self.model_config.vocab_size
+        tokens, parents = prefilled.draft_tokens, prefilled.draft_parents
+        if tokens and well_formed(tokens, parents, vocab, spec.num_nodes, spec.num_steps):
+            req.draft_tokens, req.draft_parents = list(tokens), list(parents)
+        if prefilled.input_logprobs is not None:
+            req.input_logprobs = list(prefilled.input_logprobs)
+            top = prefilled.input_top_logprobs
+            req.input_top_logprobs = [[tuple(x) for x in row] for row in top]
+        req.num_computed_tokens = len(req.prompt_ids)
+        req.output_ids.append(prefilled.token)
+        req.first_token_time = time.perf_counter()
+        if req.params.return_logprob and prefilled.logprob is not None:
+            req.token_logprobs.append(prefilled.logprob)
+            req.top_logprobs.append([tuple(x) for x in prefilled.top_logprobs])
+        self._check_finish(req, prefilled.token)
+        if not req.finished:
+            self._scheduler(req).add(req)
+
+    def _keep_preempted(self, req: Request) -> bool:
+        return self.connector.request_preempted(req)
+
+    def dp_group(self, rid: str) -> int:
+        """The DP group that holds `rid`'s pages."""
+        return self.group_of[rid]
+
+    # ---- pages that outlive their request ------------------------------------------------------
     def hold(self, rid: str, why: str) -> str:
         """Keep `rid`'s pages after it ends (KV being sent, or receives not yet settled);
         returns their holder, to `release` them with."""
         group = self.group_of[rid]
-        holder = hold_key(rid, why)
+        holder = f"{rid}#{why}"
         self.groups[group].kv.hold(rid, holder)
         self.held[holder] = (group, rid)
         return holder
@@ -307,49 +378,6 @@ class Engine:
     def release(self, holder: str) -> None:
         group, _ = self.held.pop(holder)
         self.groups[group].kv.free(holder)
-
-    def prealloc(self, req: Request) -> list[int] | None:
-        """Decode: pages for the whole prompt before its KV arrives; None while the pool is
-        short."""
-        group = min(range(len(self.groups)), key=lambda g: self.groups[g].load)
-        kv = self.groups[group].kv
-        if not kv.allocate_slots(req.rid, len(req.prompt_ids)):
-            kv.free(req.rid)
-            return None
-        self.track(req)
-        self.group_of[req.rid] = group
-        return list(kv.tables[req.rid])
-
-    def join_prefilled(
-        self,
-        rid: str,
-        first_token: int,
-        logprob: float | None = None,
-        top_logprobs: list | None = None,
-        draft_tokens: list[int] | None = None,
-        draft_parents: list[int] | None = None,
-    ) -> None:
-        """Decode: the prompt's KV (and the draft's, with speculation) is in the pages; the
-        prefill's first token joins and decoding starts, verifying the prefill's draft tokens
-        first. A seeded request's draws depend on its seed and each token's position only, so the
-        decode draws what a colocated instance would."""
-        req = self.requests[rid]
-        if draft_parents is None:
-            draft_parents = list(range(-1, len(draft_tokens or []) - 1))
-        spec, vocab = self.speculation, self.model_config.vocab_size
-        if draft_tokens and well_formed(
-            draft_tokens, draft_parents, vocab, spec.num_nodes, spec.num_steps
-        ):
-            req.draft_tokens, req.draft_parents = list(draft_tokens), list(draft_parents)
-        req.num_computed_tokens = len(req.prompt_ids)
-        req.output_ids.append(first_token)
-        req.first_token_time = time.perf_counter()
-        if req.params.return_logprob and logprob is not None:
-            req.token_logprobs.append(logprob)
-            req.top_logprobs.append([tuple(x) for x in top_logprobs or []])
-        self._check_finish(req, first_token)
-        if not req.finished:
-            self._scheduler(req).add(req)
 
     # ---- convenience ---------------------------------------------------------------------------
     def generate(self, prompts=None, input_ids=None, sampling_params=None):
@@ -417,8 +445,3 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
-
-
-def hold_key(rid: str, why: str) -> str:
-    """The holder under which `Engine.hold(rid, why)` keeps a request's pages."""
-    return f"{rid}#{why}"

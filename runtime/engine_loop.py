@@ -1,14 +1,15 @@
 """Runs an `Engine` in its own thread so an asyncio server never blocks on a forward pass.
 
 Everything that touches engine state runs on that thread: the asyncio side hands it functions
-(`call`, `post`) and reads each request's output from an `asyncio.Queue` the thread fills. A role
-side (prefill or decode of a disaggregated pair) is polled between steps for transfer events and
-deadlines, and decides when a finished request's answer may go out (after its KV was sent).
+(`call`, `post`) and reads each request's output from an `asyncio.Queue` the thread fills. The
+engine's connector (prefill or decode of a disaggregated pair) is polled between steps for
+transfer events and deadlines (`Engine.poll`), and decides when a finished request's answer may
+go out (after its KV was sent).
 `merge` reads the streams of several requests (a batch, `n` choices) as one, by index.
 
 With no step to run, the thread sleeps in a poll (which releases the GIL) until a job arrives
-(each `post` / `call` writes a byte to a wake-up pipe) or, for a role side, until its transfer
-agents report (the side's `events_socket`). It never spins: a spinning thread would hold the
+(each `post` / `call` writes a byte to a wake-up pipe) or, for a connector, until its transfer
+agents report (the connector's `events_socket`). It never spins: a spinning thread would hold the
 GIL and delay the HTTP thread beside it by the interpreter's 5 ms switch interval at every turn
 (measured: a room's registration took ~40 ms to cross the prefill's bootstrap server).
 """
@@ -35,25 +36,6 @@ IDLE_WAIT_S = 0.05  # nothing at all to do: wake up this often anyway (to see `r
 SIDE_WAIT_S = 0.01  # rooms in flight: how often their deadlines are checked
 
 
-class NullSide:
-    """A colocated instance: nothing in flight beside the engine."""
-
-    def poll(self) -> bool:
-        return False
-
-    def busy(self, rid: str) -> bool:
-        return False
-
-    def abort(self, rid: str) -> bool:
-        return False
-
-    @property
-    def has_work(self) -> bool:
-        return False
-
-    events_socket = None
-
-
 class NullStats:
     """No log lines or counters (an engine loop outside a server)."""
 
@@ -68,9 +50,9 @@ class NullStats:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, side=None, stats=None):
+    def __init__(self, engine: Engine, stats=None):
         """`stats` (runtime/stats.Stats) hears of every step and every request answered."""
-        self.engine, self.side = engine, side or NullSide()
+        self.engine, self.connector = engine, engine.connector
         self.stats = stats or NullStats()
         self.inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self.subscribers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -81,8 +63,8 @@ class EngineLoop:
             os.set_blocking(fd, False)
         self.poller = zmq.Poller()
         self.poller.register(self._wake_r, zmq.POLLIN)
-        if self.side.events_socket is not None:
-            self.poller.register(self.side.events_socket, zmq.POLLIN)
+        if self.connector.events_socket is not None:
+            self.poller.register(self.connector.events_socket, zmq.POLLIN)
         self.thread = threading.Thread(target=self._run, name="dserve-engine", daemon=True)
         self.thread.start()
 
@@ -141,12 +123,12 @@ class EngineLoop:
 
     def _abort(self, rid: str) -> None:
         subscribed = self.subscribers.pop(rid, None) is not None
-        if not self.side.abort(rid):
+        if not self.connector.abort(rid):
             self.engine.abort(rid)
         req = self.engine.requests.get(rid)
         if subscribed and req is not None:
             self.stats.finished(req)
-        if req is not None and req.finished and not self.side.busy(rid):
+        if req is not None and req.finished and not self.connector.busy(rid):
             self.engine.forget(rid)
 
     def _run(self) -> None:
@@ -154,10 +136,10 @@ class EngineLoop:
             if self.engine.has_work and not self.engine.stalled:
                 self._drain()
             else:  # a stalled engine retries when a job or a transfer event comes, or soon
-                busy = self.side.has_work or self.engine.has_work
+                busy = self.connector.has_work or self.engine.has_work
                 self._wait(SIDE_WAIT_S if busy else IDLE_WAIT_S)
             try:
-                if self.side.poll():  # a request joined or ended: tell its client now
+                if self.engine.poll():  # a request joined or ended: tell its client now
                     self._publish()
                 if self.engine.has_work and not self.failure:
                     self.engine.step()
@@ -192,7 +174,7 @@ class EngineLoop:
             req = self.engine.requests.get(rid)
             if req is None:
                 continue
-            done = req.finished and not self.side.busy(rid)
+            done = req.finished and not self.connector.busy(rid)
             if req.finished and not done:
                 continue
             tracker = self.engine.trackers[rid]

@@ -36,7 +36,14 @@ from dserve.runtime.engine import Engine
 from dserve.runtime.engine_loop import EngineLoop, merge
 from dserve.runtime.metrics import CONTENT_TYPE, InstanceMetrics
 from dserve.runtime.openai_protocol import parse_chat, parse_completions
-from dserve.runtime.protocol import BadRequest, GenerateInput, Part, error_body, parse_generate
+from dserve.runtime.protocol import (
+    ROUTES,
+    BadRequest,
+    GenerateInput,
+    Part,
+    error_body,
+    parse_generate,
+)
 from dserve.runtime.server_config import ServerConfig
 from dserve.runtime.sglang_compat import drop_no_op_fields, quiet_h2_probes
 from dserve.runtime.startup import listening_socket, stop_signals
@@ -45,7 +52,6 @@ from dserve.scheduler.request import SamplingParams
 from dserve.transfer.descriptor import IncompatiblePeer
 
 log = logging.getLogger("dserve.server")
-ROUTES = {"/generate": "generate", "/v1/completions": "completions", "/v1/chat/completions": "chat"}
 PARSERS = {"generate": parse_generate, "completions": parse_completions, "chat": parse_chat}
 
 
@@ -54,6 +60,17 @@ def front_host(engine_kwargs: dict) -> str | None:
     if engine_kwargs.get("nnodes", 1) == 1:
         return None
     return engine_kwargs["dist_init_addr"].rsplit(":", 1)[0]
+
+
+def role_connector(role: str):
+    """The connector class of a disaggregated role."""
+    if role == "prefill":
+        from dserve.runtime.pd_prefill import PrefillConnector
+
+        return PrefillConnector
+    from dserve.runtime.pd_decode import DecodeConnector
+
+    return DecodeConnector
 
 
 def warm_up(engine: Engine) -> None:
@@ -68,7 +85,8 @@ def warm_up(engine: Engine) -> None:
 
 
 class Instance:
-    """Engine + engine thread + role side + transfer manager of one serving instance."""
+    """Engine + engine thread + the role's connector + transfer manager of one serving
+    instance."""
 
     def __init__(
         self,
@@ -78,7 +96,7 @@ class Instance:
         **engine_kwargs,
     ):
         self.config, self.metrics = config, metrics or InstanceMetrics()
-        self.manager = self.side = self.peers = None
+        self.manager = None
         transfer = None
         if config.role != "colocated":
             from dserve.transfer.agent import AgentConfig
@@ -100,14 +118,14 @@ class Instance:
             )
         self.engine = Engine(model_path, transfer=transfer, **engine_kwargs)
         if self.manager is not None:
-            from dserve.runtime import pd
-
             self.manager.wait_for_agents(self.engine.config.world_size)
-            side_class = pd.PrefillSide if config.role == "prefill" else pd.DecodeSide
-            self.side = side_class(self.engine, self.manager, config, self.metrics)
+            connector_class = role_connector(config.role)
+            connector = connector_class(self.engine, self.manager, config, self.metrics)
+            self.engine.connector = connector
+        self.connector = self.engine.connector
         warm_up(self.engine)
         stats = Stats(self.engine, self.metrics, config.batch_log_interval_s)
-        self.loop = EngineLoop(self.engine, self.side, stats)
+        self.loop = EngineLoop(self.engine, stats)
         self.model_name = config.served_model_name or os.path.basename(os.path.normpath(model_path))
         self.chat_template = load_template(config.chat_template)
         self.metrics.watch(self.engine)
@@ -127,13 +145,13 @@ class Instance:
                 f"the model {inp.model!r} does not exist (this server serves {self.model_name!r})",
                 404,
             )
-        chat = inp.openai.chat if inp.kind == "chat" else None
+        chat = inp.openai.chat if inp.route == "chat" else None
         if chat and chat.tools and chat.tool_choice != "none" and not self.config.tool_call_parser:
             raise BadRequest("tools need a server started with --tool-call-parser")
 
     def _make_requests(self, inp: GenerateInput, parts: list[Part]) -> list:
         rendered, parser = None, self.config.tool_call_parser
-        if inp.kind == "chat":
+        if inp.route == "chat":
             chat = inp.openai.chat
             rendered = render_chat(self.engine.tokenizer, chat, self.chat_template, parser)
             for part in parts:
@@ -144,57 +162,21 @@ class Instance:
             prompt = part.prompt
             ids = rendered if rendered is not None else prompt.input_ids
             reqs.append(self.engine.make_request(prompt.text, ids, part.sampling, part.rid))
-        if self.side is not None:
-            from dserve.runtime.pd import check_carried
-
-            for req in reqs:
-                check_carried(req)
         return reqs
 
     async def prepare(self, inp: GenerateInput) -> list[tuple]:
         """Each engine request of `inp` and how to start it on the engine thread; BadRequest /
         ConnectionError on failure (nothing started)."""
-        role = self.config.role
-        if role == "colocated" and inp.bootstrap is not None:
-            raise BadRequest(
-                "bootstrap_* fields are for disaggregated instances; this one serves alone"
-            )
-        if role != "colocated" and inp.bootstrap is None:
-            raise BadRequest(
-                f"a {role} instance serves requests sent through `dserve router` "
-                "(bootstrap_host, bootstrap_port and bootstrap_room are required)"
-            )
+        self.connector.check_bootstrap(inp.bootstrap)
         parts = inp.parts()
         reqs = await self.loop.call(self._make_requests, inp, parts)
-        if role == "colocated":
-            return [(req, self.engine.submit) for req in reqs]
-        if role == "prefill":
-            return [(req, self._prefill_start(part.room)) for req, part in zip(reqs, parts)]
-        if self.peers is None:
-            from dserve.runtime.bootstrap import PeerDirectory
-
-            self.peers = PeerDirectory(self.side.descriptor, self.config.bootstrap_timeout_s)
-        b = inp.bootstrap
-        peer = await self.peers.get(b.host, b.port)
-        started = []
-        for req, part in zip(reqs, parts):
-            link = self.peers.link(b.host, b.port, req.rid, self._fail_room)
-            started.append((req, self._decode_start(part.room, peer, link)))
-        return started
-
-    def _prefill_start(self, room: int):
-        return lambda req: self.side.start(req, room)
-
-    def _decode_start(self, room: int, peer, link):
-        return lambda req: self.side.start(req, room, peer, link)
-
-    def _fail_room(self, rid: str, message: str) -> None:
-        self.loop.post(self.side.fail, rid, message)
+        rooms = [part.room for part in parts]
+        return await self.connector.starts(inp.bootstrap, reqs, rooms, self.loop)
 
     def answer(self, inp: GenerateInput, reqs: list) -> Answer:
         c = self.config
         kw = {"incremental": c.incremental_streaming_output}
-        if inp.kind == "chat":
+        if inp.route == "chat":
             chat = inp.openai.chat
             kw["make_text"] = lambda: chat_text(chat, c.reasoning_parser, c.tool_call_parser)
         return make_answer(inp, reqs, self.model_name, self.engine.tokenizer, **kw)
@@ -207,8 +189,8 @@ class Server:
     def __init__(self, config: ServerConfig, metrics: InstanceMetrics):
         self.instance, self.metrics = None, metrics
         self.app = web.Application(client_max_size=config.max_request_bytes)
-        for path, kind in ROUTES.items():
-            self.app.router.add_post(path, self._when_ready(self._generation(kind)))
+        for path, route in ROUTES.items():
+            self.app.router.add_post(path, self._when_ready(self._generation(route)))
         self.app.router.add_get("/health", self.health)
         for path, handler in (
             ("/v1/models", self.models),
@@ -283,21 +265,21 @@ class Server:
         }
         return web.json_response(info)
 
-    def _generation(self, kind: str):
+    def _generation(self, route: str):
         async def handler(request: web.Request) -> web.StreamResponse:
             instance = self.instance
             try:
-                inp = PARSERS[kind](drop_no_op_fields(await _read_json(request)))
+                inp = PARSERS[route](drop_no_op_fields(await _read_json(request)))
                 instance.check(inp)
                 started = await instance.prepare(inp)
             except BadRequest as e:
-                self.metrics.request_done(kind, "bad_request")
+                self.metrics.request_done(route, "bad_request")
                 return _error(str(e), e.status)
             except (IncompatiblePeer, ValueError) as e:
-                self.metrics.request_done(kind, "bad_request")
+                self.metrics.request_done(route, "bad_request")
                 return _error(str(e), 400)
             except ConnectionError as e:
-                self.metrics.request_done(kind, "error")
+                self.metrics.request_done(route, "error")
                 return _error(str(e), 502)
             except RuntimeError as e:
                 return _error(str(e), 503)
@@ -316,18 +298,18 @@ class Server:
                 timer.tokens(len(chunk.token_ids))
                 answer.take(index, chunk)
         except ValueError as e:  # rejected when it started (e.g. a room id in use)
-            self.metrics.request_done(inp.kind, "bad_request")
+            self.metrics.request_done(inp.route, "bad_request")
             return _error(str(e), 400)
         except asyncio.CancelledError:  # the client left: abort the requests, free their pages
             await chunks.aclose()
-            self.metrics.request_done(inp.kind, "client_gone")
+            self.metrics.request_done(inp.route, "client_gone")
             raise
         timer.done()
         failed = [c.result for c in answer.choices if c.finish_reason == "abort"]
         if failed:
-            self.metrics.request_done(inp.kind, "error")
+            self.metrics.request_done(inp.route, "error")
             return _error(failed[0].meta.get("error") or "aborted", 500)
-        self.metrics.request_done(inp.kind, "ok")
+        self.metrics.request_done(inp.route, "ok")
         return web.json_response(answer.whole())
 
     async def _sse(
@@ -355,15 +337,15 @@ class Server:
                     await _event(resp, payload)
             await resp.write(b"data: [DONE]\n\n")
         except ValueError as e:
-            self.metrics.request_done(inp.kind, "bad_request")
+            self.metrics.request_done(inp.route, "bad_request")
             return _error(str(e), 400)
         except (ConnectionResetError, asyncio.CancelledError):
             outcome = "client_gone"
             await chunks.aclose()  # aborts the requests and frees their pages
-            self.metrics.request_done(inp.kind, outcome)
+            self.metrics.request_done(inp.route, outcome)
             raise
         timer.done()
-        self.metrics.request_done(inp.kind, outcome)
+        self.metrics.request_done(inp.route, outcome)
         return resp
 
 
@@ -446,7 +428,7 @@ async def _serve(server: Server, sockets, model_path, config, metrics, engine_kw
         if config.role == "prefill":
             from dserve.runtime.bootstrap import bootstrap_app
 
-            app = bootstrap_app(instance.loop, instance.side)
+            app = bootstrap_app(instance.loop, instance.connector)
             runners.append(await start_site(app, sockets[1]))
         if not stop.is_set():
             print("dserve: ready", flush=True)

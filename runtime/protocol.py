@@ -38,6 +38,10 @@ class Prompt:
     input_ids: list[int] | None = None
 
 
+ROUTES = {"/generate": "generate", "/v1/completions": "completions", "/v1/chat/completions": "chat"}
+"""The generation routes: path -> route name (`GenerateInput.route`, the metrics' endpoint)."""
+
+
 @dataclass
 class Part:
     """One engine request of an HTTP request."""
@@ -51,7 +55,7 @@ class Part:
 
 @dataclass
 class GenerateInput:
-    kind: str  # "generate" | "completions" | "chat"
+    route: str  # "generate" | "completions" | "chat" (ROUTES)
     prompts: list[Prompt]
     sampling: list[dict]
     """Per prompt, in SGLang's names."""

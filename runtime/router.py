@@ -37,7 +37,7 @@ from aiohttp import web
 
 from dserve.runtime.http_server import PARSERS
 from dserve.runtime.metrics import CONTENT_TYPE, RouterMetrics
-from dserve.runtime.protocol import BOOTSTRAP_FIELDS, error_body
+from dserve.runtime.protocol import BOOTSTRAP_FIELDS, ROUTES, error_body
 from dserve.runtime.router_policy import Backend, Breaker, Picker, prompt_blocks
 from dserve.runtime.server_config import RouterConfig
 from dserve.runtime.sglang_compat import drop_no_op_fields
@@ -46,7 +46,6 @@ from dserve.scheduler.request import SamplingParams
 log = logging.getLogger("dserve.router")
 SLOW_PROBES_TO_REMOVE = 3
 BLAME_GRACE_S = 1.0  # how long a failed decode waits to learn whether its prefill failed
-KINDS = {"/generate": "generate", "/v1/completions": "completions", "/v1/chat/completions": "chat"}
 ANY_VOCABULARY = 2**62  # the router does not know the model: token ids are the instance's to check
 
 
@@ -76,7 +75,7 @@ def check_body(endpoint: str, body: dict) -> None:
     """What can be checked without the model: the body as an instance parses it, and the sampling
     values (types and ranges); raises ValueError (the protocol's BadRequest) naming the field."""
     clean = {k: v for k, v in drop_no_op_fields(body).items() if k not in BOOTSTRAP_FIELDS}
-    inp = PARSERS[KINDS[endpoint]](clean)
+    inp = PARSERS[ROUTES[endpoint]](clean)
     for part in inp.parts():
         SamplingParams.from_dict(dict(part.sampling)).validate(ANY_VOCABULARY)
 
@@ -97,7 +96,7 @@ class Router:
         self.timeout = aiohttp.ClientTimeout(total=c.request_timeout_s, sock_connect=10)
         self.metrics = RouterMetrics(self.prefills + self.decodes)
         self.app = web.Application(client_max_size=c.max_request_bytes)
-        for path in KINDS:
+        for path in ROUTES:
             self.app.router.add_post(path, self.forward)
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/v1/models", self.models)
@@ -368,7 +367,7 @@ class Router:
         if upstream.status == 200:
             decode.breaker.success()
         if not opened.streamed:
-            self.metrics.answered(KINDS[endpoint], outcome, start, first=time.perf_counter())
+            self.metrics.answered(ROUTES[endpoint], outcome, start, first=time.perf_counter())
             return web.Response(
                 body=opened.head, status=upstream.status, content_type=upstream.content_type
             )
@@ -383,19 +382,19 @@ class Router:
             async for data in upstream.content.iter_any():
                 await resp.write(data)
         except (ConnectionResetError, asyncio.CancelledError):
-            self.metrics.requests.labels(KINDS[endpoint], "client_gone").inc()
+            self.metrics.requests.labels(ROUTES[endpoint], "client_gone").inc()
             raise
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:  # tokens went out: no retry
             outcome = "error"
             message = f"decode {decode.url} failed mid-stream: {type(e).__name__}"
             await resp.write(b"data: " + json.dumps(error_body(message, 502)).encode() + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
-        self.metrics.answered(KINDS[endpoint], outcome, start, first)
+        self.metrics.answered(ROUTES[endpoint], outcome, start, first)
         return resp
 
     def _error(self, endpoint: str, message: str, status: int, start: float) -> web.Response:
         outcome = "bad_request" if status < 500 else "error"
-        self.metrics.answered(KINDS[endpoint], outcome, start)
+        self.metrics.answered(ROUTES[endpoint], outcome, start)
         return web.json_response(error_body(message, status), status=status)
 
 

@@ -86,14 +86,14 @@ class SGLangRoutes:
 
 def _abort(inst, rid: str | None, every: bool) -> list[str]:
     """On the engine thread: end the matching requests (their streams get their last chunk)."""
-    engine, side = inst.engine, inst.loop.side
+    engine = inst.engine
     hits = [
         r
         for r, req in engine.requests.items()
         if not req.finished and (every or r == rid or r.startswith(f"{rid}-"))
     ]
     for r in hits:
-        if not side.abort(r):
+        if not engine.connector.abort(r):
             engine.abort(r)
     return hits
 

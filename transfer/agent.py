@@ -3,15 +3,16 @@
 The agent runs its own asyncio loop in a thread of the rank process. It listens for UCX peers, talks
 to its instance's front over one ZMQ DEALER socket (commands in, events out, msgpack), and:
 
-- `push`   (prefill, `sending.py`) sends the room's messages to each decode rank it has a route to,
-           then one control message per decode rank (success or the error, plus aux data); a
-           dummy sends only that. A streamed room comes in parts first (the messages whose pages
-           the prompt's computed chunks have written), each acknowledged with a "part" event.
-- `expect` (decode) posts a receive for every message and control message of the room straight into
-           its pages (into a staging buffer when only a head slice of a page arrives), and reports the
-           room done once all arrived and every sender said success.
-- `cancel` (decode) completes the room's outstanding receives with empty messages sent to itself, so
-           no late byte can land in pages that are then freed; the room reports failed.
+- `Push`   (prefill, `sending.py`) sends the room's messages to each decode rank it has a route
+           to, then one control message per decode rank (success or the error, plus the payload);
+           a dummy sends only that. A streamed room comes in parts first (the messages whose pages
+           the prompt's computed chunks have written), each acknowledged with a `PartSent` event.
+- `Expect` (decode, `receiving.py`) posts a receive for every message and control message of the room straight
+           into its pages (into a staging buffer when only a head slice of a page arrives), and
+           reports the room done once all arrived and every sender said success.
+- `Cancel` (decode) completes the room's outstanding receives with empty messages sent to itself,
+           so no late byte can land in pages that are then freed; the room reports failed.
+The commands and events are `commands.py`'s dataclasses.
 
 Peers reach each other by UCX worker address (exchanged in the rank descriptors through the
 bootstrap), not through a listener: making an endpoint is local and needs no handshake. (ucxx's
@@ -30,27 +31,25 @@ import threading
 import time
 from dataclasses import dataclass
 
-import msgpack
-import numpy as np
 import torch
 
 from dserve.memory.kv_pool import KVPool
+from dserve.transfer.commands import (
+    Cancel,
+    Expect,
+    Hello,
+    Push,
+    RoomReport,
+    Stop,
+    Transfer,
+    pack,
+    unpack,
+)
 from dserve.transfer.descriptor import PoolDescriptor, RankDescriptor
 from dserve.transfer.mapping import Route, held_heads
-from dserve.transfer.messages import (
-    CTRL_BYTES,
-    Message,
-    ctrl_tag,
-    route_messages,
-    unpack_ctrl,
-)
-from dserve.transfer.sending import (
-    Sending,
-    Stream,
-    as_ucx_buffer,
-    layer_columns,
-    made,
-)
+from dserve.transfer.messages import Message, route_messages
+from dserve.transfer.receiving import Receiving, RoomReceives
+from dserve.transfer.sending import Sending, Stream, made
 
 log = logging.getLogger("dserve.transfer")
 
@@ -136,7 +135,7 @@ def message_pages(layout, message_mib: int, stream_tokens: int = 0) -> int:
     return min(caps, default=0)
 
 
-class TransferAgent(Sending):
+class TransferAgent(Sending, Receiving):
     def __init__(
         self,
         front_address: str,
@@ -152,7 +151,7 @@ class TransferAgent(Sending):
         self.endpoints: dict[
             str, asyncio.Future
         ] = {}  # peer worker address -> endpoint being made or made
-        self.rooms: dict[int, dict] = {}  # decode: room -> outstanding receive tags
+        self.rooms: dict[int, RoomReceives] = {}  # decode: the rooms being received
         self.streams: dict[int, Stream] = {}  # prefill: rooms pushed in parts so far
         self.stream = None  # the agent's own CUDA stream for its copies (made on first use)
         self.ready = threading.Event()
@@ -196,16 +195,16 @@ class TransferAgent(Sending):
         self.descriptor = RankDescriptor(
             w.dp_rank, w.attn_rank, w.attn_tp, self.address, pools, w.stage
         )
-        await self._emit({"kind": "hello", "descriptor": self.descriptor.to_dict()})
+        await self._emit(Hello(self.descriptor))
         self.ready.set()
         tasks = set()
         while True:
-            cmd = msgpack.unpackb(await self.sock.recv())
+            command = unpack(await self.sock.recv())
             # monotonic, comparable across processes: timelines in debug logs
-            cmd["arrived"] = time.perf_counter()
-            if cmd["kind"] == "stop":
+            arrived = time.perf_counter()
+            if isinstance(command, Stop):
                 break
-            task = asyncio.ensure_future(self._dispatch(cmd))
+            task = asyncio.ensure_future(self._dispatch(command, arrived))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
         made = [f.result() for f in self.endpoints.values() if made(f)]
@@ -213,40 +212,29 @@ class TransferAgent(Sending):
             ep.abort()
         self.sock.close()
 
-    async def _emit(self, event: dict) -> None:
+    async def _emit(self, event) -> None:
         if log.isEnabledFor(logging.DEBUG):
-            log.debug(
-                "rank %d/%d: event %s",
-                self.dp_rank,
-                self.attn_rank,
-                {k: v for k, v in event.items() if k != "aux"},
-            )
-        await self.sock.send(msgpack.packb(event))
+            name = type(event).__name__
+            log.debug("rank %d/%d: %s %s", self.dp_rank, self.attn_rank, name, event)
+        await self.sock.send(pack(event))
 
-    async def _dispatch(self, cmd: dict) -> None:
-        log.debug(
-            "rank %d/%d: %s room %s", self.dp_rank, self.attn_rank, cmd["kind"], cmd.get("room")
-        )
+    async def _dispatch(self, command, arrived: float) -> None:
+        name = type(command).__name__
+        log.debug("rank %d/%d: %s room %s", self.dp_rank, self.attn_rank, name, command.room)
         try:
-            if cmd["kind"] == "push":
-                await self._push(cmd)
-            elif cmd["kind"] == "expect":
-                await self._expect(cmd)
-            elif cmd["kind"] == "cancel":
-                await self._cancel(cmd["room"])
+            if isinstance(command, Push):
+                await self._push(command, arrived)
+            elif isinstance(command, Expect):
+                await self._expect(command, arrived)
+            elif isinstance(command, Cancel):
+                await self._cancel(command.room)
         except Exception as e:  # noqa: BLE001 - a room fails, the agent keeps serving
-            log.exception("transfer command %s failed", cmd.get("kind"))
-            await self._emit(
-                {
-                    "kind": "pushed" if cmd["kind"] == "push" else "received",
-                    "room": cmd.get("room"),
-                    "ok": False,
-                    "error": f"{type(e).__name__}: {e}",
-                    "aux": None,
-                    "bytes": 0,
-                    "settled": True,
-                }
-            )  # _expect settles its own receives; it fails here before posting any
+            log.exception("transfer command %s failed", name)
+            push = isinstance(command, Push)
+            transfer = Transfer.PUSH if push else Transfer.RECEIVE
+            error = f"{type(e).__name__}: {e}"
+            # _expect settles its own receives; it fails here before posting any
+            await self._emit(RoomReport(command.room, transfer, False, error))
 
     async def _endpoint(self, address: str):
         """One endpoint per peer, shared by all rooms. Rooms that start together wait on the same
@@ -290,27 +278,28 @@ class TransferAgent(Sending):
             self.stream.synchronize()
 
     # ---- messages --------------------------------------------------------------------------------
-    def _messages(self, cmd: dict, route: Route, src_pages) -> list[Message]:
-        """This pair's messages over every pool; `src_pages` is None on the decode side."""
+    def _messages(self, command: Push | Expect, route: Route) -> list[Message]:
+        """This pair's messages over every pool (a `Push`'s with their source pages)."""
         out = []
         for i, (desc, _) in enumerate(self.pools):
-            if route not in [Route(*r) for r in cmd["routes"][i]]:
+            if route not in command.routes[i]:
                 continue  # nothing of this pool moves on this route
             mine = len(desc.held_heads) if desc.kind == "mha" else 0
-            src_held, dst_held = (
-                (mine, cmd["dst_heads_held"][i])
-                if src_pages is not None
-                else (cmd["src_heads_held"][i], mine)
-            )
+            if isinstance(command, Push):
+                src_pages = command.src_pages
+                src_held, dst_held = mine, command.dst_heads_held[i]
+            else:
+                src_pages = None
+                src_held, dst_held = command.src_heads_held[i], mine
             out += route_messages(
-                cmd["room"],
+                command.room,
                 route,
                 i,
-                cmd["dst_pages"],
+                command.dst_pages,
                 src_pages,
                 src_held,
                 dst_held,
-                cmd["message_pages"][i],
+                command.message_pages[i],
             )
         return out
 
@@ -321,173 +310,13 @@ class TransferAgent(Sending):
         held = range(first - desc.first_layer, stop - desc.first_layer)
         return held, len(held) == desc.num_layers
 
-    def _destination(self, msg: Message) -> tuple[torch.Tensor, list | None]:
-        """Where to receive: the pages themselves, or a staging buffer and the head- or
-        layer-slice views it scatters into once the room arrived."""
-        pool = self.pools[msg.pool][1]
-        first, n = msg.dst_pages
-        pages = slice(first, first + n)
-        layers, whole = self._layers(msg)
-        if msg.dst_heads is None and whole:
-            return pool.pages[pages], None
-        if msg.dst_heads is None:
-            views = [pool.pages[pages, layer_columns(pool, layers)]]
-        else:
-            h0, hn = msg.dst_heads
-            views = [buf[pages, :, h0 : h0 + hn] for layer in layers for buf in pool.buffers[layer]]
-        size = sum(v[0].numel() for v in views)
-        staging = torch.empty((n, size), dtype=pool.pages.dtype, device=pool.device)
-        return staging, views
-
-    def _pair_routes(self, cmd: dict, p: int, d: int) -> list[Route]:
+    def _pair_routes(self, command: Push | Expect, p: int, d: int) -> list[Route]:
         """Real routes from prefill rank p to decode rank d over all pools (deduplicated)."""
         seen = []
-        for pool_routes in cmd["routes"]:
-            for r in map(lambda x: Route(*x), pool_routes):
+        for pool_routes in command.routes:
+            for r in pool_routes:
                 if r.prefill_rank == p and r.decode_rank == d and not r.dummy and r not in seen:
                     seen.append(r)
         return seen
 
     # ---- decode side ----------------------------------------------------------------------------
-    async def _expect(self, cmd: dict) -> None:
-        import ucxx
-
-        room, me = cmd["room"], self.where.slot
-        # (sending prefill rank for a control message else None, tag, buffer)
-        recvs, scatters = [], []
-        senders = {r[0] for pool_routes in cmd["routes"] for r in pool_routes if r[1] == me}
-        for p in sorted(senders):
-            for r in self._pair_routes(cmd, p, me):
-                for msg in self._messages(cmd, r, None):
-                    with (
-                        self._own_stream()
-                        if msg.dst_heads is not None
-                        else contextlib.nullcontext()
-                    ):
-                        # staging: never memory of an in-flight step
-                        target, scatter_to = self._destination(msg)
-                    recvs.append((None, msg.tag, target))
-                    if scatter_to is not None:
-                        scatters.append((target, scatter_to))
-            recvs.append((p, ctrl_tag(room, p, me), np.zeros(CTRL_BYTES, dtype=np.uint8)))
-        state = {
-            "tags": {tag for _, tag, _ in recvs},
-            "cancelled": False,
-            "sender_error": None,
-            "aux": None,
-        }
-        self.rooms[room] = state
-
-        async def one(tag, buffer):
-            await ucxx.recv(
-                as_ucx_buffer(buffer) if isinstance(buffer, torch.Tensor) else buffer, tag
-            )
-            state["tags"].discard(tag)
-
-        async def ctrl(p, tag, buffer):
-            await one(tag, buffer)
-            if not buffer[:4].any():
-                return  # completed empty by a cancel
-            msg = unpack_ctrl(buffer.tobytes())
-            state["aux"] = state["aux"] or msg.get("aux")
-            # its data will not come: stop waiting
-            if not msg["ok"] and state["sender_error"] is None:
-                state["sender_error"] = f"prefill rank {p}: {msg['error']}"
-                await self._cancel(room)
-
-        tasks = [
-            asyncio.ensure_future(ctrl(p, tag, buf) if p is not None else one(tag, buf))
-            for p, tag, buf in recvs
-        ]
-        posted = time.perf_counter()
-        error, aux, received = None, None, 0
-        try:
-            error = await self._wait_receives(room, state, tasks, cmd["timeout_s"])
-            error = state["sender_error"] or error
-            aux = state["aux"]
-            if error is None and scatters:
-                with self._own_stream():
-                    for staged, views in scatters:
-                        _scatter(staged, views)
-                self._own_stream_done()  # the pages are whole before the room is reported; staging is freed
-            if error is None:
-                received = sum(
-                    b.numel() * b.element_size() for _, _, b in recvs if isinstance(b, torch.Tensor)
-                )
-        except Exception as e:  # noqa: BLE001 - the room fails; its receives are settled below first
-            log.exception("room %d: receiving failed", room)
-            error = f"{type(e).__name__}: {e}"
-        finally:  # every way out: no receive may still be posted when the room is reported
-            settled = await self._complete_receives(room, tasks)
-            self.rooms.pop(room, None)
-        arrived = time.perf_counter()
-        log.debug(
-            "room %d expect timeline: command %.6f, posted +%.3f ms, arrived +%.3f ms",
-            room,
-            cmd["arrived"],
-            (posted - cmd["arrived"]) * 1e3,
-            (arrived - cmd["arrived"]) * 1e3,
-        )
-        await self._emit(
-            {
-                "kind": "received",
-                "room": room,
-                "ok": error is None,
-                "error": error,
-                "aux": aux,
-                "bytes": received,
-                "settled": settled,
-                "started": cmd["arrived"],
-                "finished": arrived,
-            }
-        )
-
-    async def _wait_receives(
-        self, room: int, state: dict, tasks: list, timeout_s: float
-    ) -> str | None:
-        """Wait for every receive of the room (those left after a timeout are cancelled by
-        `_complete_receives`). The first error, if any."""
-        done, pending = await asyncio.wait(tasks, timeout=timeout_s)
-        error = next(
-            (f"receive failed: {t.exception()}" for t in done if t.exception() is not None), None
-        )
-        if pending:
-            error = error or f"KV of room {room} did not arrive within {timeout_s:.0f}s"
-        if state["cancelled"] and error is None:
-            error = "the request was cancelled"
-        return error
-
-    async def _complete_receives(self, room: int, tasks: list) -> bool:
-        """Cancel the room's receives still posted and wait for them; True once none of them can
-        still write into its pages."""
-        if all(t.done() for t in tasks):
-            return True
-        try:
-            await self._cancel(room)
-            left = [
-                t for t in tasks if not t.done()
-            ]  # the cancel may already have completed them all
-            if left:
-                await asyncio.wait(left, timeout=10)
-        except Exception:  # noqa: BLE001 - reported as unsettled: the decode keeps the pages out of use
-            log.exception("room %d: cancelling its receives failed", room)
-        return all(t.done() for t in tasks)
-
-    async def _cancel(self, room: int) -> None:
-        state = self.rooms.get(room)
-        if state is None:
-            return
-        state["cancelled"] = True
-        ep = await self._endpoint(self.address)
-        empty = np.zeros(0, dtype=np.uint8)
-        for tag in list(state["tags"]):
-            await ep.send(empty, tag=tag, force_tag=True)
-
-
-def _scatter(staged: torch.Tensor, views: list[torch.Tensor]) -> None:
-    """Copy a staged head slice ([pages, per-page bytes in page-major order]) into its page views."""
-    offset = 0
-    for v in views:
-        size = v[0].numel()
-        v.copy_(staged[:, offset : offset + size].view(v.shape))
-        offset += size

@@ -45,7 +45,7 @@ class PoolDescriptor:
     token_shapes: list[list[int]]  # per buffer of a layer, the shape of one token's entry
     total_kv_heads: int = 0  # MHA: the model's KV heads (0 for MLA)
     held_heads: list[int] = field(default_factory=list)  # MHA: global KV heads this rank holds
-    order: str = PAGE_ORDER  # how a page's bytes are arranged (scheduler/kv_pool.py)
+    order: str = PAGE_ORDER  # how a page's bytes are arranged (memory/kv_pool.py)
     message_pages: int = 0  # decode: the most pages it takes in one UCX message (0: a whole run)
     first_layer: int = 0  # the model's index of the first layer held (a pipeline stage's start)
     model_layers: int = 0  # layers of the whole model (0: num_layers, all held)

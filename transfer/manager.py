@@ -1,8 +1,8 @@
 """The front's side of its ranks' transfer agents: one ZMQ ROUTER socket, used only by the engine thread.
 
-Agents say hello with their descriptor when they start; the front then sends them `push`, `expect` and
-`cancel` commands for a room, and gathers their per-rank events into one outcome per room once every
-rank of the room's group has reported.
+Agents say hello with their descriptor when they start; the front then sends them `Push`, `Expect`
+and `Cancel` commands for a room (`commands.py`), and gathers their per-rank `RoomReport`s into one
+`RoomOutcome` per room once every rank of the room's group has reported.
 """
 
 from __future__ import annotations
@@ -11,29 +11,42 @@ import contextlib
 import logging
 import tempfile
 import time
-from dataclasses import astuple, dataclass, field
+from dataclasses import dataclass, field
 
-import msgpack
 import zmq
 
+from dserve.transfer.commands import (
+    Cancel,
+    Expect,
+    Hello,
+    PartSent,
+    Push,
+    RoomReport,
+    Stop,
+    Transfer,
+    pack,
+    unpack,
+)
 from dserve.transfer.descriptor import (
     InstanceDescriptor,
     RankDescriptor,
     all_pools,
     stage_layers,
 )
-from dserve.transfer.mapping import plan_pipeline_routes
+from dserve.transfer.mapping import Route, plan_pipeline_routes
 
 log = logging.getLogger("dserve.transfer")
 
 
-@dataclass
+@dataclass(frozen=True)
 class RoomOutcome:
+    """A room's end over every rank of its DP group."""
+
     room: int
-    kind: str  # "pushed" (prefill) or "received" (decode)
+    transfer: Transfer
     ok: bool
     error: str | None
-    aux: dict | None
+    payload: bytes | None  # decode: what the prefill sent with the pages
     bytes: int
     seconds: float
     settled: bool = True  # decode: False when a receive could still land in the room's pages
@@ -44,10 +57,10 @@ class RoomOutcome:
 
 @dataclass
 class _Pending:
-    kind: str
+    transfer: Transfer
     ranks: set[tuple[int, int, int]]  # RankDescriptor.key of those yet to report
     started: float
-    events: list[dict] = field(default_factory=list)
+    reports: list[RoomReport] = field(default_factory=list)
 
 
 def identity(rank: RankDescriptor) -> bytes:
@@ -96,8 +109,8 @@ class TransferManager:
         return [self.ranks[k] for k in sorted(self.ranks) if k[0] == dp_rank]
 
     # ---- commands ---------------------------------------------------------------------------------
-    def _send(self, rank: RankDescriptor, cmd: dict) -> None:
-        self.sock.send_multipart([identity(rank), msgpack.packb(cmd)])
+    def _send(self, rank: RankDescriptor, command) -> None:
+        self.sock.send_multipart([identity(rank), pack(command)])
 
     def push(
         self,
@@ -107,37 +120,36 @@ class TransferManager:
         peer_dp: int,
         src_pages: list[int],
         dst_pages: list[int],
-        aux: dict | None,
         timeout_s: float,
+        payload: bytes | None = None,
         ready_pages: int | None = None,
         error: str | None = None,
     ) -> None:
         """Send a room's pages. With `ready_pages` a part: the messages whose pages are all
         among the first `ready_pages` (and not sent yet) leave now, and nothing is reported;
-        without it the rest and the control message (the sender's `error`, if any), reported
-        as one "pushed" outcome for the whole room."""
+        without it the rest and the control message (the `payload`, or the sender's `error`),
+        reported as one outcome for the whole room."""
         mine = self.group(dp_rank)
         theirs = peer.group(peer_dp)
-        cmd = {
-            "kind": "push",
-            "room": room,
-            "src_pages": src_pages,
-            "dst_pages": dst_pages,
-            "aux": aux,
-            "timeout_s": timeout_s,
-            "ready_pages": ready_pages,
-            "error": error,
-            "routes": self._routes(room, mine, theirs),
-            "dst_ranks": [r.address for r in theirs],
-            "dst_heads_held": [len(p.held_heads) for p in all_pools(theirs)],
-            "message_pages": agreed_message_pages(mine, theirs),
-        }
-        if ready_pages is not None:
-            for r in mine:
-                self._send(r, cmd)
-            self.parts_in_flight[room] = self.parts_in_flight.get(room, 0) + len(mine)
+        command = Push(
+            room,
+            src_pages,
+            dst_pages,
+            timeout_s,
+            routes=self._routes(room, mine, theirs),
+            dst_ranks=[r.address for r in theirs],
+            dst_heads_held=[len(p.held_heads) for p in all_pools(theirs)],
+            message_pages=agreed_message_pages(mine, theirs),
+            payload=payload,
+            ready_pages=ready_pages,
+            error=error,
+        )
+        if ready_pages is None:
+            self._start(Transfer.PUSH, room, mine, command)
             return
-        self._start("pushed", room, dp_rank, mine, cmd)
+        for r in mine:
+            self._send(r, command)
+        self.parts_in_flight[room] = self.parts_in_flight.get(room, 0) + len(mine)
 
     def expect(
         self,
@@ -149,27 +161,26 @@ class TransferManager:
     ) -> None:
         mine = self.group(dp_rank)
         theirs = peer.group(0)
-        cmd = {
-            "kind": "expect",
-            "room": room,
-            "dst_pages": dst_pages,
-            "timeout_s": timeout_s,
-            "routes": self._routes(room, theirs, mine),
-            "src_heads_held": [len(p.held_heads) for p in all_pools(theirs)],
-            "message_pages": agreed_message_pages(theirs, mine),
-        }
-        self._start("received", room, dp_rank, mine, cmd)
+        command = Expect(
+            room,
+            dst_pages,
+            timeout_s,
+            routes=self._routes(room, theirs, mine),
+            src_heads_held=[len(p.held_heads) for p in all_pools(theirs)],
+            message_pages=agreed_message_pages(theirs, mine),
+        )
+        self._start(Transfer.RECEIVE, room, mine, command)
 
     def cancel(self, room: int, dp_rank: int) -> None:
         for r in self.group(dp_rank):
-            self._send(r, {"kind": "cancel", "room": room})
+            self._send(r, Cancel(room))
 
     @staticmethod
     def _routes(
         room: int, prefill: list[RankDescriptor], decode: list[RankDescriptor]
-    ) -> list[list]:
+    ) -> list[list[Route]]:
         """Per pool, the room's routes between a prefill DP group and a decode DP group (each
-        over all its stages), as lists of Route's fields."""
+        over all its stages)."""
         out = []
         for i, pool in enumerate(all_pools(decode)):
             routes = plan_pipeline_routes(
@@ -181,54 +192,56 @@ class TransferManager:
                 room,
                 pool.total_kv_heads,
             )
-            out.append([list(astuple(r)) for r in routes])
+            out.append(routes)
         return out
 
-    def _start(
-        self, kind: str, room: int, dp_rank: int, ranks: list[RankDescriptor], cmd: dict
-    ) -> None:
-        key = (kind, room)
+    def _start(self, transfer: Transfer, room: int, ranks: list[RankDescriptor], command) -> None:
+        key = (transfer, room)
         if key in self.pending:
-            raise ValueError(
-                f"room {room} is already {'sending' if kind == 'pushed' else 'receiving'}"
-            )
-        self.pending[key] = _Pending(kind, {r.key for r in ranks}, time.perf_counter())
+            doing = "sending" if transfer is Transfer.PUSH else "receiving"
+            raise ValueError(f"room {room} is already {doing}")
+        ranks_left = {r.key for r in ranks}
+        self.pending[key] = _Pending(transfer, ranks_left, time.perf_counter())
         for r in ranks:
-            self._send(r, cmd)
+            self._send(r, command)
 
     # ---- events -----------------------------------------------------------------------------------
-    def _receive_one(self) -> dict | None:
+    def _receive_one(self) -> tuple[tuple[int, int, int], object]:
+        """The next event and the key of the rank that sent it."""
         ident, raw = self.sock.recv_multipart()
-        event = msgpack.unpackb(raw)
-        if event["kind"] == "hello":
-            d = RankDescriptor.from_dict(event["descriptor"])
-            self.ranks[d.key] = d
-            return None
-        event["rank"] = tuple(int(x) for x in ident.decode().split("-"))
-        return event
+        event = unpack(raw)
+        if isinstance(event, Hello):
+            self.ranks[event.descriptor.key] = event.descriptor
+        rank = tuple(int(x) for x in ident.decode().split("-"))
+        return rank, event
 
     def poll(self, timeout_ms: int = 0) -> list[RoomOutcome]:
         """Outcomes of rooms whose every rank has reported since the last call."""
         outcomes = []
         while self.sock.poll(timeout_ms):
             timeout_ms = 0
-            event = self._receive_one()
-            if event is None:
-                continue
-            if event["kind"] == "part":
-                self._part_sent(event["room"])
-                continue
-            key = (event["kind"], event["room"])
-            pending = self.pending.get(key)
-            if pending is None:
-                log.warning("transfer event for unknown room %s: %s", event["room"], event)
-                continue
-            pending.events.append(event)
-            pending.ranks.discard(event["rank"])
-            if not pending.ranks:
-                del self.pending[key]
-                outcomes.append(_merge(event["room"], pending))
+            rank, event = self._receive_one()
+            if isinstance(event, PartSent):
+                self._part_sent(event.room)
+            elif isinstance(event, RoomReport):
+                outcome = self._reported(rank, event)
+                if outcome is not None:
+                    outcomes.append(outcome)
         return outcomes
+
+    def _reported(self, rank: tuple[int, int, int], report: RoomReport) -> RoomOutcome | None:
+        """Count one rank's report; the room's outcome once it was the last."""
+        key = (report.transfer, report.room)
+        pending = self.pending.get(key)
+        if pending is None:
+            log.warning("transfer event for unknown room %s: %s", report.room, report)
+            return None
+        pending.reports.append(report)
+        pending.ranks.discard(rank)
+        if pending.ranks:
+            return None
+        del self.pending[key]
+        return _merge(report.room, pending)
 
     def _part_sent(self, room: int) -> None:
         left = self.parts_in_flight.get(room, 0) - 1
@@ -240,7 +253,7 @@ class TransferManager:
     def close(self) -> None:
         for rank in self.ranks.values():
             with contextlib.suppress(zmq.ZMQError):
-                self._send(rank, {"kind": "stop"})
+                self._send(rank, Stop())
         self.sock.close()
         self.ipc_dir.cleanup()
 
@@ -257,17 +270,20 @@ def agreed_message_pages(prefill: list[RankDescriptor], decode: list[RankDescrip
 
 
 def _merge(room: int, pending: _Pending) -> RoomOutcome:
-    errors = [e["error"] for e in pending.events if not e["ok"]]
-    aux = next((e.get("aux") for e in pending.events if e.get("aux")), None)
+    reports = pending.reports
+    errors = [r.error for r in reports if not r.ok]
+    payload = next((r.payload for r in reports if r.payload), None)
+    started = [r.started for r in reports if r.started]
+    finished = [r.finished for r in reports if r.finished]
     return RoomOutcome(
         room,
-        pending.kind,
+        pending.transfer,
         not errors,
         "; ".join(dict.fromkeys(errors)) or None,
-        aux,
-        sum(e.get("bytes", 0) for e in pending.events),
+        payload,
+        sum(r.bytes for r in reports),
         time.perf_counter() - pending.started,
-        all(e.get("settled", True) for e in pending.events),
-        min((e["started"] for e in pending.events if "started" in e), default=0.0),
-        max((e["finished"] for e in pending.events if "finished" in e), default=0.0),
+        all(r.settled for r in reports),
+        min(started, default=0.0),
+        max(finished, default=0.0),
     )

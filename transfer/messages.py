@@ -1,6 +1,6 @@
 """The UCX messages that move one room, as both sides derive them.
 
-Pools are page-major (scheduler/kv_pool.py), so a message carries every layer the route moves: for
+Pools are page-major (memory/kv_pool.py), so a message carries every layer the route moves: for
 every real route and pool, one message per run of consecutive destination pages. Its bytes are the
 pages as the receiver lays them out when it holds exactly the route's heads and layers: per page,
 per layer and buffer, the page's slots of those heads. With all heads and layers on both sides that
@@ -10,14 +10,14 @@ order. A message's tag is a hash of where it belongs, so both sides agree withou
 rooms collide.
 
 Every (prefill rank, decode rank) pair of a room also exchanges one control message (msgpack, at most
-`CTRL_BYTES`) after its data: success or the sender's error, plus the aux data (first token, ...).
+`CTRL_BYTES`) after its data: success or the sender's error, plus the payload for the decode's front (`Control`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import msgpack
 
@@ -96,28 +96,33 @@ def _head_slice(first: int, count: int, held: int) -> tuple[int, int] | None:
     return (first, count)
 
 
-def pack_ctrl(ok: bool, error: str | None = None, aux: dict | None = None) -> bytes:
-    body = msgpack.packb({"ok": ok, "error": error, "aux": aux})
-    if len(body) + 4 > CTRL_BYTES:
-        body = msgpack.packb(
-            {
-                "ok": False,
-                "error": f"control message of {len(body)} bytes is over the limit",
-                "aux": None,
-            }
-        )
-    return struct.pack("<I", len(body)) + body
+@dataclass(frozen=True)
+class Control:
+    """The control message a prefill rank sends a decode rank after a room's data: success or
+    the sender's error, and the payload for the decode's front (`commands.Push.payload`)."""
 
+    ok: bool
+    error: str | None = None
+    payload: bytes | None = None
 
-def unpack_ctrl(buffer: bytes) -> dict:
-    """Validate a received control message; a malformed one reads as a failed transfer."""
-    try:
-        (n,) = struct.unpack_from("<I", buffer)
-        if not 0 < n <= CTRL_BYTES - 4:
-            raise ValueError(f"length {n}")
-        msg = msgpack.unpackb(bytes(buffer[4 : 4 + n]))
-        if not isinstance(msg, dict) or not isinstance(msg.get("ok"), bool):
-            raise ValueError("not a control record")
-        return msg
-    except Exception as e:  # noqa: BLE001 - any garbage means the room failed
-        return {"ok": False, "error": f"malformed control message ({e})", "aux": None}
+    def pack(self) -> bytes:
+        """Its length (4 bytes) and msgpack body; one over `CTRL_BYTES` becomes a failure."""
+        body = msgpack.packb(asdict(self))
+        if len(body) + 4 > CTRL_BYTES:
+            error = f"control message of {len(body)} bytes is over the limit"
+            body = msgpack.packb(asdict(Control(False, error)))
+        return struct.pack("<I", len(body)) + body
+
+    @classmethod
+    def unpack(cls, buffer: bytes) -> Control:
+        """A received control message; a malformed one reads as a failed transfer."""
+        try:
+            (n,) = struct.unpack_from("<I", buffer)
+            if not 0 < n <= CTRL_BYTES - 4:
+                raise ValueError(f"length {n}")
+            body = msgpack.unpackb(bytes(buffer[4 : 4 + n]))
+            if not isinstance(body, dict) or not isinstance(body.get("ok"), bool):
+                raise ValueError("not a control record")
+            return cls(**body)
+        except Exception as e:  # noqa: BLE001 - any garbage means the room failed
+            return cls(False, f"malformed control message ({e})")

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dserve.transfer.messages import Message, ctrl_tag, pack_ctrl
+from dserve.transfer.commands import PartSent, Push, RoomReport, Transfer
+from dserve.transfer.messages import Control, Message, ctrl_tag
 
 log = logging.getLogger("dserve.transfer")
 INJECTED = "transfer failed (injected by transfer_fail_rate)"
@@ -41,61 +42,59 @@ class Sending:
     """The prefill half of `TransferAgent` (a mixin: it uses the agent's pools, endpoints and
     message helpers)."""
 
-    async def _push(self, cmd: dict) -> None:
-        room = cmd["room"]
+    async def _push(self, push: Push, arrived: float) -> None:
+        room = push.room
         stream = self.streams.get(room)
         if stream is None:
-            stream = self.streams[room] = Stream(cmd["arrived"])
-        if cmd["ready_pages"] is not None:  # a part: its errors go with the final push
-            stream.parts.append(asyncio.ensure_future(self._send_part(cmd, stream)))
+            stream = self.streams[room] = Stream(arrived)
+        if push.ready_pages is not None:  # a part: its errors go with the final push
+            stream.parts.append(asyncio.ensure_future(self._send_part(push, stream)))
             return
         del self.streams[room]
         await asyncio.gather(*stream.parts)
-        await self._send_all(cmd, stream)
+        await self._send_all(push, stream)
         sent = time.perf_counter()
         log.debug("room %d pushed in %.3f ms", room, (sent - stream.started) * 1e3)
-        await self._emit(
-            {
-                "kind": "pushed",
-                "room": room,
-                "ok": not stream.errors,
-                "error": "; ".join(dict.fromkeys(stream.errors)) or None,
-                "bytes": stream.bytes,
-                "started": stream.started,
-                "finished": sent,
-            }
+        report = RoomReport(
+            room,
+            Transfer.PUSH,
+            ok=not stream.errors,
+            error="; ".join(dict.fromkeys(stream.errors)) or None,
+            bytes=stream.bytes,
+            started=stream.started,
+            finished=sent,
         )
+        await self._emit(report)
 
-    async def _send_part(self, cmd: dict, stream: Stream) -> None:
-        """A part's messages, then a "part" event: the front may reuse its pages now."""
-        await self._send_all(cmd, stream)
-        await self._emit({"kind": "part", "room": cmd["room"]})
+    async def _send_part(self, push: Push, stream: Stream) -> None:
+        """A part's messages, then `PartSent`: the front may reuse its pages now."""
+        await self._send_all(push, stream)
+        await self._emit(PartSent(push.room))
 
-    async def _send_all(self, cmd: dict, stream: Stream) -> None:
+    async def _send_all(self, push: Push, stream: Stream) -> None:
         """This push's messages to every decode rank this rank has a route to.
         No wait for the rank's forwards: the engine pushes pages only after it has read the
         results of every forward that wrote them (a step's outputs reach the host; other TP
         ranks' writes precede collectives those outputs depend on). A device-wide synchronize
         here waited for the rank's next step, already in flight, adding up to a step."""
         me = self.where.slot
-        deadline = time.monotonic() + cmd["timeout_s"]
-        decode_ranks = sorted(
-            {r[1] for pool_routes in cmd["routes"] for r in pool_routes if r[0] == me}
-        )
+        deadline = time.monotonic() + push.timeout_s
+        routes = [r for pool_routes in push.routes for r in pool_routes]
+        decode_ranks = sorted({r.decode_rank for r in routes if r.prefill_rank == me})
         if len(decode_ranks) == 1:  # the common case, without a task per rank
-            await self._push_to(cmd, decode_ranks[0], deadline, stream)
+            await self._push_to(push, decode_ranks[0], deadline, stream)
         else:
-            sends = (self._push_to(cmd, d, deadline, stream) for d in decode_ranks)
+            sends = (self._push_to(push, d, deadline, stream) for d in decode_ranks)
             await asyncio.gather(*sends)
 
-    async def _push_to(self, cmd: dict, d: int, deadline: float, stream: Stream) -> None:
+    async def _push_to(self, push: Push, d: int, deadline: float, stream: Stream) -> None:
         """This push's messages to decode rank d (and, if final, the control message) in
         flight at once. The control message need not wait for the data: the decode counts a
         room only once every receive completed, so a data send that fails after an "ok"
         still fails the room. Errors go to `stream.errors`."""
-        room, me = cmd["room"], self.where.slot
-        address = cmd["dst_ranks"][d]
-        final = cmd["ready_pages"] is None
+        room, me = push.room, self.where.slot
+        address = push.dst_ranks[d]
+        final = push.ready_pages is None
         left = lambda: max(deadline - time.monotonic(), 0.01)
         try:
             making = self.endpoints.get(address)
@@ -104,13 +103,14 @@ class Sending:
                 if making is not None and made(making)
                 else await asyncio.wait_for(self._endpoint(address), left())
             )
-            error = self._failure(cmd, stream, final)
-            data = [] if error or stream.errors else self._data(cmd, me, d, stream)
+            error = self._failure(push, final)
+            data = [] if error or stream.errors else self._data(push, me, d, stream)
             sends = [ep.send(as_ucx_buffer(t), tag=msg.tag, force_tag=True) for msg, t in data]
             if final:
                 error = error or (stream.errors[0] if stream.errors else None)
-                aux = cmd["aux"] if self.attn_rank == 0 else None
-                ctrl = np.frombuffer(pack_ctrl(error is None, error, aux), dtype=np.uint8)
+                payload = push.payload if self.attn_rank == 0 else None
+                control = Control(error is None, error, payload).pack()
+                ctrl = np.frombuffer(control, dtype=np.uint8)
                 sends.append(ep.send(ctrl, tag=ctrl_tag(room, me, d), force_tag=True))
             await asyncio.wait_for(asyncio.gather(*sends), left())
             stream.bytes += sum(t.numel() * t.element_size() for _, t in data)
@@ -123,27 +123,27 @@ class Sending:
             )
             stream.errors.append(f"sending to decode rank {d} failed: {reason}")
 
-    def _failure(self, cmd: dict, stream: Stream, final: bool) -> str | None:
-        """The error a final push sends instead of data: the prefill's (`cmd["error"]`) or the
+    def _failure(self, push: Push, final: bool) -> str | None:
+        """The error a final push sends instead of data: the prefill's (`push.error`) or the
         test-only injected one (a streamed room's parts have gone out by then)."""
         if not final:
             return None
-        if cmd["error"]:
-            return cmd["error"]
-        if self.fail_rate > 0 and random.Random(cmd["room"]).random() < self.fail_rate:
+        if push.error:
+            return push.error
+        if self.fail_rate > 0 and random.Random(push.room).random() < self.fail_rate:
             return INJECTED
         return None
 
     def _data(
-        self, cmd: dict, me: int, d: int, stream: Stream
+        self, push: Push, me: int, d: int, stream: Stream
     ) -> list[tuple[Message, torch.Tensor]]:
         """(message, bytes) of those this push sends to decode rank d: not sent yet and, for a
         part, with every page ready. They are claimed in `stream.sent` at once."""
-        ready = cmd["ready_pages"]
+        ready = push.ready_pages
         msgs = [
             msg
-            for r in self._pair_routes(cmd, me, d)
-            for msg in self._messages(cmd, r, cmd["src_pages"])
+            for r in self._pair_routes(push, me, d)
+            for msg in self._messages(push, r)
             if msg.tag not in stream.sent and (ready is None or msg.ready(ready))
         ]
         stream.sent.update(msg.tag for msg in msgs)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dserve.runtime.connector import KVConnector, Prefilled
 from dserve.spec.tree import (
     Candidate,
     accept_greedy,
@@ -127,6 +128,18 @@ def test_engine_verifies_a_tree_off_its_first_branch(arch, tiny_dir, make_engine
     engine.check_invariants()
 
 
+class Arriving(KVConnector):
+    """A decode's connector without the transport: every prompt's KV arrives."""
+
+    pages = None
+
+    def arriving_tokens(self, req) -> int:
+        return len(req.prompt_ids)
+
+    def allocated(self, req, pages) -> None:
+        self.pages = pages
+
+
 @pytest.mark.parametrize(
     "tokens,parents",
     [
@@ -146,9 +159,12 @@ def test_a_malformed_tree_from_a_peer_is_dropped(tokens, parents, tiny_dir, make
         speculative_num_steps=2,
         speculative_eagle_topk=2,
     )
+    engine.connector = Arriving(engine)
     req = engine.make_request(input_ids=prompts(1)[0], sampling_params=GREEDY)
-    assert engine.prealloc(req) is not None
-    engine.join_prefilled(req.rid, 7, draft_tokens=tokens, draft_parents=parents)
+    engine.submit(req)
+    engine.poll()
+    assert engine.connector.pages is not None
+    engine.join(req.rid, Prefilled(7, draft_tokens=tokens, draft_parents=parents))
     assert req.draft_tokens == [] and req.draft_parents == []
     while not req.finished:
         engine.step()

@@ -17,6 +17,7 @@ from dserve.transfer.mapping import held_heads
 
 pytest.importorskip("ucxx")  # the transfer stack (ucxx, pyzmq) is not on every GPU host
 pytest.importorskip("zmq")
+from dserve.transfer.commands import Transfer  # noqa: E402
 from dserve.transfer.manager import TransferManager  # noqa: E402
 
 HEADS, LAYERS, PAGE, DIM, PAGES = 4, 3, 4, 8, 64
@@ -178,14 +179,15 @@ def test_scattered_pages_arrive_exactly(
         dst = sorted(order[i * 8 : i * 8 + 3]) + order[i * 8 + 3 : i * 8 + 5]
         rooms[room] = (src, dst)
         decode.manager.expect(room, 0, prefill.desc, dst, 30)
-        prefill.manager.push(room, 0, decode.desc, 0, src, dst, {"token": room}, 30)
+        prefill.manager.push(room, 0, decode.desc, 0, src, dst, 30, bytes([room]))
     done = outcomes([prefill, decode], 2 * len(rooms))
     assert all(o.ok for o in done), [o.error for o in done if not o.ok]
-    assert {o.aux["token"] for o in done if o.kind == "received"} == set(rooms)
-    pushed = {o.room: o for o in done if o.kind == "pushed"}
+    received = [o for o in done if o.transfer is Transfer.RECEIVE]
+    assert {o.payload[0] for o in received} == set(rooms)
+    pushed = {o.room: o for o in done if o.transfer is Transfer.PUSH}
     for o in done:  # the agents' timestamps (one clock on a host) give each room's transfer time
         assert 0 < o.started <= o.finished
-        if o.kind == "received":
+        if o.transfer is Transfer.RECEIVE:
             assert o.finished > pushed[o.room].started
     received = decode.pages()
     prefill.pages()
@@ -203,7 +205,7 @@ def test_failed_room_settles_its_receives_before_reporting(tmp_path):
     (failed,) = outcomes([decode], 1)
     assert not failed.ok and "broken on purpose" in failed.error
     assert failed.settled  # the posted receives were completed (cancelled) before the report
-    prefill.manager.push(7, 0, decode.desc, 0, [0, 1, 2], [3, 4, 9], {"token": 1}, 2)
+    prefill.manager.push(7, 0, decode.desc, 0, [0, 1, 2], [3, 4, 9], 2, b"1")
     outcomes([prefill], 1)  # sent eagerly (ok) or not taken (timed out): either way nothing lands
     assert not decode.pages()[0].any(), "a late message wrote into pages the decode had given back"
     prefill.pages()

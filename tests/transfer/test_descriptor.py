@@ -17,7 +17,7 @@ from dserve.transfer.descriptor import (
     RankDescriptor,
     check_compatible,
 )
-from dserve.transfer.messages import CTRL_BYTES, pack_ctrl, page_runs, unpack_ctrl
+from dserve.transfer.messages import CTRL_BYTES, Control, page_runs
 
 MODEL = {"architecture": "DeepseekV3ForCausalLM", "num_hidden_layers": 3, "kv_lora_rank": 32}
 
@@ -85,11 +85,11 @@ def test_incompatible_peer_names_the_difference(other, what):
 
 
 def test_control_records_are_size_limited_and_validated():
-    ok = unpack_ctrl(pack_ctrl(True, None, {"token": 5}))
-    assert ok == {"ok": True, "error": None, "aux": {"token": 5}}
-    huge = unpack_ctrl(pack_ctrl(True, None, {"top": "x" * CTRL_BYTES}))
-    assert huge["ok"] is False and "over the limit" in huge["error"]
-    assert unpack_ctrl(b"\xff" * 16)["ok"] is False
+    ok = Control.unpack(Control(True, None, b"token 5").pack())
+    assert ok == Control(True, None, b"token 5")
+    huge = Control.unpack(Control(True, None, b"x" * CTRL_BYTES).pack())
+    assert huge.ok is False and "over the limit" in huge.error
+    assert Control.unpack(b"\xff" * 16).ok is False
     assert page_runs([4, 5, 6, 9, 10, 2]) == [(0, 3), (3, 2), (5, 1)]
     assert page_runs([4, 5, 6, 7, 8, 2], longest=2) == [(0, 2), (2, 2), (4, 1), (5, 1)]
 
