@@ -6,8 +6,8 @@ one kernel row per token) run `triton_mla.mla_decode` over the paged latent cach
 chunks, extends and draft trees run `triton_extend` (blocks of query tokens, causal or tree masks).
 New tokens' KV goes into the pages through `triton_store`. Select it with `--attention-backend
 triton`; on a GPU the choice also puts the model's RMSNorms (fused with the residual add,
-`triton_norm.py`), rotary embeddings (`triton_rotary.py`) and routed experts (grouped GEMMs,
-`triton_moe.py`) on their Triton kernels. Sparse attention (DSA): the indexer's scores by
+`kernels/triton_norm.py`), rotary embeddings (`kernels/triton_rotary.py`) and routed experts
+(grouped GEMMs, `kernels/triton_moe.py`) on their Triton kernels. Sparse attention (DSA): the indexer's scores by
 `triton_dsa.indexer_scores`, the top-k by torch, and the sparse MLA by `mla_decode` over each
 token's selected positions, one row per token (prompt chunks too).
 """

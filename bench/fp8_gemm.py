@@ -3,14 +3,14 @@ fills the FP8 kernel's table.
 
 For each N x K of DeepSeek-V3's quantized linears (one GPU holding whole matrices, as DP attention
 and the dense layers do) and M = 1 .. 4096 tokens, it times the BF16 product (torch, cuBLAS) and
-the FP8 one (`attention/fp8_gemm.py`: activation quantization included), each on its own
+the FP8 one (`kernels/fp8_gemm.py`: activation quantization included), each on its own
 dequantized-equal weights, CUDA-graph replays so the host's launch cost is left out, each call
 reading its own copy of the weight from memory (copies past the L2 cache's size, back to back in
 one graph, as the GEMMs of a captured step run). With
 `--sweep` it tries cuBLAS's scaled GEMM (where it takes the shape) against Triton launch
 configurations per shape and M bucket (up to 256 tokens a grid of tiles with split-K; beyond,
 the table's, or with `--sweep-grid` a grid of tiles), keeps the fastest and updates the table
-(`attention/fp8_gemm_configs.json`) the GEMM reads; without it, the table's choice.
+(`kernels/fp8_gemm_configs.json`) the GEMM reads; without it, the table's choice.
 The weight scales are held column-major, as a loaded model holds them.
 
     python -m bench.fp8_gemm [--sweep [--sweep-grid]] [--ms 1,16,64,256,4096] [--block 128]
@@ -82,7 +82,7 @@ def fits(cfg: dict, m: int) -> bool:
 def time_case(x, copies, block: int, configs: list[dict]) -> tuple[float, float, dict]:
     """(BF16 seconds, best FP8 seconds, its configuration) per GEMM, each call on its own copy
     of the weight (`weight_copies`); no `configs`: the table's."""
-    from dserve.attention.fp8_gemm import cublas_takes, fp8_matmul, launch_config
+    from dserve.kernels.fp8_gemm import cublas_takes, fp8_matmul, launch_config
 
     linear = torch.nn.functional.linear
     bf16 = graph_seconds_each([lambda d=d: linear(x, d) for _, _, d in copies], 10)
@@ -104,7 +104,7 @@ def time_case(x, copies, block: int, configs: list[dict]) -> tuple[float, float,
 def candidates(m: int, n: int, k: int, block: int, grid: bool) -> list[dict]:
     """cuBLAS where it takes the shape, and Triton: up to SMALL_M tokens the split-K tiles that
     suit M, beyond it the table's launch configuration (`grid`: the Triton grid's tiles)."""
-    from dserve.attention.fp8_gemm import CUBLAS, cublas_takes, launch_config
+    from dserve.kernels.fp8_gemm import CUBLAS, cublas_takes, launch_config
 
     if m <= SMALL_M:
         triton = [c for c in SPLIT_GRID if fits(c, m)]
@@ -116,7 +116,7 @@ def candidates(m: int, n: int, k: int, block: int, grid: bool) -> list[dict]:
 
 
 def main() -> None:
-    from dserve.attention.fp8_gemm import CONFIGS, m_bucket
+    from dserve.kernels.fp8_gemm import CONFIGS, m_bucket
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ms", type=lambda s: [int(x) for x in s.split(",")], default=MS)

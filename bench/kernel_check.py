@@ -109,8 +109,8 @@ def mha_rows(backends: list[str]) -> list[dict]:
 
 
 def elementwise_rows() -> list[dict]:
-    from dserve.attention.triton_norm import rms_norm
-    from dserve.attention.triton_rotary import apply_rotary
+    from dserve.kernels.triton_norm import rms_norm
+    from dserve.kernels.triton_rotary import apply_rotary
     from dserve.models.config import RopeConfig
     from dserve.models.layers.norm import RMSNorm
     from dserve.models.layers.rotary import RotaryEmbedding
@@ -144,7 +144,7 @@ def elementwise_rows() -> list[dict]:
 
 
 def moe_rows() -> list[dict]:
-    from dserve.attention.triton_moe import fused_experts
+    from dserve.kernels.triton_moe import fused_experts
     from dserve.models.layers.moe import Experts
 
     gen, rows = torch.Generator("cuda").manual_seed(2), []
@@ -177,7 +177,7 @@ def fp8_moe_rows() -> list[dict]:
     """The grouped GEMMs reading FP8 experts (blocks of 128, W8A8) against the torch experts on
     the same weights dequantized to bf16. Tolerance: one e4m3 rounding of each GEMM's input
     (2^-4 relative), as for the FP8 linears."""
-    from dserve.attention.triton_moe import fused_experts
+    from dserve.kernels.triton_moe import fused_experts
     from dserve.models.layers.moe import Experts
     from dserve.models.quant import Fp8Scheme, per_row, quantize
 
@@ -218,7 +218,7 @@ def fp8_rows() -> list[dict]:
     same weights dequantized, in float32. Tolerance: one e4m3 rounding of the activations
     (2^-4 relative), as a bound on the largest error over the largest output."""
     from bench.fp8_gemm import SHAPES, weights
-    from dserve.attention.fp8_gemm import fp8_matmul
+    from dserve.kernels.fp8_gemm import fp8_matmul
 
     gen, rows = torch.Generator("cuda").manual_seed(3), []
     for name, (n, k) in SHAPES.items():

@@ -1,4 +1,4 @@
-"""The fused MoE's grouped GEMMs (`attention/triton_moe.fused_experts`) at DeepSeek-V3's expert
+"""The fused MoE's grouped GEMMs (`kernels/triton_moe.fused_experts`) at DeepSeek-V3's expert
 shapes, FP8 (W8A8) and BF16, against the copy bandwidth, with a sweep of launch parameters.
 
 Each call routes M tokens to `top_k` of `experts` experts (random, a fresh routing per call, so
@@ -10,7 +10,7 @@ times an expert's weights (and scales). Times are CUDA-graph replays of calls ba
                              [--dtypes fp8,bf16]
 
 With `--sweep` each (dtype, M) tries the launch grid and reports the best beside the default;
-`--write` stores the best per M bucket in `attention/moe_gemm_configs.json`, which
+`--write` stores the best per M bucket in `kernels/moe_gemm_configs.json`, which
 `fused_experts` reads. Prints a table and writes JSON.
 """
 
@@ -66,7 +66,7 @@ def expert_bytes(w13, w2, scales) -> int:
 
 def time_config(x, weights, routes, cfg: dict | None) -> float:
     """Seconds per fused_experts call; `cfg` None: the table's choice (or the defaults)."""
-    from dserve.attention.triton_moe import fused_experts
+    from dserve.kernels.triton_moe import fused_experts
 
     w13, w2, scales = weights
     options = dict(cfg or {})
@@ -145,7 +145,7 @@ def main() -> None:
 
 
 def write_table(rows: list[dict]) -> None:
-    from dserve.attention.triton_moe import CONFIGS, table_key
+    from dserve.kernels.triton_moe import CONFIGS, table_key
 
     table = {}
     if os.path.isfile(CONFIGS):

@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/norm_kernel.json")
     args = parser.parse_args()
 
-    from dserve.attention.triton_norm import rms_norm
+    from dserve.kernels.triton_norm import rms_norm
     from dserve.models.layers.norm import RMSNorm
 
     copy = copy_bandwidth()

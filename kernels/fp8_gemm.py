@@ -24,8 +24,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from dserve.attention import launch_table
-from dserve.attention.triton_fp8 import quantize_activations, triton_matmul
+from dserve.kernels import launch_table
+from dserve.kernels.triton_fp8 import quantize_activations, triton_matmul
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "fp8_gemm_configs.json")
 CUBLAS = {"backend": "cublas"}

@@ -1,4 +1,4 @@
-"""Triton kernels for the FP8 GEMMs (`attention/fp8_gemm.py` picks them or cuBLAS).
+"""Triton kernels for the FP8 GEMMs (`kernels/fp8_gemm.py` picks them or cuBLAS).
 
 `quantize_activations` quantizes a matrix per token and per group of K (the weight's scale block,
 128 for DeepSeek's block FP8; all of K for per-channel weights) into e4m3 with a float32 scale per

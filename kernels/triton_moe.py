@@ -31,9 +31,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from dserve.attention import launch_table
-from dserve.attention.triton_fp8 import quantize_activations
-from dserve.attention.triton_routing import sort_pairs
+from dserve.kernels import launch_table
+from dserve.kernels.triton_fp8 import quantize_activations
+from dserve.kernels.triton_routing import sort_pairs
 
 
 @triton.jit

@@ -255,7 +255,7 @@ def finish_fp8(model: nn.Module) -> None:
     (`keep_dense`: MLA's kv_b_proj, whose absorbed halves the attention reads), and hold every
     other FP8 weight's scales row-contiguous (the rows' scales of one K block side by side:
     [..., rows, K blocks] with stride 1 along rows), the layout cuBLAS's blockwise FP8 GEMM
-    reads (`attention/fp8_gemm.py`) and the one a GEMM tile's scale loads coalesce in."""
+    reads (`kernels/fp8_gemm.py`) and the one a GEMM tile's scale loads coalesce in."""
     for module in model.modules():
         if getattr(module, "keep_dense", False) and module.weight.dtype == FP8:
             scale = module.weight_scale
@@ -289,10 +289,10 @@ def weight_of(module: nn.Module, attr: str, dtype: torch.dtype, index=None) -> t
 
 def fp8_linear(x: torch.Tensor, module: nn.Module, attr: str = "weight") -> torch.Tensor:
     """x @ w.T for an FP8 weight: on a GPU the FP8 GEMM (activations quantized per token and
-    block on the fly: `attention/fp8_gemm.py`), else the dequantized product in x's dtype
+    block on the fly: `kernels/fp8_gemm.py`), else the dequantized product in x's dtype
     (exact in float32)."""
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
-        from dserve.attention.fp8_gemm import fp8_matmul, supported
+        from dserve.kernels.fp8_gemm import fp8_matmul, supported
 
         w, scale = getattr(module, attr), getattr(module, attr + "_scale")
         if supported(scale.block, scale.shape[-1]):

@@ -108,7 +108,7 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.use_kernel and x.is_cuda:  # the triton backend: grouped GEMMs, no host sync
-            from dserve.attention.triton_moe import fused_experts
+            from dserve.kernels.triton_moe import fused_experts
 
             fp8 = self.w13.dtype == FP8
             return fused_experts(
@@ -165,7 +165,7 @@ class MoE(nn.Module):
         logits = self.router_logits(x)
         bias = self.correction_bias
         if self.experts.use_kernel and x.is_cuda:  # one launch, padding rows included
-            from dserve.attention import triton_routing
+            from dserve.kernels import triton_routing
 
             weights, ids = triton_routing.route(logits, bias, self.cfg, real_tokens)
         else:

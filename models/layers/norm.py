@@ -1,5 +1,5 @@
 """RMSNorm, computed in float32 and cast back, as the reference models do; on a GPU with the Triton
-kernels selected (`attention_backend="triton"`), one fused kernel (`attention/triton_norm.py`) that
+kernels selected (`attention_backend="triton"`), one fused kernel (`kernels/triton_norm.py`) that
 also does the residual add before the norm."""
 
 from __future__ import annotations
@@ -40,6 +40,6 @@ class RMSNorm(nn.Module):
         return self.use_kernel and x.is_cuda and x.dim() == 2
 
     def _kernel(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        from dserve.attention.triton_norm import rms_norm
+        from dserve.kernels.triton_norm import rms_norm
 
         return rms_norm(x.contiguous(), self.weight, self.eps, residual)

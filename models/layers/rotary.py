@@ -1,5 +1,5 @@
 """Rotary position embedding: default and YaRN frequencies, DeepSeek's interleaved pairs, GLM's partial rotary.
-On a GPU with the Triton kernels selected, `apply` is one launch (`attention/triton_rotary.py`).
+On a GPU with the Triton kernels selected, `apply` is one launch (`kernels/triton_rotary.py`).
 
 cos/sin are computed per batch from the positions exactly as the reference does (float32 positions
 times inverse frequencies, scaled by YaRN's attention factor), so cached and fresh tokens agree bit for bit.
@@ -83,7 +83,7 @@ class RotaryEmbedding(nn.Module):
             and x.dtype == torch.bfloat16
             and (r // 2) & (r // 2 - 1) == 0
         ):
-            from dserve.attention.triton_rotary import apply_rotary
+            from dserve.kernels.triton_rotary import apply_rotary
 
             return apply_rotary(x, cos.contiguous(), sin.contiguous(), self.rope.interleaved)
         cos, sin = cos[:, None, :], sin[:, None, :]

@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")  # tests/conftest.py sets TRITON_INTERPRET=1 on a CPU host
 
-from dserve.attention.triton_moe import fused_experts  # noqa: E402
+from dserve.kernels.triton_moe import fused_experts  # noqa: E402
 from dserve.models.layers.moe import Experts  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")  # tests/conftest.py sets TRITON_INTERPRET=1 on a CPU host
 
-from dserve.attention.triton_norm import rms_norm  # noqa: E402
+from dserve.kernels.triton_norm import rms_norm  # noqa: E402
 from dserve.models.layers.norm import RMSNorm  # noqa: E402
 
 

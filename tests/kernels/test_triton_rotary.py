@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("triton")  # tests/conftest.py sets TRITON_INTERPRET=1 on a CPU host
 
-from dserve.attention.triton_rotary import apply_rotary  # noqa: E402
+from dserve.kernels.triton_rotary import apply_rotary  # noqa: E402
 from dserve.models.config import RopeConfig  # noqa: E402
 from dserve.models.layers.rotary import RotaryEmbedding  # noqa: E402
 

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("triton")  # tests/conftest.py sets TRITON_INTERPRET=1 on a CPU host
 
-from dserve.attention.triton_routing import capacity, route, sort_pairs  # noqa: E402
+from dserve.kernels.triton_routing import capacity, route, sort_pairs  # noqa: E402
 from dserve.models.layers import moe  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -218,7 +218,7 @@ def test_fp8_gemm_against_the_dequantized_product(kind, block):
     within one e4m3 rounding of the activations (2^-4) of the float32 product with the dequantized weight,
     partial blocks at the edges of N and K included, scales row- or column-major, token counts
     cuBLAS pads."""
-    from dserve.attention.fp8_gemm import CUBLAS, TRITON_DEFAULTS, cublas_takes, fp8_matmul
+    from dserve.kernels.fp8_gemm import CUBLAS, TRITON_DEFAULTS, cublas_takes, fp8_matmul
     from tests.reference import relative_error
 
     gen = torch.Generator().manual_seed(4)
