@@ -45,6 +45,7 @@ from dserve.scheduler.request import SamplingParams
 
 log = logging.getLogger("dserve.router")
 SLOW_PROBES_TO_REMOVE = 3
+STREAM_END = b"data: [DONE]\n\n"  # a stream's last event, the router's and the instances'
 BLAME_GRACE_S = 1.0  # how long a failed decode waits to learn whether its prefill failed
 ANY_VOCABULARY = 2**62  # the router does not know the model: token ids are the instance's to check
 
@@ -378,18 +379,26 @@ class Router:
         await resp.prepare(request)
         await resp.write(opened.head)
         first = time.perf_counter()
+        answered = False  # the stream's last event went out: the client may leave now
         try:
             async for data in upstream.content.iter_any():
                 await resp.write(data)
+                if not answered and STREAM_END in data:
+                    answered = True
+                    self.metrics.answered(ROUTES[endpoint], outcome, start, first)
         except (ConnectionResetError, asyncio.CancelledError):
-            self.metrics.requests.labels(ROUTES[endpoint], "client_gone").inc()
+            if not answered:
+                self.metrics.requests.labels(ROUTES[endpoint], "client_gone").inc()
             raise
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:  # tokens went out: no retry
+            if answered:
+                return resp  # the upstream failed after its last event: the answer is whole
             outcome = "error"
             message = f"decode {decode.url} failed mid-stream: {type(e).__name__}"
             await resp.write(b"data: " + json.dumps(error_body(message, 502)).encode() + b"\n\n")
-            await resp.write(b"data: [DONE]\n\n")
-        self.metrics.answered(ROUTES[endpoint], outcome, start, first)
+            await resp.write(STREAM_END)
+        if not answered:
+            self.metrics.answered(ROUTES[endpoint], outcome, start, first)
         return resp
 
     def _error(self, endpoint: str, message: str, status: int, start: float) -> web.Response:

@@ -113,12 +113,22 @@ def test_client_errors_do_not_trip_the_breaker_and_metrics_fill(instances):
         events = stream(proc.url + "/v1/completions", body)
         assert events[-2]["choices"][0]["finish_reason"] == "length"
         assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 3
+        # a streamed answer counts once the decode's stream has ended, which may be just after
+        # the client read its last event
+        latency = "dserve_router_request_latency_seconds"
+
+        def streamed() -> bool:
+            page = get(proc.url + "/metrics")[1]
+            samples = [s for f in text_string_to_metric_families(page) for s in f.samples]
+            count = f"{latency}_count"
+            return any(s.name == count and s.labels["endpoint"] == "completions" for s in samples)
+
+        wait_for(streamed, 5, "the streamed answer in the router's metrics")
         text = get(proc.url + "/metrics")[1]
         value = lambda name, **labels: metric_value(text, name, **labels)
         assert value("dserve_router_requests_total", endpoint="generate", outcome="ok") == 1
         assert value("dserve_router_requests_total", outcome="bad_request") == 4
         for endpoint, answers in (("generate", 5), ("completions", 1)):  # errors too
-            latency = "dserve_router_request_latency_seconds"
             assert value(f"{latency}_count", endpoint=endpoint) == answers
             assert value(f"{latency}_sum", endpoint=endpoint) > 0
             ttft = "dserve_router_time_to_first_token_seconds"  # of the answers that succeeded
