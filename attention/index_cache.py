@@ -56,7 +56,8 @@ def widened_keys(rows: torch.Tensor, fp8: bool) -> torch.Tensor:
 def select_top(scores: torch.Tensor, topk: int) -> torch.Tensor:
     """Per row the positions of the `topk` highest scores in no set order, -1 for those
     that are not finite (and past the row where it is shorter than `topk`), [T, topk]
-    int64. A selection is a set: not sorting it saves the top-k half its time on a GPU."""
+    int64. A selection is a set: not sorting it saves the top-k a fifth of its time on a GPU
+    (H100, 32k scores, k 2048: 51 against 64 us at batch 1)."""
     width = scores.shape[1]
     best = scores.topk(min(topk, width), dim=-1, sorted=False)
     chosen = best.indices.masked_fill(best.values == float("-inf"), -1)
