@@ -120,7 +120,7 @@ def elementwise_rows() -> list[dict]:
     norm = RMSNorm(7168, 1e-6).to("cuda", BF16)
     norm.weight.copy_(torch.rand(7168, generator=gen) + 0.5)
     x, r = [(torch.randn(256, 7168, generator=gen) * 3).to("cuda", BF16) for _ in range(2)]
-    out, _ = rms_norm(x, norm.weight, norm.eps, r)
+    out, _, _ = rms_norm(x, norm.weight, norm.eps, r)
     rows.append(
         {
             "kernel": "residual add + RMSNorm",

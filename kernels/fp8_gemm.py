@@ -2,7 +2,9 @@
 
 Activations are quantized on the fly per token and per group of the weight's scale block along K
 (128 for DeepSeek's block FP8), or per token over all of K for per-channel weights
-(compressed-tensors): `triton_fp8.quantize_activations`. Then one of two GEMMs:
+(compressed-tensors): `triton_fp8.quantize_activations`, or, for the output of a norm that
+quantized it already, its attached FP8 form (`triton_fp8.quantized_form`). Then one of two
+GEMMs:
 
 - `cublas`: torch's `scaled_mm` (cuBLASLt 12.9+): blockwise 1x128 scales on both operands
   (Hopper only; the weight's scales per row and block as held in memory, row-major or
@@ -25,7 +27,12 @@ import torch
 import torch.nn.functional as F
 
 from dserve.kernels import launch_table
-from dserve.kernels.triton_fp8 import quantize_activations, triton_matmul
+from dserve.kernels.triton_fp8 import (
+    QuantizedRows,
+    padded_rows,
+    quantize_activations,
+    triton_matmul,
+)
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "fp8_gemm_configs.json")
 CUBLAS = {"backend": "cublas"}
@@ -71,7 +78,7 @@ def _cublas_runs(device: torch.device, per_channel: bool) -> bool:
     x = torch.zeros(4, k, dtype=torch.bfloat16, device=device)
     scale = torch.ones(128, k // 128, device=device)
     try:
-        cublas_matmul(x, w, scale, 128)
+        fp8_matmul(x, w, scale, 128, CUBLAS)
     except (RuntimeError, NotImplementedError, ValueError):
         return False
     return True
@@ -88,21 +95,29 @@ def launch_config(m: int, n: int, k: int, cublas: bool) -> dict:
     return dict(next(cfg for bound, cfg in TRITON_DEFAULTS.items() if m <= bound))
 
 
-def cublas_matmul(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_k: int):
-    """x @ w.T through `scaled_mm`: x's token count padded to a multiple of 4 (cuBLAS's scale
-    layout), the padding rows dropped from the result."""
+def quantize_for(x: torch.Tensor, w_scale: torch.Tensor, block_k: int) -> QuantizedRows:
+    """x [M, K] quantized for a weight with these scales: per token over all of K for one
+    scale column (per channel), else per `block_k` inputs; rows padded to a multiple of 4."""
     m, k = x.shape
-    per_channel = w_scale.shape[1] == 1
-    rows = -(-m // 4) * 4
-    q, s = quantize_activations(x, k if per_channel else block_k, rows)
-    if per_channel:
+    group = k if w_scale.shape[1] == 1 else block_k
+    q, s = quantize_activations(x.contiguous(), group, padded_rows(m))
+    return QuantizedRows(q, s, min(group, k))
+
+
+def cublas_matmul(
+    x: QuantizedRows, m: int, dtype: torch.dtype, w: torch.Tensor, w_scale: torch.Tensor
+) -> torch.Tensor:
+    """The first m rows of x @ w.T in `dtype` through `scaled_mm` (x's rows padded to a
+    multiple of 4: cuBLAS's scale layout)."""
+    q, s = x.q, x.scales
+    if w_scale.shape[1] == 1:
         recipe = F.ScalingType.RowWise
         s, w_scale = s.contiguous(), w_scale.reshape(1, -1)
     else:
         recipe = F.ScalingType.BlockWise1x128
         if w_scale.stride(0) != 1:
             w_scale = w_scale.t().contiguous().t()
-    y = F.scaled_mm(q, w.t(), s, recipe, w_scale, recipe, output_dtype=x.dtype)
+    y = F.scaled_mm(q, w.t(), s, recipe, w_scale, recipe, output_dtype=dtype)
     return y[:m]
 
 
@@ -112,22 +127,36 @@ def fp8_matmul(
     w_scale: torch.Tensor,
     block_k: int,
     config: dict | None = None,
+    quantized: QuantizedRows | None = None,
 ) -> torch.Tensor:
     """x [M, K] (bf16/fp16) @ w.T with w [N, K] FP8 and w_scale [N, ceil(K / block_k)] float32;
     per-channel weights have one scale column (block_k >= K). `config`: the table's entry to
-    use instead of the table's own."""
-    m, k = x.shape
-    n = w.shape[0]
-    x = x.contiguous()
-    per_channel = w_scale.shape[1] == 1
+    use instead of the table's own; `quantized`: x's FP8 form in this weight's groups where a
+    norm made it, else x is quantized here."""
+    if quantized is None and x.shape[0]:
+        quantized = quantize_for(x, w_scale, block_k)
+    return quantized_matmul(quantized, x.shape[0], x.dtype, w, w_scale, block_k, config)
+
+
+def quantized_matmul(
+    x: QuantizedRows | None,
+    m: int,
+    dtype: torch.dtype,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    block_k: int,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """The first m rows of x @ w.T in `dtype`, for x already in FP8 (`fp8_matmul`)."""
+    n, k = w.shape
     if m == 0:
-        return torch.empty((0, n), dtype=x.dtype, device=x.device)
+        return torch.empty((0, n), dtype=dtype, device=w.device)
+    per_channel = w_scale.shape[1] == 1
     if config is None:
-        cublas = cublas_takes(n, k, block_k, per_channel, x.device)
+        cublas = cublas_takes(n, k, block_k, per_channel, w.device)
         config = launch_config(m, n, k, cublas)
     if config.get("backend") == "cublas":
-        return cublas_matmul(x, w, w_scale, block_k)
+        return cublas_matmul(x, m, dtype, w, w_scale)
+    out = torch.empty((m, n), dtype=dtype, device=w.device)
     group = k if per_channel else block_k
-    q, s = quantize_activations(x, group)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    return triton_matmul(q, s, m, w, w_scale, group, out, config)
+    return triton_matmul(x.q, x.scales, m, w, w_scale, group, out, config)

@@ -18,11 +18,57 @@ than cuBLAS's W8A8 at every shape, M = 1 to 16).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 FP8_MAX = 448.0
+
+
+def padded_rows(m: int) -> int:
+    """m rounded up to a multiple of 4: the FP8 rows cuBLAS's scale layout wants."""
+    return -(-m // 4) * 4
+
+
+@dataclass(frozen=True)
+class QuantizedRows:
+    """A matrix's FP8 form, made where it was computed (`triton_norm.rms_norm`): q [>= M, K]
+    e4m3 and its float32 scales per token and `group` columns, token-major (strides
+    (1, q rows)). Rows past the matrix's own are zeros."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    group: int
+
+    @staticmethod
+    def empty(rows: int, cols: int, group: int, device) -> QuantizedRows:
+        padded, group = padded_rows(rows), min(group, cols)
+        groups = -(-cols // group)
+        q = torch.empty((padded, cols), dtype=torch.float8_e4m3fn, device=device)
+        scales = torch.empty((groups, padded), dtype=torch.float32, device=device)
+        return QuantizedRows(q, scales.t(), group)
+
+    def serves(self, group: int) -> bool:
+        """Whether these are the values a quantization in groups of `group` gives."""
+        return min(group, self.q.shape[1]) == self.group
+
+
+def attach_quantized(x: torch.Tensor, quantized: QuantizedRows) -> torch.Tensor:
+    """x, carrying its FP8 form to the FP8 GEMMs that read it (`quantized_form`). Only a
+    kernel that wrote both attaches one, and x is not changed in place afterwards: the
+    attribute lives on this tensor object (views, copies and slices do not carry it)."""
+    x.fp8_form = quantized
+    return x
+
+
+def quantized_form(x: torch.Tensor, group: int) -> QuantizedRows | None:
+    """The FP8 form attached to x if it has one in groups of `group`, else None."""
+    found = getattr(x, "fp8_form", None)
+    if found is None or not found.serves(group):
+        return None
+    return found
 
 
 @triton.jit

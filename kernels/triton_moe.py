@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from dserve.kernels import launch_table
-from dserve.kernels.triton_fp8 import quantize_activations
+from dserve.kernels.triton_fp8 import QuantizedRows, quantize_activations
 from dserve.kernels.triton_routing import sort_pairs
 
 
@@ -164,11 +164,13 @@ def fused_experts(
     block_k: int = 64,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     fp8_block: int = 0,
+    quantized: QuantizedRows | None = None,
     **launch_options,
 ) -> torch.Tensor:
     """sum over slots s of weights[t, s] * down_e(SiLU(gate_e(x_t)) * up_e(x_t)), e = ids[t, s], for
     the experts held here (w13 [E, 2I, H] gate then up, w2 [E, H, I], experts first .. first+E-1).
-    FP8 weights come with `scales` (w13's and w2's, [E, rows, K blocks]) of `fp8_block` inputs.
+    FP8 weights come with `scales` (w13's and w2's, [E, rows, K blocks]) of `fp8_block` inputs;
+    `quantized`: x's FP8 form in w13's groups where a norm made it (else x is quantized here).
     `launch_options`: Triton's num_warps / num_stages for both GEMMs; with none of them,
     `block_m` and `block_n` given, the table's choice."""
     tokens, top_k = ids.shape
@@ -236,7 +238,11 @@ def fused_experts(
         )
 
     ws13, ws2 = scales if fp8 else (None, None)
-    launch(x.contiguous(), w13, gate_up, True, False, two_i, hidden, ws13)
+    if w8a8 and quantized is not None and quantized.serves(k_group(hidden)):
+        x_in, x_scales = quantized.q, quantized.scales
+    else:
+        x_in, x_scales = x.contiguous(), None
+    launch(x_in, w13, gate_up, True, False, two_i, hidden, ws13, x_scales)
     inter = two_i // 2
     if w8a8:  # SiLU(gate) * up quantized in one pass
         act, act_s = quantize_activations(gate_up, k_group(inter), gated=True)

@@ -287,18 +287,90 @@ def weight_of(module: nn.Module, attr: str, dtype: torch.dtype, index=None) -> t
     return dequantize(w, scale if index is None else scale[index], scale.block, dtype)
 
 
+NORM_READERS = {
+    "input_layernorm": (
+        ("self_attn.fused_qkv_a_proj", "weight"),
+        ("self_attn.q_proj", "weight"),
+        ("self_attn.qkv_proj", "weight"),
+    ),
+    "self_attn.q_a_layernorm": (("self_attn.q_b_proj", "weight"),),
+    "post_attention_layernorm": (
+        ("mlp.experts", "w13"),
+        ("mlp.shared_experts.gate_up_proj", "weight"),
+        ("mlp.gate_up_proj", "weight"),
+    ),
+}
+"""Per decoder layer, a norm and the linears that read its output (module, weight attribute)."""
+
+
+def quantize_in_norms(model: nn.Module) -> None:
+    """Each norm whose output an FP8 linear reads also quantizes it (`RMSNorm.quant_group`,
+    with the Triton kernels): in the scale group of its first FP8 reader. Its other readers
+    in the same group take that FP8 form too (the shared and routed experts read one);
+    readers in another group quantize for themselves."""
+    for layer in model.modules():
+        for norm_name, readers in NORM_READERS.items():
+            norm = _submodule(layer, norm_name)
+            if norm is None:
+                continue
+            groups = [input_group(_submodule(layer, r), attr) for r, attr in readers]
+            norm.quant_group = next((g for g in groups if g), 0)
+
+
+def input_group(module: nn.Module | None, attr: str) -> int:
+    """The activation group an FP8 weight's GEMM quantizes its inputs in (0: not FP8, or a
+    group a norm cannot quantize in: not a power of two, less than the inputs)."""
+    w = getattr(module, attr, None)
+    if w is None or w.dtype != FP8:
+        return 0
+    group, k = getattr(module, attr + "_scale").block, w.shape[-1]
+    return group if group >= k or group & (group - 1) == 0 else 0
+
+
+def _submodule(module: nn.Module, path: str) -> nn.Module | None:
+    for name in path.split("."):
+        module = getattr(module, name, None)
+        if not isinstance(module, nn.Module):
+            return None
+    return module
+
+
 def fp8_linear(x: torch.Tensor, module: nn.Module, attr: str = "weight") -> torch.Tensor:
     """x @ w.T for an FP8 weight: on a GPU the FP8 GEMM (activations quantized per token and
     block on the fly: `kernels/fp8_gemm.py`), else the dequantized product in x's dtype
     (exact in float32)."""
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
         from dserve.kernels.fp8_gemm import fp8_matmul, supported
+        from dserve.kernels.triton_fp8 import quantized_form
 
         w, scale = getattr(module, attr), getattr(module, attr + "_scale")
         if supported(scale.block, scale.shape[-1]):
-            y = fp8_matmul(x.reshape(-1, x.shape[-1]), w, scale, scale.block)
+            found = quantized_form(x, scale.block)
+            rows = x.reshape(-1, x.shape[-1])
+            y = fp8_matmul(rows, w, scale, scale.block, quantized=found)
             return y.view(*x.shape[:-1], w.shape[0])
     return torch.nn.functional.linear(x, weight_of(module, attr, x.dtype))
+
+
+def fp8_gated_linear(gate_up: torch.Tensor, module: nn.Module) -> torch.Tensor | None:
+    """(SiLU(gate) * up) @ w.T for gate_up [..., 2I] (gate then up) and an FP8 weight on a
+    GPU: the activation computed in float32 and quantized in one launch, never stored in
+    bf16 (as the fused MoE's down GEMM reads it). None where the FP8 GEMM does not apply."""
+    if not gate_up.is_cuda or gate_up.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    from dserve.kernels.fp8_gemm import quantized_matmul, supported
+    from dserve.kernels.triton_fp8 import QuantizedRows, padded_rows, quantize_activations
+
+    w, scale = module.weight, module.weight_scale
+    if not supported(scale.block, scale.shape[-1]):
+        return None
+    rows = gate_up.reshape(-1, gate_up.shape[-1]).contiguous()
+    m, k = rows.shape[0], w.shape[1]
+    group = k if scale.shape[-1] == 1 else scale.block
+    q, s = quantize_activations(rows, group, padded_rows(m), gated=True)
+    act = QuantizedRows(q, s, min(group, k))
+    y = quantized_matmul(act, m, gate_up.dtype, w, scale, scale.block)
+    return y.view(*gate_up.shape[:-1], w.shape[0])
 
 
 def dummy_fp8(model: nn.Module, scheme: Fp8Scheme) -> None:

@@ -23,6 +23,7 @@ from dserve.models.layers.norm import RMSNorm
 from dserve.models.layers.rotary import RotaryEmbedding
 from dserve.models.loader import load_embedding, load_model, parameter_bytes
 from dserve.models.parallel import SINGLE, ParallelContext
+from dserve.models.quant import quantize_in_norms
 from dserve.runtime.config import EngineConfig
 from dserve.runtime.cuda_graphs import StaticSteps, output_bytes
 
@@ -215,13 +216,17 @@ class ModelRunner:
         self.static_passes = 0  # passes run from static buffers so far
 
     def _use_kernels(self) -> None:
-        """The triton and flashinfer backends put norms, rotary and MoE on Triton kernels too."""
+        """The triton and flashinfer backends put norms, rotary and MoE on Triton kernels too,
+        the norms quantizing their output for the FP8 linears that read it."""
         if self.config.attention_backend not in ("triton", "flashinfer"):
             return
         draft = list(self.draft.modules()) if self.draft is not None else []
         for module in [*self.model.modules(), *draft]:
             if isinstance(module, (RMSNorm, RotaryEmbedding, Experts)):
                 module.use_kernel = True
+        quantize_in_norms(self.model)
+        if self.draft is not None:
+            quantize_in_norms(self.draft)
 
     @property
     def graph_tokens(self) -> int:

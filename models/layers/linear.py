@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dserve.models.parallel import ALONE, TPGroup
-from dserve.models.quant import FP8, fp8_linear
+from dserve.models.quant import FP8, fp8_gated_linear, fp8_linear
 from dserve.models.weights import TensorSource, attach_loader, copy_checked, replicated_loader
 
 
@@ -27,6 +27,17 @@ def matmul(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) 
         y = fp8_linear(x, layer)
         return y + bias if bias is not None else y
     return F.linear(x, layer.weight, bias)
+
+
+def gated_matmul(layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+    """(SiLU(gate) * up) @ layer.weight.T for gate_up [..., 2I], gate then up: for an FP8
+    weight on a GPU, the activation quantized in the launch that computes it."""
+    if layer.weight.dtype == FP8:
+        y = fp8_gated_linear(gate_up, layer)
+        if y is not None:
+            return y
+    gate, up = gate_up.chunk(2, dim=-1)
+    return matmul(layer, F.silu(gate) * up)
 
 
 class ReplicatedLinear(nn.Module):
@@ -140,8 +151,10 @@ class RowParallelLinear(nn.Module):
     def _load(self, param: torch.Tensor, source: TensorSource, shard: object = None) -> None:
         copy_checked(param, source.read(1, self.in_start, self.in_end), source)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = matmul(self, x)
+    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        """x @ W.T summed over ranks; `gated`: x is [..., 2I], gate then up, and the input
+        SiLU(gate) * up (`gated_matmul`)."""
+        y = gated_matmul(self, x) if gated else matmul(self, x)
         if self.reduce:
             y = self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y

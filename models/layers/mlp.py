@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dserve.models.layers.linear import MergedColumnLinear, RowParallelLinear, column_parts
@@ -21,8 +20,7 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp=tp, reduce=reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.gate_up_proj(x), gated=True)
 
     @staticmethod
     def map_key(suffix: str) -> tuple[str, object] | None:

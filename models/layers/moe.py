@@ -108,9 +108,11 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.use_kernel and x.is_cuda:  # the triton backend: grouped GEMMs, no host sync
+            from dserve.kernels.triton_fp8 import quantized_form
             from dserve.kernels.triton_moe import fused_experts
 
             fp8 = self.w13.dtype == FP8
+            group = self.w13_scale.block if fp8 else 0
             return fused_experts(
                 x,
                 self.w13,
@@ -119,7 +121,8 @@ class Experts(nn.Module):
                 ids,
                 self.first,
                 scales=(self.w13_scale, self.w2_scale) if fp8 else None,
-                fp8_block=self.w13_scale.block if fp8 else 0,
+                fp8_block=group,
+                quantized=quantized_form(x, group) if fp8 else None,
             )
         out = torch.zeros_like(x)
         for expert in torch.unique(ids).tolist():

@@ -1,6 +1,8 @@
 """RMSNorm, computed in float32 and cast back, as the reference models do; on a GPU with the Triton
 kernels selected (`attention_backend="triton"`), one fused kernel (`kernels/triton_norm.py`) that
-also does the residual add before the norm."""
+also does the residual add before the norm and, where the norm's readers are FP8 linears
+(`quant_group`, set by `models.quant.quantize_in_norms`), their activations' quantization after
+it: the output then carries its FP8 form (`triton_fp8.attach_quantized`)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ class RMSNorm(nn.Module):
         )
         self.eps = eps
         self.use_kernel = False  # set by the model runner for the triton backend
+        self.quant_group = 0  # with the kernel: also quantize the output in these groups
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._on_kernel(x):
@@ -32,7 +35,7 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x)."""
         if self._on_kernel(x):
-            return self._kernel(x, residual.contiguous())
+            return self._kernel(x, rows_of(residual))
         total = residual + x
         return self.forward(total), total
 
@@ -40,6 +43,16 @@ class RMSNorm(nn.Module):
         return self.use_kernel and x.is_cuda and x.dim() == 2
 
     def _kernel(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        from dserve.kernels.triton_fp8 import attach_quantized
         from dserve.kernels.triton_norm import rms_norm
 
-        return rms_norm(x.contiguous(), self.weight, self.eps, residual)
+        group = self.quant_group if x.dtype != torch.float32 else 0
+        out, total, quantized = rms_norm(rows_of(x), self.weight, self.eps, residual, group)
+        if quantized is not None:
+            attach_quantized(out, quantized)
+        return out, total
+
+
+def rows_of(x: torch.Tensor) -> torch.Tensor:
+    """x with contiguous rows (a column slice of a wider matrix stays a view)."""
+    return x if x.stride(-1) == 1 else x.contiguous()

@@ -189,6 +189,28 @@ def test_weights_stay_fp8_in_memory(fp8_dir, tiny_dir, make_engine):
     assert runner.parameter_bytes < 0.6 * dense
 
 
+def test_norms_quantize_for_their_fp8_readers(fp8_dir, tiny_dir, make_engine):
+    """With the Triton kernels, a norm read by FP8 linears quantizes its output in their
+    scale group (`quantize_in_norms`): the input norm for q_a + kv_a, the q-LoRA norm for
+    q_b, the post-attention norm for the dense MLP or the shared and routed experts. The
+    latent's norm feeds no GEMM, and a BF16 model's norms quantize nothing."""
+    from dserve.models.quant import quantize_in_norms
+
+    path, _ = fp8_dir("deepseek_v3", "block", (32, 32))
+    model = make_engine(path).executor.runner.model
+    quantize_in_norms(model)
+    for layer in model.layers:  # layer 0 dense, the others MoE
+        attn = layer.self_attn
+        assert layer.input_layernorm.quant_group == 32
+        assert attn.q_a_layernorm.quant_group == 32
+        assert layer.post_attention_layernorm.quant_group == 32
+        assert attn.kv_a_layernorm.quant_group == 0
+    dense = make_engine(tiny_dir("deepseek_v3")).executor.runner.model
+    quantize_in_norms(dense)
+    groups = {m.quant_group for m in dense.modules() if hasattr(m, "quant_group")}
+    assert groups == {0}
+
+
 def test_a_tp_split_through_a_block_is_refused(fp8_dir, make_engine):
     """Blocks of 32 input features and TP 2: o_proj's 96 inputs split at 48, inside a block."""
     path, _ = fp8_dir("deepseek_v3", "block", (32, 32))
