@@ -110,6 +110,24 @@ class ForwardBatch:
             moe_real_tokens=move(self.moe_real_tokens),
         )
 
+    def select(self, spans: list[int]) -> tuple[ForwardBatch, torch.Tensor]:
+        """A batch of these spans alone (for their attention: it asks for no logits), and its
+        rows in this batch."""
+        firsts = [sum(self.q_lens[:i]) for i in spans]
+        rows = [r for i, f in zip(spans, firsts) for r in range(f, f + self.q_lens[i])]
+        rows = torch.tensor(rows, dtype=torch.int64).to(self.input_ids.device)
+        index = torch.tensor(spans, dtype=torch.int64).to(self.page_table.device)
+        part = ForwardBatch(
+            self.input_ids[rows],
+            self.positions[rows],
+            [self.q_lens[i] for i in spans],
+            [self.seq_lens[i] for i in spans],
+            self.page_table[index],
+            self.out_slots[rows],
+            rows[:0],
+        )
+        return part, rows
+
     def span_mask(self, i: int) -> torch.Tensor:
         """Span i's [q_len, seq_len] visibility: causal (each new token sees the context up to
         its own position), or its tree mask over the tail."""
@@ -149,26 +167,48 @@ class AttentionBackend(ABC):
         self.index_pool = index_pool
         """A sparse-attention (DSA) model's indexer keys, page for page beside `pool`."""
         self.expand_min_tokens = 0
-        """MLA passes of at least this many new tokens run expanded (0: none)."""
+        """MLA spans of at least this many new tokens run expanded (0: none)."""
         self.batch: ForwardBatch | None = None
+        self._expanded = None  # the pass's `mla_expanded.ExpandedPlan`, made on first use
+        self._absorbing = None  # a backend of this kind for the other spans of such a pass
 
     @property
     def expand_mla(self) -> bool:
-        """Whether MLA runs expanded in this pass (`forward_mla_expanded`): a prompt-sized
-        pass (at least `expand_min_tokens` new tokens) of causal spans (no draft trees), no
-        context over `mla_expanded.MAX_CONTEXT`, not sparse attention, not a pass a CUDA graph
-        replays (the expanded form loops over the spans on the host)."""
-        from dserve.attention.mla_expanded import MAX_CONTEXT
-
+        """Whether MLA runs through `forward_mla_expanded` in this pass: a span has at least
+        `expand_min_tokens` new tokens (and fits `mla_expanded.MAX_CONTEXT`), no draft trees,
+        not sparse attention, not a pass a CUDA graph replays (planned on the host)."""
         b = self.batch
         return (
             self.expand_min_tokens > 0
             and self.index_pool is None
             and b.tree_masks is None
-            and b.num_tokens >= self.expand_min_tokens
-            and max(b.seq_lens, default=0) <= MAX_CONTEXT
-            and not self.runs_static(PassShape.of(b))  # its host-side loop over spans
+            and max(b.q_lens, default=0) >= self.expand_min_tokens
+            and not self.runs_static(PassShape.of(b))
+            and bool(self.expanded_plan().spans)
         )
+
+    def expanded_launch(self) -> dict | None:
+        """Expanded MLA's attention: the Triton kernel's launch settings (`triton_expanded`:
+        rows, block_n, num_warps, num_stages), or None for PyTorch's attention. The kernel on a
+        GPU by default."""
+        if self.pool.device.type != "cuda":
+            return None
+        from dserve.attention.triton_backend import EXTEND_TUNE
+
+        return EXTEND_TUNE["expanded"]
+
+    def expanded_plan(self):
+        """This pass's `ExpandedPlan` (its spans of at least `expand_min_tokens` new tokens;
+        all when that is 0), made once a pass."""
+        from dserve.attention.mla_expanded import plan_expanded
+
+        launch, plan = self.expanded_launch(), self._expanded
+        rows = None if launch is None else launch["rows"]
+        if plan is None or plan.batch is not self.batch or plan.rows != rows:
+            ps = self.pool.layout.page_size
+            plan = plan_expanded(self.batch, ps, self.expand_min_tokens, rows)
+            self._expanded = plan
+        return plan
 
     def forward_mla_expanded(
         self,
@@ -182,11 +222,32 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """Expanded MLA (`attention/mla_expanded.py`): q_nope [T, H, N], q_rope [T, H, P],
         latent [T, R + P] (stored first), kv_b_proj's halves w_uk [H, N, R] and w_uv [H, V, R]
-        -> attention output [T, H, V]."""
+        -> attention output [T, H, V]. The spans `expanded_plan` leaves out run absorbed."""
         from dserve.attention.mla_expanded import expanded_mla
 
+        plan = self.expanded_plan()
         self.pool.write(layer, 0, self.batch.out_slots, latent)
-        return expanded_mla(self.pool, self.batch, layer, q_nope, q_rope, w_uk, w_uv, scale)
+        launch = self.expanded_launch()
+        out = expanded_mla(self.pool, plan, layer, q_nope, q_rope, w_uk, w_uv, scale, launch)
+        if plan.rest is not None:
+            self._absorb_rest(layer, plan, out, q_nope, q_rope, latent, w_uk, w_uv, scale)
+        return out
+
+    def _absorb_rest(self, layer, plan, out, q_nope, q_rope, latent, w_uk, w_uv, scale):
+        """The spans the plan leaves out (short extends, decode tokens) into `out`'s rows,
+        absorbed, by a backend of this kind planned on a batch of them."""
+        if self._absorbing is None:
+            self._absorbing = self.sibling()
+        part, rows = self._absorbing, plan.rest_rows
+        if part.batch is not plan.rest:
+            part.plan(plan.rest)
+        q_latent = torch.bmm(q_nope[rows].transpose(0, 1), w_uk).transpose(0, 1)
+        o = part.forward_mla(layer, q_latent, q_rope[rows], latent[rows], scale)
+        out[rows] = torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+    def sibling(self) -> AttentionBackend:
+        """A backend of this kind on the same pool (for part of a pass)."""
+        return type(self)(self.pool)
 
     def runs_static(self, shape: PassShape) -> bool:
         """Whether the layers can run a pass of this shape from its device tensors alone, with no

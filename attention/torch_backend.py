@@ -25,6 +25,10 @@ class TorchBackend(AttentionBackend):
             self.q_starts.append(start)
             start += q_len
 
+    def expanded_launch(self) -> None:
+        """Expanded MLA through PyTorch's attention (the reference)."""
+        return None
+
     def _spans(self):
         for i, q_len in enumerate(self.batch.q_lens):
             s = self.q_starts[i]

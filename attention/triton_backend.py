@@ -3,7 +3,8 @@
 Decode steps (one new token per sequence, or a few causal ones such as a chain of drafts to verify,
 one kernel row per token) run `triton_mla.mla_decode` over the paged latent cache of MLA models and
 `triton_mha.mha_decode` over the paged K/V of MHA/GQA models, split over the context. Prompt
-chunks, extends and draft trees run `triton_extend` (blocks of query tokens, causal or tree masks).
+chunks, extends and draft trees run `triton_extend` (blocks of query tokens, causal or tree masks);
+long prompt chunks of MLA models, in the expanded form, `triton_expanded`.
 New tokens' KV goes into the pages through `triton_store`. Select it with `--attention-backend
 triton`; on a GPU the choice also puts the model's RMSNorms (fused with the residual add,
 `kernels/triton_norm.py`), rotary embeddings (`kernels/triton_rotary.py`) and routed experts
@@ -30,10 +31,12 @@ MAX_DECODE_LIKE = 8  # spans up to this many tokens go through the decode kernel
 # (`python -m bench.extend_attention --tune ...`, bench/notes/flashinfer-2026-11-23.md). MHA/GQA
 # programs take `block_g` query heads of a KV head (None: all of them): 128 tokens of one head,
 # 64 keys a block ran 4.3x faster than 4 tokens of 16 heads (96/8 heads of 128, 4k prompt: 1.96
-# against 8.29 ms, bench/notes/session22-h100-2026-11-24.md).
+# against 8.29 ms, bench/notes/session22-h100-2026-11-24.md). Expanded MLA (`triton_expanded`,
+# one head of `rows` tokens a program, 128 + 64-wide keys): the MHA launch, to be swept.
 EXTEND_TUNE = {
     "mla": {"rows": 64, "block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 3},
     "mha": {"rows": 128, "block_n": 64, "num_warps": 8, "num_stages": 3, "block_g": 1},
+    "expanded": {"rows": 128, "block_n": 64, "num_warps": 8, "num_stages": 3},
 }
 
 
@@ -48,6 +51,15 @@ class TritonBackend(AttentionBackend):
         self.extend_tune = {
             kind: dict(tune) for kind, tune in EXTEND_TUNE.items()
         }  # benches may change it
+
+    def expanded_launch(self) -> dict:
+        """Expanded MLA through the Triton kernel, here under the interpreter too."""
+        return self.extend_tune["expanded"]
+
+    def sibling(self) -> TritonBackend:
+        made = TritonBackend(self.pool)
+        made.extend_tune = self.extend_tune
+        return made
 
     def runs_static(self, shape: PassShape) -> bool:
         """Spans of a few causal tokens: the decode kernels read everything they need from the

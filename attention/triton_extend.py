@@ -34,16 +34,19 @@ class ExtendPlan:
 
 
 def plan_extend(
-    q_lens: list[int], seq_lens: list[int], tree_masks, block_m: int, device
+    q_lens: list[int], seq_lens: list[int], tree_masks, block_m: int, device, only=None
 ) -> ExtendPlan:
-    """Per-token metadata and the work blocks (at most `block_m` tokens of one span each)."""
+    """Per-token metadata and the work blocks (at most `block_m` tokens of one span each) of
+    every span, or of the spans in `only`."""
     blocks, ctx, tails = [], [], []
     longest = max([m.shape[1] for m in tree_masks or [] if m is not None], default=1)
     # masks copied on the device
     tree = torch.zeros(sum(q_lens), longest, dtype=torch.int8, device=device)
     row = 0
     for i, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
-        blocks += [(i, s, min(s + block_m, row + q_len)) for s in range(row, row + q_len, block_m)]
+        if only is None or i in only:
+            firsts = range(row, row + q_len, block_m)
+            blocks += [(i, s, min(s + block_m, row + q_len)) for s in firsts]
         mask = None if tree_masks is None else tree_masks[i]
         if mask is None:
             ctx += [seq_len - q_len + j + 1 for j in range(q_len)]

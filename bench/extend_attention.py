@@ -8,11 +8,16 @@ heads, 512 + 64, page 64) and GLM-4.5's GQA shapes (96 heads over 8 KV heads of 
 A case NEW:PREFIX is one span of NEW tokens over PREFIX tokens already in pages. FLOPs count the
 causally visible (query, key) pairs; the limit is a large bf16 matmul measured in the same run. Prints
 a table and writes JSON. `--tune` takes Triton launch settings (keys of `triton_backend.EXTEND_TUNE`:
-rows, block_h, block_n, num_warps, num_stages), or a list of them to compare; `--flashinfer` adds
-FlashInfer's kernels (the flashinfer backend) as a column. MLA rows also time one layer's
-attention with the projections each form needs, absorbed (W_UK, attention over the latents, W_UV)
-against expanded (`forward_mla_expanded`: the latents decompressed, 192/128-wide heads): the
-measure behind `EngineConfig.mla_expand_min_tokens`.
+rows, block_h, block_n, num_warps, num_stages; under "expanded", those of the expanded MLA kernel),
+or a list of them to compare; `--flashinfer` adds FlashInfer's kernels (the flashinfer backend) as
+a column. MLA rows also time one layer's attention with the projections each form needs, absorbed
+(W_UK, attention over the latents, W_UV) against expanded (`forward_mla_expanded`: the contexts'
+latents decompressed through kv_b_proj, then `triton_expanded`'s kernel over 192/128-wide heads),
+and that kernel alone (its TFLOPS count 192 + 128 per visible pair and head): the measure behind
+`EngineConfig.mla_expand_min_tokens`. Expanded kernel launches, e.g.:
+
+    --kinds mla --cases 4096:0,16384:0 --no-torch --flashinfer
+        --tune '[{"expanded": {"rows": 128, "block_n": 64}}, {"expanded": {"rows": 64}}]'
 """
 
 from __future__ import annotations
@@ -76,25 +81,39 @@ def run_case(
             backend.extend_tune[kind].update(
                 {k: v for k, v in tune.items() if k in backend.extend_tune[kind]}
             )
+            backend.extend_tune["expanded"].update(tune.get("expanded", {}))
         backend.plan(batch)
         forward = backend.forward_mla if kind == "mla" else backend.forward_mha
         seconds = median_seconds(lambda f=forward: f(0, *inputs, 0.1), repeats)
         row[f"{name}_ms"], row[f"{name}_tflops"] = seconds * 1e3, flops / seconds / 1e12
         if kind == "mla" and name == "triton":
-            row.update(absorbed_vs_expanded(backend, heads, inputs, repeats))
+            row.update(absorbed_vs_expanded(backend, heads, inputs, repeats, flops / per_pair))
     return row
 
 
-def absorbed_vs_expanded(backend, heads: int, inputs, repeats: int) -> dict:
+def absorbed_vs_expanded(backend, heads: int, inputs, repeats: int, pairs: float) -> dict:
     """ms of one MLA layer's attention with the projections each form needs, from q_nope to
     the per-head values: absorbed (q_nope through W_UK, attention over the latents, out
     through W_UV) and expanded (the context's latents decompressed, attention over 192/128-wide
-    heads: `forward_mla_expanded`)."""
+    heads: `forward_mla_expanded`); and the expanded attention alone (`expanded_attention` on
+    keys and values decompressed before) with its TFLOPS over the `pairs` visible. A context
+    over `mla_expanded.MAX_CONTEXT` stays absorbed: no expanded times."""
+    from dserve.attention.mla_expanded import decompress
+    from dserve.attention.triton_expanded import expanded_attention
+
     _, q_rope, latent = inputs
     new = q_rope.shape[0]
     like = dict(device="cuda", dtype=torch.bfloat16)
     q_nope = torch.randn(new, heads, 128, **like)
-    w_uk, w_uv = (torch.randn(heads, 128, 512, **like) / 512**0.5 for _ in range(2))
+    kv_b = torch.randn(heads, 256, 512, **like) / 512**0.5  # halves of one weight, as the model's
+    w_uk, w_uv = kv_b.split([128, 128], 1)
+    plan, launch = backend.expanded_plan(), backend.expanded_launch()
+    parts = decompress(backend.pool, 0, plan.slots, w_uk, w_uv, torch.bfloat16)
+    settings = {k: v for k, v in launch.items() if k != "rows"}  # rows: the plan's
+
+    def attention():
+        args = (q_nope, q_rope, *parts, plan.starts_t, plan.work, 0.1)
+        return expanded_attention(*args, **settings)
 
     def absorbed():
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
@@ -104,9 +123,14 @@ def absorbed_vs_expanded(backend, heads: int, inputs, repeats: int) -> dict:
     def expanded():
         return backend.forward_mla_expanded(0, q_nope, q_rope, latent, w_uk, w_uv, 0.1)
 
-    return {
-        "absorbed_layer_ms": median_seconds(absorbed, repeats) * 1e3,
+    times = {"absorbed_layer_ms": median_seconds(absorbed, repeats) * 1e3}
+    if plan.work is None:
+        return times
+    attention_ms = median_seconds(attention, repeats) * 1e3
+    return times | {
         "expanded_layer_ms": median_seconds(expanded, repeats) * 1e3,
+        "expanded_attn_ms": attention_ms,
+        "expanded_tflops": pairs * heads * 2 * (192 + 128) / attention_ms / 1e9,
     }
 
 
@@ -166,9 +190,11 @@ def main() -> None:
                 row.update(of_matmul=row["triton_tflops"] * 1e12 / peak, tune=tune)
                 rows.append(row)
                 forms = ""
-                if "expanded_layer_ms" in row:
+                if "expanded_attn_ms" in row:
                     forms = f"  absorbed layer {row['absorbed_layer_ms']:.3f} ms, expanded "
-                    forms += f"{row['expanded_layer_ms']:.3f} ms"
+                    forms += f"{row['expanded_layer_ms']:.3f} ms (attention "
+                    forms += f"{row['expanded_attn_ms']:.3f} ms, "
+                    forms += f"{row['expanded_tflops']:.0f} TFLOPS)"
                 print(
                     f"{kind:>4} {heads:>5} {new:>6} {prefix:>7} {row['triton_ms']:>10.3f} "
                     f"{row['triton_tflops']:>7.1f} {row['of_matmul']:>6.1%} "

@@ -24,9 +24,8 @@ import os
 import torch
 
 from dserve.attention.backend import create_backend
-from dserve.memory.kv_pool import KVLayout, KVPool
 from dserve.models.quant import dequantize
-from tests.kernel_cases import mha_case, mla_case, pages_for, random_batch
+from tests.kernel_cases import mha_case, mla_case, mla_expanded_case
 
 BF16 = torch.bfloat16
 ATTENTION_TOL = 2e-2
@@ -61,33 +60,22 @@ def mla_rows(backends: list[str]) -> list[dict]:
 
 
 def mla_expanded_rows() -> list[dict]:
-    """The expanded MLA (prefill form) against the absorbed one through the triton backend, at
-    DeepSeek-V3's shapes (128 heads, nope 128, rope 64, values 128, latent 512), bf16."""
+    """The expanded MLA (prefill form: `triton_expanded`'s kernel) against the absorbed one, both
+    through the triton backend, at DeepSeek-V3's shapes (128 heads, nope 128, rope 64, values
+    128, latent 512), bf16; the last batch mixes expanded spans with absorbed ones."""
     from dserve.attention.triton_backend import TritonBackend
 
+    cases = [[(2048, 2048)], [(700, 1400)], [(300, 1800)], [(1024, 1800), (4, 90), (1, 300)]]
     rows = []
-    for new, prefix in ((2048, 0), (700, 700), (300, 1500)):
-        gen = torch.Generator().manual_seed(4)
-        spans = [(new, new + prefix, None)]
-        layout = KVLayout("mla", 1, 64, BF16, latent_dim=576, kv_lora_rank=512)
-        pool = KVPool(layout, pages_for(spans, 64), "cuda")
-        pool.pages.copy_(torch.randn(pool.pages.shape, generator=gen).to(BF16))
-        batch = random_batch(pool, spans, gen, "cuda")
-        shapes = ((new, 128, 128), (new, 128, 64), (new, 576), (128, 128, 512), (128, 128, 512))
-        q_nope, q_rope, latent, w_uk, w_uv = (
-            torch.randn(*s, generator=gen).to("cuda", BF16) for s in shapes
-        )
-        w_uk, w_uv = w_uk / 512**0.5, w_uv / 512**0.5
-        backend = TritonBackend(pool)
-        backend.plan(batch)
-        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
-        absorbed = backend.forward_mla(0, q_latent, q_rope, latent, 192**-0.5)
-        absorbed = torch.einsum("thr,hvr->thv", absorbed, w_uv)
-        got = backend.forward_mla_expanded(0, q_nope, q_rope, latent, w_uk, w_uv, 192**-0.5)
+    for spans in cases:
+        absorbed, got = mla_expanded_case(
+            128, (128, 64, 128, 512), 64, BF16, [(n, s, None) for n, s in spans],
+            TritonBackend, absorbed_class=TritonBackend, min_tokens=64,
+        )  # fmt: skip
         rows.append(
             {
                 "kernel": "MLA expanded vs absorbed",
-                "shape": f"128 heads, {new} new over {prefix}",
+                "shape": "128 heads, new/ctx " + ",".join(f"{n}/{s}" for n, s in spans),
                 "tolerance": ATTENTION_TOL,
                 "error": relative_error(absorbed, got),
             }

@@ -48,12 +48,13 @@ class EngineConfig:
     """`torch` (reference, any device); `triton` (kernels, CUDA graphs); `flashinfer`
     (FlashInfer's kernels, bf16/fp16, eager); `auto`: triton on a GPU, torch on the CPU."""
     mla_expand_min_tokens: int = 0
-    """MLA passes of at least this many new tokens (prompt chunks) attend in the expanded form,
+    """MLA spans of at least this many new tokens (prompt chunks) attend in the expanded form,
     as prefills run: each context latent decompressed through kv_b_proj into per-head keys
-    (192) and values (128), then causal attention (PyTorch's scaled_dot_product_attention);
-    shorter passes (decode, short extends) stay absorbed over the latent cache. 0 (default):
-    never. Off until a fused kernel serves it: on an H100 PyTorch's attention took its math
-    path for these head sizes (3-4x slower than the absorbed Triton kernel at 1k-4k tokens)."""
+    (192) and values (128), then causal attention (the Triton kernel `triton_expanded` on a
+    GPU); shorter spans of the same pass (decode tokens, short extends) stay absorbed over the
+    latent cache. 0 (default): never. Proposed once measured on a GPU: 256 (the decompression
+    of a long prefix pays for itself from ~60-200 new tokens, by FLOPs; `python -m
+    bench.extend_attention --kinds mla --cases 128:8192,256:8192,512:8192`)."""
     cuda_graph_max_bs: int = 256
     """Triton backend: decode-like passes of up to this many sequences (at most 512) replay CUDA
     graphs."""

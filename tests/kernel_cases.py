@@ -90,6 +90,38 @@ def mla_case(
     )
 
 
+def mla_expanded_case(
+    heads, dims, page_size, dtype, spans, backend_class, absorbed_class=TorchBackend,
+    device="cuda", min_tokens=0,
+):  # fmt: skip
+    """(absorbed, expanded) outputs [T, H, V] of one MLA layer over a random pool and batch of
+    `spans`, dims (nope, rope, values, rank): the absorbed form by `absorbed_class` (its latents
+    out through W_UV), the expanded by `backend_class` (spans of at least `min_tokens` new
+    tokens; it absorbs the others). W_UK and W_UV are halves of one kv_b_proj weight."""
+    nope, rope, v_dim, rank = dims
+    gen = torch.Generator().manual_seed(2)
+    layout = KVLayout("mla", 1, page_size, dtype, latent_dim=rank + rope, kv_lora_rank=rank)
+    pool = KVPool(layout, pages_for(spans, page_size), device)
+    pool.pages.copy_(torch.randn(pool.pages.shape, generator=gen).to(dtype))
+    batch = random_batch(pool, spans, gen, device)
+    shapes = ((heads, nope), (heads, rope), (rank + rope,))
+    q_nope, q_rope, latent = (
+        torch.randn(batch.num_tokens, *s, generator=gen).to(device, dtype) for s in shapes
+    )
+    kv_b = torch.randn(heads, nope + v_dim, rank, generator=gen) / rank**0.5
+    w_uk, w_uv = kv_b.to(device, dtype).split([nope, v_dim], 1)
+    scale = (nope + rope) ** -0.5
+    absorbed = absorbed_class(pool)
+    absorbed.plan(batch)
+    q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+    o_latent = absorbed.forward_mla(0, q_latent, q_rope, latent, scale)
+    expanded = backend_class(pool)
+    expanded.expand_min_tokens = min_tokens
+    expanded.plan(batch)
+    out = expanded.forward_mla_expanded(0, q_nope, q_rope, latent, w_uk, w_uv, scale)
+    return torch.einsum("thr,hvr->thv", o_latent, w_uv).float(), out.float()
+
+
 def mha_case(
     heads,
     kv_heads,

@@ -1,44 +1,33 @@
-"""MLA in its expanded form (prompt-sized passes: per-head keys and values decompressed from the
+"""MLA in its expanded form (prompt-sized spans: per-head keys and values decompressed from the
 latents, `attention/mla_expanded.py`): the same attention output as the absorbed form over the
 same pool and batch, and the reference tokens through the engine (forced on every pass with
-`mla_expand_min_tokens=1`), chunked prompts over a cached prefix and TP 2 included."""
+`mla_expand_min_tokens=1`, or on long spans only, beside absorbed ones in the same pass), with
+PyTorch's attention (torch backend) and the Triton kernel (triton backend), chunked prompts over
+a cached prefix and TP 2 included."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dserve.attention.backend import ForwardBatch
+from dserve.attention import mla_expanded
 from dserve.attention.torch_backend import TorchBackend
-from dserve.memory.kv_pool import KVLayout, KVPool
 from tests.conftest import random_prompts
+from tests.kernel_cases import mla_expanded_case
 from tests.reference import hf_greedy
 
 PARAMS = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter runs Triton on a CPU
 
 
 def test_expanded_equals_absorbed_attention():
     """Two spans, a chunk over a prefix already in the pages and a whole prompt: the expanded
-    output through W_UV equals the absorbed latents taken out through W_UV."""
-    gen = torch.Generator().manual_seed(0)
-    heads, nope, rope, v_dim, rank, page = 4, 16, 8, 12, 32, 4
-    layout = KVLayout("mla", 1, page, torch.float32, latent_dim=rank + rope, kv_lora_rank=rank)
-    pool = KVPool(layout, 32, "cpu")
-    pool.pages.copy_(torch.randn(pool.pages.shape, generator=gen))
-    batch = _batch([(5, 21), (9, 9)], page, gen)
-    t = batch.num_tokens
-    q_nope = torch.randn(t, heads, nope, generator=gen)
-    q_rope = torch.randn(t, heads, rope, generator=gen)
-    latent = torch.randn(t, rank + rope, generator=gen)
-    w_uk = torch.randn(heads, nope, rank, generator=gen) / rank**0.5
-    w_uv = torch.randn(heads, v_dim, rank, generator=gen) / rank**0.5
-    scale = (nope + rope) ** -0.5
-    backend = TorchBackend(pool)
-    backend.plan(batch)
-    expanded = backend.forward_mla_expanded(0, q_nope, q_rope, latent, w_uk, w_uv, scale)
-    q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
-    absorbed = backend.forward_mla(0, q_latent, q_rope, latent, scale)
-    torch.testing.assert_close(expanded, torch.einsum("thr,hvr->thv", absorbed, w_uv))
+    output (PyTorch's attention) equals the absorbed latents taken out through W_UV."""
+    spans = [(5, 21, None), (9, 9, None)]
+    absorbed, expanded = mla_expanded_case(
+        4, (16, 8, 12, 32), 4, torch.float32, spans, TorchBackend, device="cpu"
+    )
+    torch.testing.assert_close(expanded, absorbed)
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2"])
@@ -63,33 +52,35 @@ def test_expanded_under_tensor_parallelism(tiny_dir, make_engine):
     assert result.output_ids == hf_greedy(path, prompt, 6)
 
 
-def _batch(spans: list[tuple[int, int]], page: int, gen) -> ForwardBatch:
-    """Spans of (new tokens, context after the step) over scattered pages of a 32-page pool,
-    each span's new tokens in its last positions."""
-    order = torch.randperm(32, generator=gen)
-    table = torch.zeros(len(spans), 8, dtype=torch.int64)
-    slots, positions, used = [], [], 0
-    for i, (q_len, seq_len) in enumerate(spans):
-        n = -(-seq_len // page)
-        table[i, :n] = order[used : used + n]
-        used += n
-        pos = torch.arange(seq_len - q_len, seq_len)
-        slots.append(table[i, pos // page] * page + pos % page)
-        positions.append(pos)
-    tokens = sum(q for q, _ in spans)
-    q_lens, seq_lens = [q for q, _ in spans], [s for _, s in spans]
-    ids = torch.zeros(tokens, dtype=torch.int64)
-    return ForwardBatch(
-        ids, torch.cat(positions), q_lens, seq_lens, table, torch.cat(slots), torch.arange(tokens)
-    )
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_expanded_on_a_gpu_gives_the_reference_tokens(tiny_dir, make_engine):
-    """PyTorch's fused attention on the GPU (float32, the triton backend), every pass expanded."""
+    """The Triton kernel on the GPU (float32, the triton backend), every pass expanded."""
     path = tiny_dir("deepseek_v3")
     engine = make_engine(path, device="cuda", dtype="float32", mla_expand_min_tokens=1)
     prompts = random_prompts(2, 512, [40, 90], seed=13)
     for prompt, result in zip(prompts, engine.generate(input_ids=prompts, sampling_params=PARAMS)):
         assert result.output_ids == hf_greedy(path, prompt, 6)
+
+
+@pytest.mark.parametrize("min_tokens", [1, 20], ids=["every-span", "long-spans"])
+def test_engine_tokens_through_the_triton_kernel(min_tokens, tiny_dir, make_engine, monkeypatch):
+    """The triton backend's kernel (float32; the interpreter on a CPU host). At 20 tokens, the
+    passes mix expanded prompt chunks of 32 with absorbed spans (a 9-token prompt, a chunk's
+    tail, decode tokens)."""
+    plans = []
+    plan_expanded = mla_expanded.plan_expanded
+    monkeypatch.setattr(
+        mla_expanded, "plan_expanded", lambda *a: plans.append(plan_expanded(*a)) or plans[-1]
+    )
+    path = tiny_dir("deepseek_v3")
+    engine = make_engine(
+        path, device=DEVICE, dtype="float32", attention_backend="triton", page_size=4,
+        mla_expand_min_tokens=min_tokens, chunked_prefill_size=32,
+    )  # fmt: skip
+    prompts = random_prompts(3, 512, [9, 40, 71], seed=11)
+    results = engine.generate(input_ids=prompts, sampling_params=PARAMS)
+    for prompt, result in zip(prompts, results):
+        assert result.output_ids == hf_greedy(path, prompt, 6)
+    assert plans and all(p.work is not None for p in plans if p.spans)
+    assert any(p.rest is not None for p in plans) == (min_tokens > 1)
