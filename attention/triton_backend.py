@@ -9,8 +9,9 @@ New tokens' KV goes into the pages through `triton_store`. Select it with `--att
 triton`; on a GPU the choice also puts the model's RMSNorms (fused with the residual add,
 `kernels/triton_norm.py`), rotary embeddings (`kernels/triton_rotary.py`) and routed experts
 (grouped GEMMs, `kernels/triton_moe.py`) on their Triton kernels. Sparse attention (DSA): the indexer's scores by
-`triton_dsa.indexer_scores`, the top-k by torch, and the sparse MLA by `mla_decode` over each
-token's selected positions, one row per token (prompt chunks too).
+`triton_dsa.indexer_scores`, the top-k by `triton_topk.select_top_triton` on a GPU (torch's
+`select_top` on the CPU), and the sparse MLA by `mla_decode` over each token's selected
+positions, one row per token (prompt chunks too).
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from dserve.attention.index_cache import select_top, stored_rows
 from dserve.attention.triton_store import store_tokens
 
 MAX_DECODE_LIKE = 8  # spans up to this many tokens go through the decode kernel, one row per token
+# the DSA top-k's row histograms kept for passes of up to this many tokens (4 KB a token; its
+# kernels zero them again for the next call: no memset per layer); longer passes take fresh ones
+TOP_HIST_ROWS = 1024
 # Extend launches: `rows` (token, head) rows per program, keys per block, warps, pipelining depth
 # (None: Triton's default); MLA programs take `block_h` heads of a token. MLA: 64 heads of one token,
 # 64 keys a block, 3 stages ran 1.4x faster than 16 heads of 4 tokens with 32 keys on an H100
@@ -51,6 +55,11 @@ class TritonBackend(AttentionBackend):
         self.extend_tune = {
             kind: dict(tune) for kind, tune in EXTEND_TUNE.items()
         }  # benches may change it
+        self.top_hist = None
+        if index_pool is not None and pool.device.type == "cuda":
+            from dserve.attention.triton_topk import top_hist
+
+            self.top_hist = top_hist(TOP_HIST_ROWS, pool.device)
 
     def expanded_launch(self) -> dict:
         """Expanded MLA through the Triton kernel, here under the interpreter too."""
@@ -138,7 +147,12 @@ class TritonBackend(AttentionBackend):
         )
         if b.tree_masks is not None:  # draft trees see their ancestors only
             scores = scores.masked_fill(~self._visible(), float("-inf"))
-        return select_top(scores, topk)
+        if not scores.is_cuda:
+            return select_top(scores, topk)
+        from dserve.attention.triton_topk import select_top_triton
+
+        kept = scores.shape[0] <= TOP_HIST_ROWS
+        return select_top_triton(scores, topk, hist=self.top_hist if kept else None)
 
     def _visible(self) -> torch.Tensor:
         """[T, max_len]: which context positions each token sees (causal, or its tree)."""

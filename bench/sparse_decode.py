@@ -2,16 +2,20 @@
 GPU, at GLM-5's shapes per rank (64 heads, latent 512 + 64, indexer 32 heads x 128, top-k 2048):
 
     python -m bench.sparse_decode [--contexts 32768,131072] [--batches 1,32,128]
+        [--topk-chunk N] [--topk-block N] [--topk-warps N]
 
 Per (batch, context) one decode token per request over a paged bf16 cache (pages of 64,
 scattered; `--fp8-keys`: the indexer keys in FP8, the production layout): the dense step is
 `mla_decode` over every position; the sparse step is what the triton backend runs, the
-indexer's scores over every position's key (`indexer_scores`), the top-k (torch, unsorted: `select_top`), and `mla_decode` over the selected positions. Each is
-timed as a CUDA graph replay (median), the sparse step's parts too (a sorted top-k beside the
-unsorted one), and the sparse step against its roofline: the bytes it must read (every
-token's indexer key, the selected latents) over the copy bandwidth measured in the same run.
-The issue's goal at 32k: the sparse step <= 0.25x the dense one, within 2x of its roofline.
-Prints a table and writes JSON.
+indexer's scores over every position's key (`indexer_scores`), the top-k (`triton_topk`,
+its row histograms kept as the backend keeps them; `--topk-*`: its launch, default
+`default_chunk`, blocks of 1024, 4 warps), and `mla_decode` over the selected positions.
+Each is timed as a CUDA graph replay (median), the sparse step's parts too, with torch's
+top-k beside ours (unsorted: `select_top`, and sorted), and the sparse step against its
+roofline: the bytes it must read (every token's indexer key, the selected latents) over the
+copy bandwidth measured in the same run. `same` says whether our top-k chose torch's set in
+every row (random scores: no ties). The issue's goal at 32k: the sparse step <= 0.25x the
+dense one, within 2x of its roofline. Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -70,7 +74,17 @@ def scores_part(c: dict, context: int) -> torch.Tensor:
     )
 
 
-def top_part(scores: torch.Tensor) -> torch.Tensor:
+TOP_LAUNCH = {"chunk": None, "block": 1024, "num_warps": 4}  # `--topk-*`
+
+
+def top_part(scores: torch.Tensor, hist: torch.Tensor) -> torch.Tensor:
+    from dserve.attention.triton_topk import select_top_triton
+
+    return select_top_triton(scores, TOPK, hist=hist, **TOP_LAUNCH)
+
+
+def torch_top(scores: torch.Tensor) -> torch.Tensor:
+    """Torch's unsorted top-k (`select_top`, the CPU path): ours beside it."""
     from dserve.attention.index_cache import select_top
 
     return select_top(scores, TOPK)
@@ -99,23 +113,32 @@ def sparse_mla_part(c: dict, chosen: torch.Tensor) -> torch.Tensor:
 
 def sparse_step(c: dict, context: int) -> torch.Tensor:
     """What the triton backend runs for one DSA layer's decode."""
-    return sparse_mla_part(c, top_part(scores_part(c, context)))
+    return sparse_mla_part(c, top_part(scores_part(c, context), c["hist"]))
+
+
+def same_sets(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two selections hold the same positions in every row."""
+    return torch.equal(a.sort(-1).values, b.sort(-1).values)
 
 
 def row(batch: int, context: int, repeats: int, copy: float, fp8_keys: bool) -> dict:
+    from dserve.attention.triton_topk import top_hist
+
     c = make_case(batch, context, fp8_keys)
+    c["hist"] = top_hist(batch, "cuda")
     key_bytes = c["keys"][0, 0].numel() * c["keys"].element_size()
     scores = scores_part(c, context)
-    chosen = top_part(scores)
+    chosen = top_part(scores, c["hist"])
     times = {
         "dense_ms": lambda: dense_step(c, context),
         "sparse_ms": lambda: sparse_step(c, context),
         "scores_ms": lambda: scores_part(c, context),
-        "top_ms": lambda: top_part(scores),
+        "top_ms": lambda: top_part(scores, c["hist"]),
+        "torch_top_ms": lambda: torch_top(scores),
         "sorted_top_ms": lambda: sorted_top(scores),
         "mla_ms": lambda: sparse_mla_part(c, chosen),
     }
-    r = {"batch": batch, "context": context}
+    r = {"batch": batch, "context": context, "same": same_sets(chosen, torch_top(scores))}
     for name, fn in times.items():
         r[name] = graph_seconds(fn, repeats) * 1e3
     nbytes = batch * (context * key_bytes + min(TOPK, context) * (RANK + ROPE) * 2)
@@ -137,8 +160,10 @@ COLUMNS = [
     ("sparse_over_roofline", "s/roof", "{:>7.2f}"),
     ("scores_ms", "scores", "{:>8.3f}"),
     ("top_ms", "top-k", "{:>8.3f}"),
+    ("torch_top_ms", "torch", "{:>8.3f}"),
     ("sorted_top_ms", "sorted", "{:>8.3f}"),
     ("mla_ms", "mla", "{:>8.3f}"),
+    ("same", "same", "{!s:>5}"),
 ]
 
 
@@ -151,8 +176,12 @@ def main() -> None:
     parser.add_argument(
         "--fp8-keys", action="store_true", help="indexer keys in FP8 (132 bytes a token)"
     )
+    parser.add_argument("--topk-chunk", type=int, help="positions per top-k program")
+    parser.add_argument("--topk-block", type=int, default=1024)
+    parser.add_argument("--topk-warps", type=int, default=4)
     parser.add_argument("--out", default="bench/results/sparse_decode.json")
     args = parser.parse_args()
+    TOP_LAUNCH.update(chunk=args.topk_chunk, block=args.topk_block, num_warps=args.topk_warps)
     copy = copy_bandwidth()
     rows = []
     print(f"copy bandwidth {copy / 1e9:.0f} GB/s; ms per layer; the sparse step's parts after it")
@@ -165,7 +194,7 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         meta = {"device": torch.cuda.get_device_name(), "copy_gb_s": copy / 1e9}
-        meta["fp8_keys"] = args.fp8_keys
+        meta.update(fp8_keys=args.fp8_keys, topk_launch=TOP_LAUNCH)
         json.dump({**meta, "rows": rows}, f, indent=2)
     print(f"wrote {args.out}")
 
