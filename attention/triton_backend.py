@@ -29,6 +29,10 @@ MAX_DECODE_LIKE = 8  # spans up to this many tokens go through the decode kernel
 # the DSA top-k's row histograms kept for passes of up to this many tokens (4 KB a token; its
 # kernels zero them again for the next call: no memset per layer); longer passes take fresh ones
 TOP_HIST_ROWS = 1024
+# the Triton top-k for passes of up to this many scores, torch's beyond: on an H100 (k 2048) ours
+# took 23-27 us against 53-62 at batch 1 (32k/128k), 48 against 69 at 32 x 32k, but 129-183
+# against 110 at 128 x 32k and 175 against 100 at 32 x 128k (bench/notes/session23-h100-2026-11-24.md)
+TRITON_TOP_MAX = 1 << 21
 # Extend launches: `rows` (token, head) rows per program, keys per block, warps, pipelining depth
 # (None: Triton's default); MLA programs take `block_h` heads of a token. MLA: 64 heads of one token,
 # 64 keys a block, 3 stages ran 1.4x faster than 16 heads of 4 tokens with 32 keys on an H100
@@ -147,7 +151,7 @@ class TritonBackend(AttentionBackend):
         )
         if b.tree_masks is not None:  # draft trees see their ancestors only
             scores = scores.masked_fill(~self._visible(), float("-inf"))
-        if not scores.is_cuda:
+        if not scores.is_cuda or scores.numel() > TRITON_TOP_MAX:
             return select_top(scores, topk)
         from dserve.attention.triton_topk import select_top_triton
 

@@ -142,7 +142,10 @@ def expanded_attention(
     assert all(t.stride(-1) == 1 for t in parts)
     if not plan.blocks.shape[0]:
         return out
-    pad = triton.next_power_of_2
+
+    def pad(dim: int) -> int:  # tensor-core products need 16 columns at least
+        return max(16, triton.next_power_of_2(dim))
+
     _expanded_kernel[(plan.blocks.shape[0], heads)](
         q_nope, q_rope, k_nope, k_rope, values, out,
         starts, plan.blocks, plan.ctx_lens,

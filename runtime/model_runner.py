@@ -189,7 +189,7 @@ class ModelRunner:
         self.pool = KVPool(layouts[0], num_pages, self.device)
         self.index_pool = KVPool(indexed, num_pages, self.device) if indexed else None
         self.backend = create_backend(config.attention_backend, self.pool, self.index_pool)
-        self.backend.expand_min_tokens = config.mla_expand_min_tokens
+        self.backend.expand_min_tokens = expand_min_tokens(config, self.device)
         self._use_kernels()
         if self.draft is not None:
             self.draft_pool = KVPool(layouts[1], num_pages, self.device)
@@ -416,3 +416,10 @@ class ModelRunner:
         logits, draft_hidden, feed = self.fused_layers(batch)
         draft = self.draft.compute_logits(draft_hidden[batch.fused_draft.logits_rows])
         return torch.cat([logits, draft]), feed
+
+
+def expand_min_tokens(config: EngineConfig, device: torch.device) -> int:
+    """`mla_expand_min_tokens`, its default resolved: 128 on a GPU, never on the CPU."""
+    if config.mla_expand_min_tokens is not None:
+        return config.mla_expand_min_tokens
+    return 128 if device.type == "cuda" else 0
