@@ -197,9 +197,10 @@ def top_hist(rows: int, device) -> torch.Tensor:
 
 
 def default_chunk(tokens: int, width: int) -> int:
-    """Positions per program: about 512 programs in all (4 per SM of an H100), 1k-16k."""
+    """Positions per program: about 512 programs in all (4 per SM of an H100), 512-16k positions
+    (H100, batch 1 at 32k: 64 programs of 512 took 23 us, 32 of 1024 26 us)."""
     per_program = triton.next_power_of_2(triton.cdiv(tokens * width, 512))
-    return min(max(per_program, 1024), 16384)
+    return min(max(per_program, 512), 16384)
 
 
 def select_top_triton(
