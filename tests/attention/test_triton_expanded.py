@@ -20,7 +20,12 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (new tokens, context after the step, no tree): a prompt, an extend over a prefix, a decode
 # token, a prompt of one token, a few tokens over a context past a block of keys
 SPANS = [(37, 37, None), (20, 70, None), (1, 9, None), (1, 1, None), (5, 133, None)]
-DIMS = (16, 8, 24, 32)  # nope, rope, values (no power of two, as the tiny models'), rank
+DIMS = (
+    24,
+    16,
+    24,
+    64,
+)  # nope, rope, values (24: no power of two), rank; 16 columns at least (a GPU's tensor-core products)
 LAUNCHES = [
     {"rows": 128, "block_n": 64, "num_warps": 8, "num_stages": 3},
     {"rows": 8, "block_n": 16, "num_warps": 4, "num_stages": None},

@@ -57,7 +57,9 @@ def test_expanded_under_tensor_parallelism(tiny_dir, make_engine):
 def test_expanded_on_a_gpu_gives_the_reference_tokens(tiny_dir, make_engine):
     """The Triton kernel on the GPU (float32, the triton backend), every pass expanded."""
     path = tiny_dir("deepseek_v3")
-    engine = make_engine(path, device="cuda", dtype="float32", mla_expand_min_tokens=1)
+    engine = make_engine(
+        path, device="cuda", dtype="float32", mla_expand_min_tokens=1, max_total_tokens=4096
+    )
     prompts = random_prompts(2, 512, [40, 90], seed=13)
     for prompt, result in zip(prompts, engine.generate(input_ids=prompts, sampling_params=PARAMS)):
         assert result.output_ids == hf_greedy(path, prompt, 6)
