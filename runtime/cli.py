@@ -98,6 +98,8 @@ def add_server_flags(parser: argparse.ArgumentParser, role: str) -> None:
         skip.add("bootstrap_port")
     if role != "decode":
         skip.add("prealloc_timeout_s")
+    if role != "prefill":
+        skip |= {"transfer_report_margin_s", "transfer_stall_rooms"}
     if role == "colocated":
         skip |= {"transfer_fail_rate", "transfer_timeout_s"}
     _add_dataclass_flags(parser.add_argument_group("server"), ServerConfig, skip)

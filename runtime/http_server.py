@@ -115,6 +115,8 @@ class Instance:
                 host,
                 config.transfer_fail_rate,
                 stream_tokens=stream_tokens,
+                stall_rooms=config.transfer_stall_rooms,
+                stall_s=2 * (config.transfer_timeout_s + config.transfer_report_margin_s),
             )
         self.engine = Engine(model_path, transfer=transfer, **engine_kwargs)
         if self.manager is not None:

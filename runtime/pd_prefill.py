@@ -5,6 +5,14 @@ Per request (`PrefillState`): COMPUTING (the prompt runs; the request ends at it
 registration of its pages for the room) -> TRANSFERRING (the agents push the pages and the
 `Handoff`) -> ended, pages released. The answer goes out when the KV has left (or failed).
 
+Each wait has a deadline: WAITING the bootstrap timeout, TRANSFERRING the agents' reports (an
+agent reports by `transfer_timeout_s` after it took the push) plus `transfer_report_margin_s`.
+Past it (an agent wedged or dead, a report lost) the room fails as a failed transfer does, its
+pages are freed and the warning names the agents whose report is missing; their reports, if
+they come, are ignored (`TransferManager.give_up`). By then the agents' own deadline has passed,
+so a live one reads the pages no more, and a decode with the same transfer timeout has given up
+its receives (the router also drops the decode's request when the prefill fails).
+
 With KV streaming a COMPUTING room whose registration came sends parts as the prompt's chunks
 are written (`_stream`); the final push sends the rest and the handoff. A request preempted
 while a part of it is being sent keeps its pages under a `stream` hold until its agents report
@@ -21,6 +29,7 @@ from enum import Enum
 from dserve.runtime.connector import Prefilled
 from dserve.runtime.pd import Handoff, PDConnector, PrefillMarks, check_carried
 from dserve.scheduler.request import Request
+from dserve.transfer.commands import Transfer
 from dserve.transfer.descriptor import InstanceDescriptor, check_compatible
 from dserve.transfer.manager import RoomOutcome
 
@@ -51,6 +60,7 @@ class PrefillRoom:
     key: str | None = None
     """The holder of the request's pages once its first token ended it."""
     deadline: float = float("inf")
+    """WAITING: for the decode's registration; TRANSFERRING: for the agents' reports."""
     registration: Registration | None = None
     group: int = 0
     """The DP group that computes it (known once it streams)."""
@@ -139,7 +149,8 @@ class PrefillConnector(PDConnector):
             return False  # the engine aborts it; poll() drops the room
         if room.state is PrefillState.WAITING:
             self._end(room, "aborted by the client")
-        return True  # a transfer in flight finishes (or fails) on its own and frees the pages then
+        # a transfer in flight ends on its own (by its deadline at the latest), freeing the pages
+        return True
 
     def _tick(self, now: float) -> None:
         for room in list(self.rooms.values()):
@@ -152,6 +163,8 @@ class PrefillConnector(PDConnector):
                 self._after_compute(room, now)
             if room.state is PrefillState.WAITING:
                 self._try_push(room, now)
+            elif room.state is PrefillState.TRANSFERRING and now > room.deadline:
+                self._reports_missing(room)
         self._forget_stale(now)
 
     def _forget_stale(self, now: float) -> None:
@@ -246,9 +259,32 @@ class PrefillConnector(PDConnector):
             handoff.pack(),
         )
         room.state = PrefillState.TRANSFERRING
+        room.deadline = now + self._report_wait()
+
+    def _report_wait(self) -> float:
+        """How long the front waits for the agents' reports of a room's push."""
+        return self.config.transfer_timeout_s + self.config.transfer_report_margin_s
+
+    def _reports_missing(self, room: PrefillRoom) -> None:
+        """The room's push deadline passed without every agent's report: the room fails."""
+        missing = ", ".join(self.manager.give_up(Transfer.PUSH, room.id))
+        self.metrics.transfer(False, 0, self._report_wait())
+        self._end(
+            room,
+            f"KV transfer failed: no report from transfer agent(s) {missing} (dp-stage-rank) "
+            f"on the push of bootstrap_room {room.id} within {self._report_wait():.0f}s "
+            "(transfer timeout + report margin)",
+        )
 
     def _on_outcome(self, room: PrefillRoom, outcome: RoomOutcome) -> None:
         self._record(room.req, outcome)
+        if outcome.seconds > self.config.transfer_timeout_s:
+            log.info(
+                "room %d: its push was reported after %.1fs, past the transfer timeout "
+                "(within the report margin)",
+                room.id,
+                outcome.seconds,
+            )
         self._end(room, None if outcome.ok else f"KV transfer failed: {outcome.error}")
 
     def _end(self, room: PrefillRoom, error: str | None) -> None:

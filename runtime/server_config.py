@@ -23,7 +23,12 @@ class ServerConfig:
     bootstrap_timeout_s: float = 30.0
     """Prefill: wait for the decode's pages of a computed prompt."""
     transfer_timeout_s: float = 60.0
-    """Decode: wait for a room's KV once its pages are registered."""
+    """Decode: wait for a room's KV once its pages are registered. Prefill: the most a transfer
+    agent takes to send a room (it reports the room failed then)."""
+    transfer_report_margin_s: float = 5.0
+    """Prefill: how long past `transfer_timeout_s` the front waits for its agents' reports of a
+    room's push before it fails the room and frees its pages (an agent wedged or dead, a
+    report lost)."""
     prealloc_timeout_s: float = 60.0
     """Decode: wait for free pages to receive a prompt into."""
     max_request_bytes: int = 4 * 2**20
@@ -33,6 +38,9 @@ class ServerConfig:
     none)."""
     transfer_fail_rate: float = 0.0
     """TEST ONLY: fraction of rooms whose KV sending fails on purpose."""
+    transfer_stall_rooms: int = 0
+    """TEST ONLY: how many rooms (the first ones) each prefill transfer agent holds unsent,
+    reporting them only long after the front's report deadline (a wedged agent)."""
     kv_streaming: bool = True
     """Prefill: send a prompt's pages chunk by chunk while the rest of it is computed (in
     messages of at most `chunked_prefill_size` tokens), not all once it is done."""
@@ -60,6 +68,12 @@ class ServerConfig:
             raise ValueError(f"role must be colocated, prefill or decode, got {self.role!r}")
         if not 0 <= self.transfer_fail_rate <= 1:
             raise ValueError(f"transfer_fail_rate must be in [0, 1], got {self.transfer_fail_rate}")
+        if self.transfer_stall_rooms < 0:
+            raise ValueError(f"transfer_stall_rooms must be >= 0, got {self.transfer_stall_rooms}")
+        if self.transfer_report_margin_s < 0:
+            raise ValueError(
+                f"transfer_report_margin_s must be >= 0, got {self.transfer_report_margin_s}"
+            )
         if self.batch_log_interval_s < 0:
             raise ValueError(f"batch_log_interval_s must be >= 0, got {self.batch_log_interval_s}")
         for name in ("bootstrap_timeout_s", "transfer_timeout_s", "prealloc_timeout_s"):

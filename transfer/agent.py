@@ -49,7 +49,7 @@ from dserve.transfer.descriptor import PoolDescriptor, RankDescriptor
 from dserve.transfer.mapping import Route, held_heads
 from dserve.transfer.messages import Message, route_messages
 from dserve.transfer.receiving import Receiving, RoomReceives
-from dserve.transfer.sending import Sending, Stream, made
+from dserve.transfer.sending import Sending, Stall, Stream, made
 
 log = logging.getLogger("dserve.transfer")
 
@@ -58,7 +58,8 @@ log = logging.getLogger("dserve.transfer")
 class AgentConfig:
     """What a rank needs to start its agent: the front's ZMQ address, the host the instance binds
     to (127.0.0.1 keeps UCX's network transports on the loopback device), and the test-only
-    fraction of rooms whose sending fails on purpose."""
+    faults: the fraction of rooms whose sending fails on purpose, and how many rooms (the first
+    ones) a prefill agent holds unsent for `stall_s` before it reports them (a wedged agent)."""
 
     front_address: str
     host: str = "127.0.0.1"
@@ -68,6 +69,8 @@ class AgentConfig:
     # prefill: the most tokens one message carries, so a prompt's pages leave in parts as its
     # chunks are computed (0: whole page runs, sent once the prompt is done)
     stream_tokens: int = 0
+    stall_rooms: int = 0
+    stall_s: float = 0.0
 
 
 def start_agent(
@@ -91,7 +94,10 @@ def start_agent(
         )
         described.append((desc, p))
     where = Placement(dp_rank, attn_rank, attn_tp, stage)
-    return TransferAgent(config.front_address, where, described, config.host, config.fail_rate)
+    stall = Stall(config.stall_rooms, config.stall_s)
+    return TransferAgent(
+        config.front_address, where, described, config.host, config.fail_rate, stall
+    )
 
 
 @dataclass(frozen=True)
@@ -143,8 +149,10 @@ class TransferAgent(Sending, Receiving):
         pools: list[tuple[PoolDescriptor, KVPool]],
         host: str = "127.0.0.1",
         fail_rate: float = 0.0,
+        stall: Stall | None = None,
     ):
         self.front_address, self.host, self.fail_rate = front_address, host, fail_rate
+        self.stall = stall or Stall()
         self.where = where
         self.dp_rank, self.attn_rank = where.dp_rank, where.attn_rank
         self.pools = pools
@@ -207,8 +215,7 @@ class TransferAgent(Sending, Receiving):
             task = asyncio.ensure_future(self._dispatch(command, arrived))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
-        made = [f.result() for f in self.endpoints.values() if made(f)]
-        for ep in made:
+        for ep in [f.result() for f in self.endpoints.values() if made(f)]:
             ep.abort()
         self.sock.close()
 

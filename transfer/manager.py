@@ -2,7 +2,9 @@
 
 Agents say hello with their descriptor when they start; the front then sends them `Push`, `Expect`
 and `Cancel` commands for a room (`commands.py`), and gathers their per-rank `RoomReport`s into one
-`RoomOutcome` per room once every rank of the room's group has reported.
+`RoomOutcome` per room once every rank of the room's group has reported. A room the front gives
+up waiting for (`give_up`: its report deadline passed) is forgotten; the reports of it that come
+later are logged as late and ignored.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from dserve.transfer.descriptor import (
 from dserve.transfer.mapping import Route, plan_pipeline_routes
 
 log = logging.getLogger("dserve.transfer")
+GIVEN_UP_KEPT = 1024  # rooms given up whose late reports are still told from unknown ones
 
 
 @dataclass(frozen=True)
@@ -65,8 +68,12 @@ class _Pending:
 
 def identity(rank: RankDescriptor) -> bytes:
     """The agent's ZMQ identity (agent.Placement.identity)."""
-    dp_rank, stage, attn_rank = rank.key
-    return f"{dp_rank}-{stage}-{attn_rank}".encode()
+    return agent_name(rank.key).encode()
+
+
+def agent_name(key: tuple[int, int, int]) -> str:
+    """A rank's agent in messages: its DP rank, stage and attention rank (as its identity)."""
+    return "-".join(map(str, key))
 
 
 class TransferManager:
@@ -88,6 +95,8 @@ class TransferManager:
             self.address = f"tcp://{tcp_host}:{port}"
         self.ranks: dict[tuple[int, int, int], RankDescriptor] = {}  # by RankDescriptor.key
         self.pending: dict[tuple[str, int], _Pending] = {}
+        self.given_up: dict[tuple[Transfer, int], set[tuple[int, int, int]]] = {}
+        """Rooms given up before every rank reported: the ranks whose report is still due."""
         self.parts_in_flight: dict[int, int] = {}
         """Prefill: per room, parts of it some rank's agent has not finished sending."""
 
@@ -171,6 +180,19 @@ class TransferManager:
         )
         self._start(Transfer.RECEIVE, room, mine, command)
 
+    def give_up(self, transfer: Transfer, room: int) -> list[str]:
+        """Stop waiting for a room's reports (its deadline passed): the agents (identities) whose
+        report had not come. Their reports, if they come, are ignored."""
+        key = (transfer, room)
+        pending = self.pending.pop(key, None)
+        self.parts_in_flight.pop(room, None)
+        if pending is None:
+            return []
+        if len(self.given_up) >= GIVEN_UP_KEPT:
+            del self.given_up[next(iter(self.given_up))]  # the oldest
+        self.given_up[key] = set(pending.ranks)
+        return [agent_name(rank) for rank in sorted(pending.ranks)]
+
     def cancel(self, room: int, dp_rank: int) -> None:
         for r in self.group(dp_rank):
             self._send(r, Cancel(room))
@@ -201,6 +223,7 @@ class TransferManager:
             doing = "sending" if transfer is Transfer.PUSH else "receiving"
             raise ValueError(f"room {room} is already {doing}")
         ranks_left = {r.key for r in ranks}
+        self.given_up.pop(key, None)  # the room id again: an old late report is not told apart
         self.pending[key] = _Pending(transfer, ranks_left, time.perf_counter())
         for r in ranks:
             self._send(r, command)
@@ -234,7 +257,7 @@ class TransferManager:
         key = (report.transfer, report.room)
         pending = self.pending.get(key)
         if pending is None:
-            log.warning("transfer event for unknown room %s: %s", report.room, report)
+            self._unexpected(rank, report)
             return None
         pending.reports.append(report)
         pending.ranks.discard(rank)
@@ -242,6 +265,22 @@ class TransferManager:
             return None
         del self.pending[key]
         return _merge(report.room, pending)
+
+    def _unexpected(self, rank: tuple[int, int, int], report: RoomReport) -> None:
+        """A report of no room pending: a late one of a room given up, or a stray one."""
+        key = (report.transfer, report.room)
+        due = self.given_up.get(key)
+        if due is None or rank not in due:
+            log.warning("transfer event for unknown room %s: %s", report.room, report)
+            return
+        due.discard(rank)
+        if not due:
+            del self.given_up[key]
+        said = "ok" if report.ok else f"failed: {report.error}"
+        name = agent_name(rank)
+        log.info(
+            "room %d: late report of agent %s (room given up), ignored: %s", report.room, name, said
+        )
 
     def _part_sent(self, room: int) -> None:
         left = self.parts_in_flight.get(room, 0) - 1

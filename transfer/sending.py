@@ -6,6 +6,11 @@ whose pages are all written by then (`ready_pages`), then a final push with the 
 control message. The decode posted every receive at once (`expect`), so parts need nothing from
 it; it counts the room only when every receive completed and every control message said
 success, so a room a later part (or the final push) fails never starts decoding.
+
+Every push ends by its `timeout_s` after the agent took it (a final push's wait for the room's
+parts included): then a failed send's endpoint is aborted, so the agent reads the room's pages
+no more, and the room is reported. The front fails a room whose report is later than that
+(`PrefillConnector`'s report deadline).
 """
 
 from __future__ import annotations
@@ -24,6 +29,23 @@ from dserve.transfer.messages import Control, Message, ctrl_tag
 
 log = logging.getLogger("dserve.transfer")
 INJECTED = "transfer failed (injected by transfer_fail_rate)"
+STALLED = "held unsent on purpose (transfer_stall_rooms)"
+
+
+@dataclass
+class Stall:
+    """TEST ONLY: the agent holds its first `rooms` final pushes unsent and reports each (failed)
+    only `seconds` later, as a wedged agent would (the front's report deadline must end them)."""
+
+    rooms: int = 0
+    seconds: float = 0.0
+
+    def takes(self) -> bool:
+        """Whether this final push is one to hold (counted down)."""
+        if self.rooms <= 0:
+            return False
+        self.rooms -= 1
+        return True
 
 
 @dataclass
@@ -44,15 +66,20 @@ class Sending:
 
     async def _push(self, push: Push, arrived: float) -> None:
         room = push.room
+        deadline = time.monotonic() + push.timeout_s
         stream = self.streams.get(room)
         if stream is None:
             stream = self.streams[room] = Stream(arrived)
         if push.ready_pages is not None:  # a part: its errors go with the final push
-            stream.parts.append(asyncio.ensure_future(self._send_part(push, stream)))
+            part = self._send_part(push, stream, deadline)
+            stream.parts.append(asyncio.ensure_future(part))
             return
         del self.streams[room]
-        await asyncio.gather(*stream.parts)
-        await self._send_all(push, stream)
+        await asyncio.gather(*stream.parts)  # each ends by its own deadline, before this one
+        if self.stall.takes():
+            await self._stall(room, stream)
+            return
+        await self._send_all(push, stream, deadline)
         sent = time.perf_counter()
         log.debug("room %d pushed in %.3f ms", room, (sent - stream.started) * 1e3)
         report = RoomReport(
@@ -66,19 +93,25 @@ class Sending:
         )
         await self._emit(report)
 
-    async def _send_part(self, push: Push, stream: Stream) -> None:
+    async def _stall(self, room: int, stream: Stream) -> None:
+        """TEST ONLY (`Stall`): send nothing, and report the room failed long after."""
+        log.warning("room %d: %s for %.1fs", room, STALLED, self.stall.seconds)
+        await asyncio.sleep(self.stall.seconds)
+        held = {"started": stream.started, "finished": time.perf_counter()}
+        await self._emit(RoomReport(room, Transfer.PUSH, False, STALLED, **held))
+
+    async def _send_part(self, push: Push, stream: Stream, deadline: float) -> None:
         """A part's messages, then `PartSent`: the front may reuse its pages now."""
-        await self._send_all(push, stream)
+        await self._send_all(push, stream, deadline)
         await self._emit(PartSent(push.room))
 
-    async def _send_all(self, push: Push, stream: Stream) -> None:
+    async def _send_all(self, push: Push, stream: Stream, deadline: float) -> None:
         """This push's messages to every decode rank this rank has a route to.
         No wait for the rank's forwards: the engine pushes pages only after it has read the
         results of every forward that wrote them (a step's outputs reach the host; other TP
         ranks' writes precede collectives those outputs depend on). A device-wide synchronize
         here waited for the rank's next step, already in flight, adding up to a step."""
         me = self.where.slot
-        deadline = time.monotonic() + push.timeout_s
         routes = [r for pool_routes in push.routes for r in pool_routes]
         decode_ranks = sorted({r.decode_rank for r in routes if r.prefill_rank == me})
         if len(decode_ranks) == 1:  # the common case, without a task per rank

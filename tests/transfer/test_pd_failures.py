@@ -52,6 +52,46 @@ def test_injected_transfer_failures(tiny_dir, tmp_path):
         cluster.stop()
 
 
+def test_push_report_never_back_fails_the_room_at_its_deadline(tiny_dir, tmp_path, make_engine):
+    """The prefill's agent holds the first room unsent and reports it only long after (a wedged
+    agent, `--transfer-stall-rooms`): the prefill fails the room at transfer timeout + report
+    margin naming the agent whose report is missing, the router drops the decode's request (it
+    never decodes), both instances get every page back, the late report is ignored, and the
+    pair serves the next request with the colocated engine's tokens."""
+    timeout, margin = 2, 2  # the agent reports the stalled room after 2 * (timeout + margin)
+    model = tiny_dir("deepseek_v3")
+    prompt = [3 + i % 11 for i in range(40)]  # over a chunk: parts leave before the final push
+    expected = make_engine(model).generate(input_ids=[prompt], sampling_params=GREEDY)[0]
+    prefill_args = ["--transfer-timeout-s", str(timeout), "--transfer-report-margin-s"]
+    prefill_args += [str(margin), "--transfer-stall-rooms", "1"]
+    cluster = start_cluster(model, tmp_path, prefill_args, router_args=["--retry-max-retries", "0"])
+    try:
+        start = time.monotonic()
+        status, answer = generate(cluster.url, prompt)
+        waited = time.monotonic() - start
+        message = answer["error"]["message"]
+        assert status == 502 and "no report from transfer agent(s) 0-0-0" in message, answer
+        assert timeout + margin - 0.1 < waited < timeout + margin + 5, waited
+        assert_all_pages_free(cluster.prefill, cluster.decode)
+
+        status, answer = generate(cluster.url, prompt)
+        assert status == 200 and answer["output_ids"] == expected.output_ids, answer
+        _, metrics = get(cluster.decode.url + "/metrics")
+        generated = metric_value(metrics, "dserve_generation_tokens_total")
+        assert generated == len(expected.output_ids)  # the failed room never decoded
+        _, metrics = get(cluster.prefill.url + "/metrics")
+        assert metric_value(metrics, "dserve_kv_transfer_failures_total") == 1
+        wait_for(
+            lambda: "late report of agent 0-0-0 (room given up), ignored" in cluster.prefill.tail(),
+            2 * (timeout + margin) + 10,
+            "the prefill logs the stalled room's late report",
+        )
+        assert generate(cluster.url, prompt)[0] == 200
+        assert_all_pages_free(cluster.prefill, cluster.decode)
+    finally:
+        cluster.stop()
+
+
 TREE = ["--speculative-algorithm", "mtp", "--speculative-num-steps", "3"]
 TREE += ["--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "6"]
 DISCONNECTS = {  # id: (MTP layer, prefill flags, decode flags)
