@@ -237,7 +237,10 @@ def default_splits(
     1k context: 1 split at batch 128 takes 0.22 ms a layer where 4 took 0.35, 2 splits at batch 32
     0.07 ms where 16 took 0.12: bench/notes/rank-steps-2026-11-23.md.) Sparse attention's
     `gathered` positions allow splits of two blocks: batch 1 over 2048 positions took 20 us in
-    32 splits where 16 took 24-31 (H100, bench/notes/session22-h100-2026-11-24.md)."""
+    32 splits where 16 took 24-31 (H100, bench/notes/session22-h100-2026-11-24.md); programs of
+    many heads over gathered positions fill the GPU at most once, the power of two below (64
+    heads, batch 32 over 2048 positions: 4 splits 115 us, 8 splits 132, 16 splits 162;
+    bench/notes/session23-h100-2026-11-24.md)."""
     sms = 8
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -245,6 +248,8 @@ def default_splits(
     programs = batch * triton.cdiv(heads, block_h) * value_blocks
     shortest = (2 if gathered else 4) * block_n  # gathered positions: latency-bound
     want = max(1, min(256, -(-waves * sms // programs), max_len // shortest))
+    if gathered and waves == 1:
+        return 1 << (want.bit_length() - 1)
     return 1 << (want - 1).bit_length()
 
 

@@ -75,6 +75,7 @@ def scores_part(c: dict, context: int) -> torch.Tensor:
 
 
 TOP_LAUNCH = {"chunk": None, "block": 1024, "num_warps": 4}  # `--topk-*`
+MLA_LAUNCH: dict = {}  # `--mla-launch`: mla_decode's keyword arguments (else its defaults)
 
 
 def top_part(scores: torch.Tensor, hist: torch.Tensor) -> torch.Tensor:
@@ -108,6 +109,7 @@ def sparse_mla_part(c: dict, chosen: torch.Tensor) -> torch.Tensor:
         max_len=TOPK,
         row_seqs=c["rows"],
         selected=chosen,
+        **MLA_LAUNCH,
     )
 
 
@@ -179,9 +181,13 @@ def main() -> None:
     parser.add_argument("--topk-chunk", type=int, help="positions per top-k program")
     parser.add_argument("--topk-block", type=int, default=1024)
     parser.add_argument("--topk-warps", type=int, default=4)
+    parser.add_argument(
+        "--mla-launch", type=json.loads, default={}, help="the sparse MLA's launch, as JSON"
+    )
     parser.add_argument("--out", default="bench/results/sparse_decode.json")
     args = parser.parse_args()
     TOP_LAUNCH.update(chunk=args.topk_chunk, block=args.topk_block, num_warps=args.topk_warps)
+    MLA_LAUNCH.update(args.mla_launch)
     copy = copy_bandwidth()
     rows = []
     print(f"copy bandwidth {copy / 1e9:.0f} GB/s; ms per layer; the sparse step's parts after it")
@@ -194,7 +200,7 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         meta = {"device": torch.cuda.get_device_name(), "copy_gb_s": copy / 1e9}
-        meta.update(fp8_keys=args.fp8_keys, topk_launch=TOP_LAUNCH)
+        meta.update(fp8_keys=args.fp8_keys, topk_launch=TOP_LAUNCH, mla_launch=MLA_LAUNCH)
         json.dump({**meta, "rows": rows}, f, indent=2)
     print(f"wrote {args.out}")
 
