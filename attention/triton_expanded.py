@@ -107,10 +107,7 @@ def _expanded_kernel(
             kr = _load_rows(KR, pos * s_kr_t, kmask, P, P_PAD)
             v = _load_rows(v_head, pos * s_v_t, kmask, DV, DV_PAD)
             s = _dot(qn, tl.trans(kn), IEEE) + _dot(qr, tl.trans(kr), IEEE)
-            if phase == 0:
-                vis = kv[None, :] >= 0
-            else:
-                vis = _visible(CtxLens, 0, toks, tmask, ctx, ctx, kv, False)
+            vis = _visible(CtxLens, 0, toks, tmask, ctx, ctx, kv, False, phase)
             m, l, acc = _online_softmax_step(s * scale, vis, v, m, l, acc, IEEE)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     dv = tl.arange(0, DV_PAD)

@@ -90,9 +90,14 @@ def _seen_by_all(rmask, ctx, end, BLOCK_N: tl.constexpr, TREE: tl.constexpr):
 
 
 @triton.jit
-def _visible(Tree, s_tree_t, toks, tmask, ctx, tail, kv, TREE: tl.constexpr):
+def _visible(
+    Tree, s_tree_t, toks, tmask, ctx, tail, kv, TREE: tl.constexpr, PHASE: tl.constexpr = 1
+):
     """[rows, BLOCK_N]: which of the context positions `kv` each row sees (TREE: the batch
-    has a draft tree, whose masks are read; else the bound is causal alone)."""
+    has a draft tree, whose masks are read; else the bound is causal alone). PHASE 0 (the
+    blocks before `_seen_by_all`'s bound): every row sees them whole, nothing is masked."""
+    if PHASE == 0:
+        return kv[None, :] >= 0
     vis = (kv[None, :] < ctx[:, None]) & tmask[:, None]
     if not TREE:
         return vis
@@ -166,10 +171,7 @@ def _mla_kernel(
             ckv = tl.load(Cache + base[:, None] + r[None, :], mask=kmask[:, None], other=0.0)
             kr = tl.load(Cache + base[:, None] + R + p[None, :], mask=kmask[:, None], other=0.0)
             s = _dot(ql, tl.trans(ckv), IEEE) + _dot(qr, tl.trans(kr), IEEE)
-            if phase == 0:
-                vis = kv[None, :] >= 0
-            else:
-                vis = _visible(Tree, s_tree_t, toks, rmask, ctx, tail, kv, TREE)
+            vis = _visible(Tree, s_tree_t, toks, rmask, ctx, tail, kv, TREE, phase)
             m, l, acc = _online_softmax_step(s * scale, vis, ckv, m, l, acc, IEEE)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(
@@ -290,10 +292,7 @@ def _mha_kernel(
                 page_size, head_dim, v_head_dim, D, DV, BLOCK_N, IN_PAGE,
             )  # fmt: skip
             s = _dot(q, tl.trans(k), IEEE)
-            if phase == 0:
-                vis = kv[None, :] >= 0
-            else:
-                vis = _visible(Tree, s_tree_t, toks, rmask, ctx, tail, kv, TREE)
+            vis = _visible(Tree, s_tree_t, toks, rmask, ctx, tail, kv, TREE, phase)
             m, l, acc = _online_softmax_step(s * scale, vis, v, m, l, acc, IEEE)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(
