@@ -126,6 +126,13 @@ def output_bytes(runner, max_tokens: int, hidden_width: int | None) -> int:
     return sum(max_tokens * w * torch.empty((), dtype=d).element_size() for w, d in widths)
 
 
+def sparse_scores_bytes(max_tokens: int, max_context: int) -> int:
+    """A sparse-attention (DSA) model's captured passes also hold the indexer's scores of every
+    token over the widest context (float32, in the graphs' memory pool): counted before the KV
+    pool is sized (256 tokens over 200k positions: 0.2 GB)."""
+    return max_tokens * max_context * 4
+
+
 class StaticSteps:
     """The static buffers of decode-like passes and, on a GPU, their captured graphs.
 

@@ -25,7 +25,7 @@ from dserve.models.loader import load_embedding, load_model, parameter_bytes
 from dserve.models.parallel import SINGLE, ParallelContext
 from dserve.models.quant import quantize_in_norms
 from dserve.runtime.config import EngineConfig
-from dserve.runtime.cuda_graphs import StaticSteps, output_bytes
+from dserve.runtime.cuda_graphs import StaticSteps, output_bytes, sparse_scores_bytes
 
 log = logging.getLogger("dserve.runtime")
 CPU_DEFAULT_TOKENS = 16384
@@ -181,6 +181,9 @@ class ModelRunner:
         static = uses_static_steps(config)
         widths = self._static_widths() if static else []
         reserved = sum(output_bytes(self, self.graph_tokens, w) for w in widths)
+        if static and indexed:
+            longest = self.model_config.max_position_embeddings
+            reserved += sparse_scores_bytes(self.graph_tokens, longest)
         sized = layouts + [lay for lay in (indexed, draft_indexed) if lay]
         self.num_pages = pool_pages(config, sized, self.device, reserved)
         num_pages = self.num_pages + static  # and a scratch page for static steps' padding
