@@ -93,21 +93,23 @@ def _seen_by_all(rmask, ctx, end, BLOCK_N: tl.constexpr, TREE: tl.constexpr):
 def _visible(
     Tree, s_tree_t, toks, tmask, ctx, tail, kv, TREE: tl.constexpr, PHASE: tl.constexpr = 1
 ):
-    """[rows, BLOCK_N]: which of the context positions `kv` each row sees (TREE: the batch
-    has a draft tree, whose masks are read; else the bound is causal alone). PHASE 0 (the
-    blocks before `_seen_by_all`'s bound): every row sees them whole, nothing is masked."""
+    """Which of the context positions `kv` each row sees (TREE: the batch has a draft tree,
+    whose masks are read; else the bound is causal alone): [rows, BLOCK_N], or [1, BLOCK_N]
+    all true in PHASE 0 (the blocks before `_seen_by_all`'s bound, which every row sees whole).
+    One return for both phases: Triton wants every return of a function to have one type."""
     if PHASE == 0:
-        return kv[None, :] >= 0
-    vis = (kv[None, :] < ctx[:, None]) & tmask[:, None]
-    if not TREE:
-        return vis
-    in_tail = kv[None, :] >= tail[:, None]
-    bits = tl.load(
-        Tree + toks[:, None].to(tl.int64) * s_tree_t + (kv[None, :] - tail[:, None]),
-        mask=vis & in_tail,
-        other=0,
-    )
-    return vis & (~in_tail | (bits != 0))
+        vis = kv[None, :] >= 0
+    else:
+        vis = (kv[None, :] < ctx[:, None]) & tmask[:, None]
+        if TREE:
+            in_tail = kv[None, :] >= tail[:, None]
+            bits = tl.load(
+                Tree + toks[:, None].to(tl.int64) * s_tree_t + (kv[None, :] - tail[:, None]),
+                mask=vis & in_tail,
+                other=0,
+            )
+            vis = vis & (~in_tail | (bits != 0))
+    return vis
 
 
 @triton.jit
