@@ -140,34 +140,60 @@ async def measure(url: str, args) -> dict:
     return out
 
 
-MARKS = (  # pd_timeline_ms in the order a request meets them
+MARKS = (  # pd_timeline_ms (and the client's own) in the order a request meets them
+    "client_sent",
     "prefill_arrival",
     "registered",
     "prefill_registered",
     "prefill_computed",
     "prefill_push",
+    "pages_arrived",
     "received",
     "joined",
+    "published",
+    "sent",
+    "client_first",
 )
 
 
+def timeline_of(result: dict) -> dict | None:
+    """A disaggregated request's `pd_timeline_ms` (ms after the decode got it) with the client's
+    marks: when it sent the request and had the first token (on the decode's clock, this host's
+    `perf_counter`: `pd_arrival_s`); None for a colocated instance."""
+    meta = result["meta"] or {}
+    line = meta.get("pd_timeline_ms")
+    if not line:
+        return None
+    line, arrival = dict(line), meta.get("pd_arrival_s")
+    if arrival is not None and abs(result["start"] - arrival) < 60:
+        line["client_sent"] = (result["start"] - arrival) * 1e3
+        line["client_first"] = (result["start"] + result["ttft"] - arrival) * 1e3
+    return line
+
+
 def median_marks(results: list[dict]) -> dict:
-    """Per mark of the decode's `pd_timeline_ms` (ms after the decode got the request), the
-    median over the requests; {} for a colocated instance."""
-    lines = [(r["meta"] or {}).get("pd_timeline_ms") for r in results]
-    lines = [x for x in lines if x]
+    """Per mark (`timeline_of`), the median over the requests; {} for a colocated instance."""
+    lines = [x for x in map(timeline_of, results) if x]
     keys = [k for k in MARKS if lines and all(k in x for x in lines)]
     return {k: statistics.median(x[k] for x in lines) for k in keys}
 
 
 def timeline_table(results: dict, lengths: list[int]) -> None:
-    """Where a disaggregated request's time to first token goes."""
-    print("disaggregated, ms after the decode instance got the request (median):")
-    print(f"{'len':>6} " + " ".join(f"{k:>18}" for k in MARKS))
-    for length in lengths:
-        marks = results["disaggregated"][length]["timeline_ms"]
-        cells = " ".join(f"{marks.get(k, float('nan')):>18.2f}" for k in MARKS)
-        print(f"{length:>6} {cells}")
+    """Where a disaggregated request's time to first token goes: a row per mark, with the
+    step from the mark before."""
+    print(
+        "disaggregated, ms after the decode instance got the request (median; the step from the mark above):"
+    )
+    print(f"{'mark':>20} " + " ".join(f"{n:>16}" for n in lengths))
+    lines = [results["disaggregated"][n]["timeline_ms"] for n in lengths]
+    for i, k in enumerate(MARKS):
+        cells = []
+        for marks in lines:
+            value = marks.get(k, float("nan"))
+            before = marks.get(MARKS[i - 1], float("nan")) if i else float("nan")
+            step = f"({value - before:+.2f})" if i and value == value and before == before else ""
+            cells.append(f"{value:>8.2f} {step:>7}")
+        print(f"{k:>20} " + " ".join(f"{c:>16}" for c in cells))
 
 
 def model_flags(args) -> list[str]:

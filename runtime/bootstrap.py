@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 
 import aiohttp
@@ -48,6 +49,7 @@ def bootstrap_app(engine_loop, connector) -> web.Application:
         return web.json_response({"ok": True})
 
     async def room(request: web.Request) -> web.Response:
+        arrived = time.perf_counter()  # the engine thread takes it between steps
         body = await _json(request)
         try:
             room_id, peer_id, dp_rank, pages = (
@@ -66,7 +68,7 @@ def bootstrap_app(engine_loop, connector) -> web.Application:
             )
             if not ok:
                 raise ValueError("room, dp_rank must be integers and pages a list of page ids")
-            await engine_loop.call(connector.register, room_id, peer_id, dp_rank, pages)
+            await engine_loop.call(connector.register, room_id, peer_id, dp_rank, pages, arrived)
         except (KeyError, TypeError, ValueError) as e:
             raise web.HTTPBadRequest(text=f"bad room registration: {e}") from e
         return web.json_response({"ok": True})

@@ -50,7 +50,7 @@ class LocalExecutor:
         if transfer is not None:
             from dserve.transfer.agent import start_agent
 
-            self.agent = start_agent(transfer, self.runner.transfer_pools, 0, 0, 1)
+            self.agent = start_agent(transfer, self.runner.transfer_pools, 0, 0, 1, in_front=True)
 
     @property
     def in_flight(self) -> int:

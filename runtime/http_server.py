@@ -36,6 +36,7 @@ from dserve.runtime.engine import Engine
 from dserve.runtime.engine_loop import EngineLoop, merge
 from dserve.runtime.metrics import CONTENT_TYPE, InstanceMetrics
 from dserve.runtime.openai_protocol import parse_chat, parse_completions
+from dserve.runtime.pd import mark
 from dserve.runtime.protocol import (
     ROUTES,
     BadRequest,
@@ -117,6 +118,7 @@ class Instance:
                 stream_tokens=stream_tokens,
                 stall_rooms=config.transfer_stall_rooms,
                 stall_s=2 * (config.transfer_timeout_s + config.transfer_report_margin_s),
+                local_address=self.manager.local_address,
             )
         self.engine = Engine(model_path, transfer=transfer, **engine_kwargs)
         if self.manager is not None:
@@ -317,9 +319,7 @@ class Server:
     async def _sse(
         self, request: web.Request, inp: GenerateInput, answer: Answer, chunks
     ) -> web.StreamResponse:
-        resp = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        )
+        resp = EventStream(headers=EventStream.HEADERS)
         timer, prepared, outcome = _Timer(self.metrics), False, "ok"
         try:
             async for index, chunk in chunks:
@@ -332,7 +332,10 @@ class Server:
                     outcome = "error"
                     await _event(resp, error_body(result.meta.get("error") or "aborted", 500))
                     break
-                for payload in answer.event(index, chunk):
+                payloads = answer.event(index, chunk)
+                if chunk.token_ids:  # as they go out: the writes below are sends
+                    mark(answer.choices[index].req, "sent")
+                for payload in payloads:
                     await _event(resp, payload)
             if outcome == "ok":
                 for payload in answer.closing():
@@ -349,6 +352,16 @@ class Server:
         timer.done()
         self.metrics.request_done(inp.route, outcome)
         return resp
+
+
+class EventStream(web.StreamResponse):
+    """A server-sent event stream whose headers leave with its first event, in one write. Sent
+    apart, the send between them let the engine thread take the GIL, and the first event waited
+    for it (2-core CPU host: 0.5 ms of the time to first token). aiohttp 3.12 on reads the flag;
+    an older one sends the headers at once."""
+
+    HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    _send_headers_immediately = False
 
 
 class _Timer:

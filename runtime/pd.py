@@ -11,11 +11,15 @@ pages left early (KV streaming).
 Every wait has a deadline that ends the request with an error naming what did not happen.
 
 Each decode answer's meta carries `pd_timeline_ms`: when (ms after the decode got the request)
-the decode posted its receives and registered the room, the prefill got the request, computed
-it, saw the registration and started the push, and the decode had every page and joined the
-first token. Both instances read `time.perf_counter`, the host's monotonic clock: on two hosts
-the prefill's marks are offsets from its own arrival instead (`prefill_*` keys are then
-relative to it).
+the decode posted its receives and registered the room (`registered`), the prefill got the
+request (`prefill_arrival`), computed its first token (`prefill_computed`), got the registration
+(`prefill_registered`: its bootstrap server did) and started the push (`prefill_push`), the
+decode's agents had every page (`pages_arrived`), the decode's engine thread heard of it
+(`received`) and joined the first token (`joined`), handed it to the HTTP thread (`published`)
+and that thread wrote it to the client (`sent`, a streamed answer's). Both instances read
+`time.perf_counter`, the host's monotonic clock: on two hosts the prefill's marks are offsets from
+its own arrival instead (`prefill_*` keys are then relative to it). `pd_arrival_s` is the decode's
+arrival on that clock, so a client on the same host can place its own marks (bench.pd_overhead).
 """
 
 from __future__ import annotations
@@ -100,6 +104,13 @@ def timeline(req: Request, marks: dict, prefill: PrefillMarks | None) -> dict:
     for k, v in theirs.items():
         out["prefill_" + k] = round((v - base) * 1e3, 3)
     return out
+
+
+def mark(req: Request, name: str) -> None:
+    """Add `name` (now) to `req`'s timeline, once, if it has one (a disaggregated decode's)."""
+    line = req.extra_meta.get("pd_timeline_ms")
+    if line is not None and name not in line:
+        line[name] = round((time.perf_counter() - req.arrival_time) * 1e3, 3)
 
 
 def check_carried(req: Request) -> None:

@@ -154,7 +154,7 @@ class DecodeConnector(PDConnector):
             self._record(req, outcome)
             if outcome.ok and outcome.payload:
                 self._drop(room)
-                self._join(room, Handoff.unpack(outcome.payload))
+                self._join(room, Handoff.unpack(outcome.payload), outcome.finished)
                 return
             missing = outcome.error or "no first token from the prefill"
             req.finish("abort", error=f"KV transfer failed: {missing}")
@@ -166,14 +166,18 @@ class DecodeConnector(PDConnector):
             log.error("room %d: receives never settled; its pages stay out of use", room.id)
         self._drop(room)
 
-    def _join(self, room: DecodeRoom, handoff: Handoff) -> None:
+    def _join(self, room: DecodeRoom, handoff: Handoff, arrived: float) -> None:
+        """`arrived`: when the last of the room's agents had its pages (their clock)."""
         received = time.perf_counter()
         req = room.req
         self.engine.join(req.rid, handoff.prefilled)
         req.extra_meta["kv_transfer"]["streamed_pages"] = handoff.streamed_pages
         marks = {"registered": room.registered_at, "received": received}
+        if abs(received - arrived) < 60:  # else agents on another host: another clock
+            marks["pages_arrived"] = arrived
         marks["joined"] = time.perf_counter()
         req.extra_meta["pd_timeline_ms"] = timeline(req, marks, handoff.marks)
+        req.extra_meta["pd_arrival_s"] = round(req.arrival_time, 6)
 
     def _drop(self, room: DecodeRoom) -> None:
         self._forget_room(room.req.rid, room.id)

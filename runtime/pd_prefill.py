@@ -99,7 +99,15 @@ class PrefillConnector(PDConnector):
         check_compatible(self.descriptor, peer, local_role="prefill", remote_role="decode")
         self.peers[peer_id] = peer
 
-    def register(self, room_id: int, peer_id: str, dp_rank: int, pages: list[int]) -> None:
+    def register(
+        self,
+        room_id: int,
+        peer_id: str,
+        dp_rank: int,
+        pages: list[int],
+        arrived: float | None = None,
+    ) -> None:
+        """`arrived`: when the bootstrap server got it (perf_counter; default now)."""
         peer = self.peers.get(peer_id)
         if peer is None:
             raise ValueError(f"unknown decode peer {peer_id!r}: register it first")
@@ -108,7 +116,8 @@ class PrefillConnector(PDConnector):
                 f"dp_rank {dp_rank} out of range for a peer with dp_size {peer.dp_size}"
             )
         log.debug("room %d: decode registered %d pages", room_id, len(pages))
-        self.registrations[room_id] = Registration(peer, dp_rank, pages)
+        when = time.perf_counter() if arrived is None else arrived
+        self.registrations[room_id] = Registration(peer, dp_rank, pages, when)
 
     def cancel(self, room_id: int) -> None:
         self.cancelled[room_id] = time.perf_counter()

@@ -35,10 +35,10 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
-from dserve.runtime.http_server import PARSERS
+from dserve.runtime.http_server import PARSERS, EventStream
 from dserve.runtime.metrics import CONTENT_TYPE, RouterMetrics
 from dserve.runtime.protocol import BOOTSTRAP_FIELDS, ROUTES, error_body
-from dserve.runtime.router_policy import Backend, Breaker, Picker, prompt_blocks
+from dserve.runtime.router_policy import Backend, Breaker, Picker
 from dserve.runtime.server_config import RouterConfig
 from dserve.runtime.sglang_compat import drop_no_op_fields
 from dserve.scheduler.request import SamplingParams
@@ -48,6 +48,9 @@ SLOW_PROBES_TO_REMOVE = 3
 STREAM_END = b"data: [DONE]\n\n"  # a stream's last event, the router's and the instances'
 BLAME_GRACE_S = 1.0  # how long a failed decode waits to learn whether its prefill failed
 ANY_VOCABULARY = 2**62  # the router does not know the model: token ids are the instance's to check
+# the decode gets them as the client sent them, the prefill answers whole
+STREAM_FIELDS = ("stream", "stream_options")
+JSON = {"Content-Type": "application/json"}
 
 
 @dataclass
@@ -232,7 +235,8 @@ class Router:
             check_body(endpoint, body)
         except ValueError as e:
             return self._error(endpoint, str(e), 400, start)
-        blocks = prompt_blocks(body)
+        blocks = self.picker.blocks(body)
+        rest = _rest_json(body)
         tried: set[Backend] = set()
         failure = Failure(503, "no healthy prefill and decode instance to serve the request", False)
         for attempt in range(1 + self.config.retry_max_retries):
@@ -243,7 +247,7 @@ class Router:
                 self.metrics.retries.inc()
                 log.info("retrying on %s + %s: %s", prefill.url, decode.url, failure.message)
             tried |= {prefill, decode}
-            result = await self._try(request, endpoint, body, prefill, decode, start)
+            result = await self._try(request, endpoint, body, rest, prefill, decode, start)
             if not isinstance(result, Failure):
                 return result
             failure = result
@@ -252,23 +256,26 @@ class Router:
         return self._error(endpoint, failure.message, failure.status, start)
 
     async def _try(
-        self, request, endpoint, body, prefill: Backend, decode: Backend, start: float
+        self, request, endpoint, body, rest, prefill: Backend, decode: Backend, start: float
     ) -> web.StreamResponse | Failure:
         """One try on a pair: the client's response once the decode's answer is sure, else the
-        Failure (both requests dropped)."""
-        body = {
-            **body,
+        Failure (both requests dropped). `rest`: the body's fields but the bootstrap and stream
+        ones, as JSON (`_rest_json`)."""
+        boot = {
             "bootstrap_host": prefill.host,
             "bootstrap_port": prefill.bootstrap_port,
             "bootstrap_room": random.getrandbits(63),
         }
+        streamed = {k: body[k] for k in STREAM_FIELDS if k in body}
+        to_decode = _json_body({**boot, **streamed}, rest)
+        to_prefill = _json_body({**boot, "stream": False}, rest)  # answered whole
         self.metrics.sent(prefill)
         self.metrics.sent(decode)
         decode.in_flight += 1
         prefill.in_flight += 1
-        prefill_task = asyncio.ensure_future(self._prefill(prefill, endpoint, body))
+        prefill_task = asyncio.ensure_future(self._prefill(prefill, endpoint, to_prefill))
         prefill_task.add_done_callback(lambda _: _leave(prefill))
-        decode_task = asyncio.ensure_future(self._open(decode, endpoint, body))
+        decode_task = asyncio.ensure_future(self._open(decode, endpoint, to_decode))
         try:
             opened = await self._settle(prefill_task, decode_task)
             if isinstance(opened, Failure):
@@ -309,14 +316,11 @@ class Router:
                 "%s: circuit open after %d failures in a row", backend.url, backend.breaker.failures
             )
 
-    async def _prefill(self, backend: Backend, endpoint: str, body: dict) -> Failure | None:
+    async def _prefill(self, backend: Backend, endpoint: str, body: bytes) -> Failure | None:
         """None when the prefill succeeded, else its Failure. The prefill answers whole (its
         answer is only a sign that the KV left)."""
-        whole = {k: v for k, v in body.items() if k != "stream_options"}  # streams only
         try:
-            async with self.session.post(
-                backend.url + endpoint, json={**whole, "stream": False}
-            ) as r:
+            async with self.session.post(backend.url + endpoint, data=body, headers=JSON) as r:
                 if r.status == 200:
                     backend.breaker.success()
                     return None
@@ -324,11 +328,11 @@ class Router:
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             return self._lost(backend, e)
 
-    async def _open(self, backend: Backend, endpoint: str, body: dict) -> Opened | Failure:
+    async def _open(self, backend: Backend, endpoint: str, body: bytes) -> Opened | Failure:
         """POST to the decode and read until its answer is sure: a whole body, or a stream's
         first event (an error event instead of tokens is a Failure)."""
         try:
-            upstream = await self.session.post(backend.url + endpoint, json=body)
+            upstream = await self.session.post(backend.url + endpoint, data=body, headers=JSON)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             return self._lost(backend, e)
         try:
@@ -372,10 +376,7 @@ class Router:
             return web.Response(
                 body=opened.head, status=upstream.status, content_type=upstream.content_type
             )
-        resp = web.StreamResponse(
-            status=upstream.status,
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
-        )
+        resp = EventStream(status=upstream.status, headers=EventStream.HEADERS)
         await resp.prepare(request)
         await resp.write(opened.head)
         first = time.perf_counter()
@@ -405,6 +406,21 @@ class Router:
         outcome = "bad_request" if status < 500 else "error"
         self.metrics.answered(ROUTES[endpoint], outcome, start)
         return web.json_response(error_body(message, status), status=status)
+
+
+def _rest_json(body: dict) -> str:
+    """The body's fields but those each try sets (bootstrap, stream), as a JSON object: the
+    prompt (some 100 KB of token ids at 16k tokens) is serialized once for both instances and
+    every try."""
+    own = {*BOOTSTRAP_FIELDS, *STREAM_FIELDS}
+    return json.dumps({k: v for k, v in body.items() if k not in own})
+
+
+def _json_body(fields: dict, rest: str) -> bytes:
+    """One JSON object of `fields` and the fields of `rest` (`_rest_json`: none of the same
+    name)."""
+    head, inner = json.dumps(fields), rest[1:-1]
+    return (head[:-1] + ", " + inner + "}" if inner else head).encode()
 
 
 def _leave(backend: Backend) -> None:

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import zmq
@@ -80,7 +81,9 @@ class TransferManager:
     def __init__(self, tcp_host: str | None = None):
         """With every rank on this host, commands and events go over a Unix socket (measured on
         2x H200: ~0.2 ms less per room than TCP on the loopback); an instance spanning hosts
-        binds TCP on `tcp_host`, the front's address as the other hosts reach it."""
+        binds TCP on `tcp_host`, the front's address as the other hosts reach it. An agent in
+        this process (a rank of one) uses `local_address`, in-process: no I/O thread on the
+        way, ~0.1 ms less each way (a command out, its report back) on a 2-core CPU host."""
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -93,6 +96,9 @@ class TransferManager:
         else:
             port = self.sock.bind_to_random_port(f"tcp://{tcp_host}")
             self.address = f"tcp://{tcp_host}:{port}"
+        # on zmq.Context.instance(), which an agent in this process shares
+        self.local_address = f"inproc://dserve-transfer-{uuid.uuid4().hex}"
+        self.sock.bind(self.local_address)
         self.ranks: dict[tuple[int, int, int], RankDescriptor] = {}  # by RankDescriptor.key
         self.pending: dict[tuple[str, int], _Pending] = {}
         self.given_up: dict[tuple[Transfer, int], set[tuple[int, int, int]]] = {}

@@ -79,4 +79,7 @@ def test_pd_overhead_benchmark(tiny_dir, tmp_path):
     rows = main([*argv, "--out", str(out)])
     assert [r["length"] for r in rows] == [16, 40]
     assert all(r["ttft_co_p50"] > 0 and r["ttft_pd_p50"] > 0 and r["itl_pd_p50"] > 0 for r in rows)
+    for r in rows:  # the client's marks on the decode's timeline: it sent first, got the token last
+        marks = r["pd_timeline_ms"]
+        assert marks["client_sent"] < 0 < marks["joined"] < marks["sent"] < marks["client_first"]
     assert json.loads(out.read_text())["rows"] == rows

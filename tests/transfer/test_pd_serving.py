@@ -60,6 +60,12 @@ def test_generate_stream_matches(cluster, prompts, make_engine):
     )
     assert events[-1]["meta_info"]["finish_reason"] == "length"
     assert len(events) > 2  # tokens arrived incrementally, not in one piece
+    # the first token's way, in order (one host: one clock), up to its write to the client
+    line = events[-1]["meta_info"]["pd_timeline_ms"]
+    way = ["prefill_computed", "prefill_push", "pages_arrived", "received", "joined"]
+    way += ["published", "sent"]
+    assert [line[k] for k in way] == sorted(line[k] for k in way), line
+    assert line["registered"] > 0 and "prefill_registered" in line
 
 
 def test_seeded_sampling_matches_colocated(cluster, prompts, make_engine):
