@@ -1,0 +1,173 @@
+"""Compile Triton kernels for an H100 (sm_90) on a host without a GPU.
+
+Triton's interpreter, which the CPU tests run the kernels in, accepts code a GPU compile refuses
+(session 23: a jit function returning tensors of two shapes from two constexpr branches passed
+every CPU test, then failed to compile on the H100). Here the kernels' own Python wrappers are
+called with CPU tensors while `JITFunction.run` is replaced: each launch is typed from its
+arguments and taken through Triton's front end for sm_90 (the code generator, where type and
+shape errors such as a dot narrower than 16 are raised; the later LLVM and ptxas stages are left
+out: on the 2-core CI host they take minutes), not run.
+
+    python -m tests.tools.gpu_compile      # prints one line per kernel variant, exit 1 on a failure
+
+Must start without TRITON_INTERPRET (the kernels are then `JITFunction`s).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+DTYPES = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.int32: "i32",
+    torch.int64: "i64",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    torch.float8_e4m3fn: "fp8e4nv",
+}
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+class Compiler:
+    """Stands in for `JITFunction.run`: compiles each new variant, records failures."""
+
+    def __init__(self):
+        self.seen: set = set()
+        self.failures: list[str] = []
+        self.compiled = 0
+
+    def run(self, fn: JITFunction, *args, grid, warmup, **kwargs):
+        signature, constants = typed(fn, args, kwargs)
+        options = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages")}
+        key = (fn.fn.__qualname__, repr(sorted(constants.items())), repr(signature), repr(options))
+        if key in self.seen:
+            return None
+        self.seen.add(key)
+        name = f"{fn.fn.__name__} {shown(constants)} {options}"
+        try:
+            front_end(ASTSource(fn, signature, constants), options)
+            self.compiled += 1
+        except Exception as e:  # noqa: BLE001 - reported, then the next variant
+            cause = e.__cause__ or e
+            self.failures.append(f"{name}: {str(cause)[:400]}")
+        return None
+
+
+def front_end(src: ASTSource, options: dict) -> None:
+    """Triton IR of `src` for TARGET: what `triton.compile` does before its lowering stages."""
+    from triton._C.libtriton import ir
+    from triton.compiler.compiler import make_backend
+
+    backend = make_backend(TARGET)
+    parsed = backend.parse_options(options)
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    codegen = backend.get_codegen_implementation(parsed)
+    src.make_ir(TARGET, parsed, codegen, backend.get_module_map(), context)
+
+
+def typed(fn: JITFunction, args, kwargs) -> tuple[dict, dict]:
+    """(signature, constexpr values) of a launch, from its arguments."""
+    bound = dict(zip(fn.arg_names, args))
+    bound.update(kwargs)
+    signature, constants = {}, {}
+    for param in fn.params:
+        value = bound.get(param.name, param.default)
+        if param.is_constexpr:
+            signature[param.name], constants[param.name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            signature[param.name] = "*" + DTYPES[value.dtype]
+        elif isinstance(value, bool):
+            signature[param.name] = "i1"
+        elif isinstance(value, int):
+            signature[param.name] = "i64" if abs(value) >= 2**31 else "i32"
+        elif isinstance(value, float):
+            signature[param.name] = "fp32"
+        else:
+            signature[param.name], constants[param.name] = "constexpr", value
+    return signature, constants
+
+
+def shown(constants: dict) -> dict:
+    return {k: v for k, v in constants.items() if k.isupper() and not callable(v)}
+
+
+def extend_launches(gen: torch.Generator) -> None:
+    """The extend kernels (MLA absorbed, MHA/GQA, expanded MLA), causal and with a tree."""
+    from dserve.attention.triton_expanded import expanded_attention, plan_blocks
+    from dserve.attention.triton_extend import mha_extend, mla_extend, plan_extend
+
+    q_lens, seq_lens, page = [40, 3], [100, 20], 16
+    tokens, pages = sum(q_lens), 16
+    table = torch.arange(pages, dtype=torch.int32).view(2, -1)
+    trees = [None, [None, _tree(3)]]  # causal only; a draft tree in the second span
+    bf16 = dict(dtype=torch.bfloat16)
+    for masks in trees:
+        plan = plan_extend(q_lens, seq_lens, masks, 64, "cpu")
+        cache = torch.randn(pages, page, 576, generator=gen).to(**bf16)
+        mla_extend(
+            torch.randn(tokens, 128, 512).to(**bf16),
+            torch.randn(tokens, 128, 64).to(**bf16),
+            cache,
+            table,
+            plan,
+            0.1,
+        )
+        k = torch.randn(pages, page, 8, 128).to(**bf16)
+        mha_extend(torch.randn(tokens, 64, 128).to(**bf16), k, k.clone(), table, plan, 0.1,
+                   block_n=64, num_warps=8, num_stages=3, block_g=1)  # fmt: skip
+    plan = plan_blocks(q_lens, seq_lens, [0, 1], 128, "cpu")
+    ctx = sum(seq_lens)
+    kv = torch.randn(ctx, 16, 256).to(**bf16)
+    expanded_attention(torch.randn(tokens, 16, 128).to(**bf16),
+                       torch.randn(tokens, 16, 64).to(**bf16), kv[..., :128],
+                       torch.randn(ctx, 64).to(**bf16), kv[..., 128:],
+                       torch.tensor([0, seq_lens[0]], dtype=torch.int32), plan, 0.1,
+                       num_stages=3)  # fmt: skip
+
+
+def dsa_and_norm_launches(gen: torch.Generator) -> None:
+    """The DSA indexer's scores and top-k, and the RMSNorm that quantizes for FP8 GEMMs."""
+    from dserve.attention.triton_dsa import indexer_scores
+    from dserve.attention.triton_topk import select_top_triton
+    from dserve.kernels.triton_norm import rms_norm
+
+    keys = torch.randn(8, 64, 128, generator=gen).to(torch.bfloat16)
+    table = torch.arange(8, dtype=torch.int32).view(1, -1)
+    q = torch.randn(2, 32, 128).to(torch.bfloat16)
+    rows, lens = torch.zeros(2, dtype=torch.int32), torch.tensor([300, 512], dtype=torch.int32)
+    indexer_scores(q, torch.randn(2, 32), keys, table, rows, lens, 0.1, 512)
+    select_top_triton(torch.randn(2, 4096), 2048)
+    x = torch.randn(3, 7168).to(torch.bfloat16)
+    rms_norm(x, torch.ones(7168).to(torch.bfloat16), 1e-6, x.clone(), quant_group=128)
+
+
+def _tree(n: int) -> torch.Tensor:
+    return torch.ones(n, n, dtype=torch.bool).tril()
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("start without TRITON_INTERPRET=1: the kernels must be JITFunctions")
+    compiler = Compiler()
+    JITFunction.run = lambda fn, *a, **k: compiler.run(fn, *a, **k)
+    extend_launches(torch.Generator().manual_seed(0))
+    dsa_and_norm_launches(torch.Generator().manual_seed(1))
+    for failure in compiler.failures:
+        print("FAILED", failure)
+    done, failed = compiler.compiled, len(compiler.failures)
+    print(f"{done} kernel variants through the sm_90 front end, {failed} failed")
+    return 1 if compiler.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
