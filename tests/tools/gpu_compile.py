@@ -151,6 +151,40 @@ def dsa_and_norm_launches(gen: torch.Generator) -> None:
     rms_norm(x, torch.ones(7168).to(torch.bfloat16), 1e-6, x.clone(), quant_group=128)
 
 
+def decode_and_gemm_launches(gen: torch.Generator) -> None:
+    """MLA decode (over contexts and over selected positions; TMA needs a GPU), MHA decode,
+    the FP8 quantization and GEMM (whole K and split), and the fused MoE in BF16 and FP8."""
+    from dserve.attention.triton_mha import mha_decode
+    from dserve.attention.triton_mla import mla_decode
+    from dserve.kernels.triton_fp8 import quantize_activations, triton_matmul
+    from dserve.kernels.triton_moe import fused_experts
+
+    bf16, i32 = torch.bfloat16, torch.int32
+    cache = torch.randn(8, 64, 576, generator=gen).to(bf16)
+    table, lens = torch.arange(8, dtype=i32).view(2, -1), torch.tensor([200, 256], dtype=i32)
+    q, qr = torch.randn(2, 64, 512).to(bf16), torch.randn(2, 64, 64).to(bf16)
+    mla_decode(q, qr, cache, table, lens, 0.1, max_len=256)
+    chosen = torch.randint(0, 256, (2, 128), generator=gen)
+    mla_decode(q, qr, cache, table, None, 0.1, max_len=128, selected=chosen)
+    k = torch.randn(8, 64, 8, 128).to(bf16)
+    mha_decode(torch.randn(2, 64, 128).to(bf16), k, k.clone(), table, lens, 0.1, max_len=256)
+    x = torch.randn(4, 1024).to(bf16)
+    qx, sx = quantize_activations(x, 128)
+    w = torch.randn(256, 1024).to(torch.float8_e4m3fn)
+    ws = torch.ones(256, 8)
+    for split in (1, 4):
+        config = dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=3)
+        out = torch.empty(4, 256, dtype=bf16)
+        triton_matmul(qx, sx, 4, w, ws, 128, out, config | {"SPLIT_K": split})
+    ids = torch.randint(0, 8, (4, 2), generator=gen)
+    weights = torch.rand(4, 2)
+    w13, w2 = torch.randn(8, 256, 1024).to(bf16), torch.randn(8, 1024, 128).to(bf16)
+    fused_experts(x, w13, w2, weights, ids)
+    scales = (torch.ones(8, 256, 8), torch.ones(8, 1024, 1))
+    w13, w2 = w13.to(torch.float8_e4m3fn), w2.to(torch.float8_e4m3fn)
+    fused_experts(x, w13, w2, weights, ids, scales=scales, fp8_block=128)
+
+
 def _tree(n: int) -> torch.Tensor:
     return torch.ones(n, n, dtype=torch.bool).tril()
 
@@ -162,6 +196,7 @@ def main() -> int:
     JITFunction.run = lambda fn, *a, **k: compiler.run(fn, *a, **k)
     extend_launches(torch.Generator().manual_seed(0))
     dsa_and_norm_launches(torch.Generator().manual_seed(1))
+    decode_and_gemm_launches(torch.Generator().manual_seed(2))
     for failure in compiler.failures:
         print("FAILED", failure)
     done, failed = compiler.compiled, len(compiler.failures)
