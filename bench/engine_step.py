@@ -160,7 +160,7 @@ def main() -> None:
     parser.add_argument("--ep-size", type=int, default=1)
     parser.add_argument("--out", default="bench/results/engine_step.json")
     args = parser.parse_args()
-    path = deepseek_v3_config_dir(args.layers, args.experts)
+    path = deepseek_v3_config_dir(args.layers, args.experts, args.dense_layers)
     rows = []
     header = ("batch", "forward", "engine", "no overlap", "roofline", "eng/fwd", "eng/roof")
     print("{:>5} {:>8} {:>8} {:>10} {:>8} {:>7} {:>8}   (ms per step)".format(*header))
@@ -179,6 +179,7 @@ def main() -> None:
             "device": torch.cuda.get_device_name(),
             "layers": args.layers,
             "experts": args.experts,
+            "dense_layers": args.dense_layers,
             "context": args.context,
             "quantization": args.quantization,
             "tp_size": args.tp_size,

@@ -33,10 +33,12 @@ from tests.kernel_cases import step_batch
 __all__ = ["step_batch"]  # bench's step scripts take it from here
 
 
-def deepseek_v3_config_dir(layers: int, experts: int) -> str:
-    """A config.json of DeepSeek-V3's shapes with `layers` layers (the first dense) and `experts`
-    routed experts (8 per token, groups scaled down to fit); `experts` 0: every layer dense (MLP of
-    18432), the model's shape without MoE."""
+def deepseek_v3_config_dir(layers: int, experts: int, dense_layers: int = 1) -> str:
+    """A config.json of DeepSeek-V3's shapes with `layers` layers (the first `dense_layers`
+    dense: 3 in the model) and `experts` routed experts (8 per token, groups scaled down to
+    fit); `experts` 0: every layer dense (MLP of 18432), the model's shape without MoE. A
+    decode step of one request reads what DeepSeek-V3's does layer for layer with 8 experts
+    or more: 8 routed experts and the shared one, however many the layer holds."""
     import transformers as tf
 
     groups = max(1, min(8, experts // 4))
@@ -53,7 +55,7 @@ def deepseek_v3_config_dir(layers: int, experts: int) -> str:
         num_experts_per_tok=8,
         n_group=groups,
         topk_group=min(4, groups),
-        first_k_dense_replace=1,
+        first_k_dense_replace=dense_layers,
         kv_lora_rank=512,
         q_lora_rank=1536,
         qk_rope_head_dim=64,
@@ -148,9 +150,13 @@ def dummy_runner(
 
 
 def model_args(parser: argparse.ArgumentParser, layers: int = 4) -> None:
-    """--layers, --experts, --context: the DeepSeek-V3-shaped model and each request's context."""
+    """--layers, --experts, --dense-layers, --context: the DeepSeek-V3-shaped model and each
+    request's context."""
     parser.add_argument("--layers", type=int, default=layers)
     parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument(
+        "--dense-layers", type=int, default=1, help="dense layers first (DeepSeek-V3: 3)"
+    )
     parser.add_argument("--context", type=int, default=1024)
 
 

@@ -55,7 +55,7 @@ def main() -> None:
 
     tokens = args.batch * args.q_len
     runner, kv = dummy_runner(
-        deepseek_v3_config_dir(args.layers, args.experts),
+        deepseek_v3_config_dir(args.layers, args.experts, args.dense_layers),
         args.batch,
         args.context,
         "triton",

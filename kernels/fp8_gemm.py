@@ -95,12 +95,16 @@ def launch_config(m: int, n: int, k: int, cublas: bool) -> dict:
     return dict(next(cfg for bound, cfg in TRITON_DEFAULTS.items() if m <= bound))
 
 
-def quantize_for(x: torch.Tensor, w_scale: torch.Tensor, block_k: int) -> QuantizedRows:
+def quantize_for(
+    x: torch.Tensor, w_scale: torch.Tensor, block_k: int, gated: bool = False
+) -> QuantizedRows:
     """x [M, K] quantized for a weight with these scales: per token over all of K for one
-    scale column (per channel), else per `block_k` inputs; rows padded to a multiple of 4."""
+    scale column (per channel), else per `block_k` inputs; rows padded to a multiple of 4.
+    `gated`: x is [M, 2K] (gate then up) and SiLU(gate) * up is what is quantized."""
     m, k = x.shape
-    group = k if w_scale.shape[1] == 1 else block_k
-    q, s = quantize_activations(x.contiguous(), group, padded_rows(m))
+    k = k // 2 if gated else k
+    group = k if w_scale.shape[-1] == 1 else block_k
+    q, s = quantize_activations(x.contiguous(), group, padded_rows(m), gated)
     return QuantizedRows(q, s, min(group, k))
 
 

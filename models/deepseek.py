@@ -21,6 +21,7 @@ from dserve.models.layers.linear import (
 )
 from dserve.models.layers.norm import RMSNorm
 from dserve.models.parallel import ParallelContext
+from dserve.models.quant import value_up
 
 
 class MLAttention(nn.Module):
@@ -123,8 +124,7 @@ class MLAttention(nn.Module):
     def output(self, o_latent: torch.Tensor) -> torch.Tensor:
         """The attention-weighted latents [T, H, R] out through W_UV and o_proj."""
         _, w_uv = self._absorbed_weights()
-        out = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
-        return self.o_proj(out.flatten(1))
+        return self.o_proj(value_up(o_latent, w_uv, self.o_proj))
 
     def map_key(self, suffix: str) -> tuple[str, object] | None:
         if self.cfg.q_lora_rank:

@@ -319,12 +319,14 @@ def quantize_in_norms(model: nn.Module) -> None:
 
 def input_group(module: nn.Module | None, attr: str) -> int:
     """The activation group an FP8 weight's GEMM quantizes its inputs in (0: not FP8, or a
-    group a norm cannot quantize in: not a power of two, less than the inputs)."""
+    weight the FP8 GEMM does not take: `fp8_gemm.supported`, the one rule for both)."""
     w = getattr(module, attr, None)
     if w is None or w.dtype != FP8:
         return 0
-    group, k = getattr(module, attr + "_scale").block, w.shape[-1]
-    return group if group >= k or group & (group - 1) == 0 else 0
+    from dserve.kernels.fp8_gemm import supported
+
+    scale = getattr(module, attr + "_scale")
+    return scale.block if supported(scale.block, scale.shape[-1]) else 0
 
 
 def _submodule(module: nn.Module, path: str) -> nn.Module | None:
@@ -358,19 +360,31 @@ def fp8_gated_linear(gate_up: torch.Tensor, module: nn.Module) -> torch.Tensor |
     bf16 (as the fused MoE's down GEMM reads it). None where the FP8 GEMM does not apply."""
     if not gate_up.is_cuda or gate_up.dtype not in (torch.bfloat16, torch.float16):
         return None
-    from dserve.kernels.fp8_gemm import quantized_matmul, supported
-    from dserve.kernels.triton_fp8 import QuantizedRows, padded_rows, quantize_activations
+    from dserve.kernels.fp8_gemm import quantize_for, quantized_matmul, supported
 
     w, scale = module.weight, module.weight_scale
     if not supported(scale.block, scale.shape[-1]):
         return None
-    rows = gate_up.reshape(-1, gate_up.shape[-1]).contiguous()
-    m, k = rows.shape[0], w.shape[1]
-    group = k if scale.shape[-1] == 1 else scale.block
-    q, s = quantize_activations(rows, group, padded_rows(m), gated=True)
-    act = QuantizedRows(q, s, min(group, k))
+    rows = gate_up.reshape(-1, gate_up.shape[-1])
+    m = rows.shape[0]
+    act = quantize_for(rows, scale, scale.block, gated=True)
     y = quantized_matmul(act, m, gate_up.dtype, w, scale, scale.block)
     return y.view(*gate_up.shape[:-1], w.shape[0])
+
+
+def value_up(o_latent: torch.Tensor, w_uv: torch.Tensor, o_proj: nn.Module) -> torch.Tensor:
+    """MLA's attention output [T, H, R] through W_UV [H, V, R] per head, flattened to
+    [T, H * V] for o_proj. On a GPU, where o_proj is FP8 in scale groups inside a head, one
+    launch that also quantizes the output for o_proj's GEMM (`kernels/triton_value_up.py`);
+    else torch's batched product."""
+    group = input_group(o_proj, "weight")
+    if group and o_latent.is_cuda and o_latent.dtype in (torch.bfloat16, torch.float16):
+        from dserve.kernels.triton_value_up import takes, value_up_quantized
+
+        if takes(o_latent.shape[-1], w_uv.shape[1], group):
+            return value_up_quantized(o_latent, w_uv, group)
+    out = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+    return out.flatten(1)
 
 
 def dummy_fp8(model: nn.Module, scheme: Fp8Scheme) -> None:

@@ -153,11 +153,13 @@ def dsa_and_norm_launches(gen: torch.Generator) -> None:
 
 def decode_and_gemm_launches(gen: torch.Generator) -> None:
     """MLA decode (over contexts and over selected positions; TMA needs a GPU), MHA decode,
-    the FP8 quantization and GEMM (whole K and split), and the fused MoE in BF16 and FP8."""
+    the FP8 quantization and GEMM (whole K and split), MLA's value up-projection that
+    quantizes for o_proj, and the fused MoE in BF16 and FP8."""
     from dserve.attention.triton_mha import mha_decode
     from dserve.attention.triton_mla import mla_decode
     from dserve.kernels.triton_fp8 import quantize_activations, triton_matmul
     from dserve.kernels.triton_moe import fused_experts
+    from dserve.kernels.triton_value_up import value_up_quantized
 
     bf16, i32 = torch.bfloat16, torch.int32
     cache = torch.randn(8, 64, 576, generator=gen).to(bf16)
@@ -176,6 +178,9 @@ def decode_and_gemm_launches(gen: torch.Generator) -> None:
         config = dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=3)
         out = torch.empty(4, 256, dtype=bf16)
         triton_matmul(qx, sx, 4, w, ws, 128, out, config | {"SPLIT_K": split})
+    for tokens in (1, 40):  # blocks of 16 and of 64 tokens
+        w_uv = torch.randn(16, 256, 512).to(bf16)[:, 128:]
+        value_up_quantized(torch.randn(tokens, 16, 512).to(bf16), w_uv, 128)
     ids = torch.randint(0, 8, (4, 2), generator=gen)
     weights = torch.rand(4, 2)
     w13, w2 = torch.randn(8, 256, 1024).to(bf16), torch.randn(8, 1024, 128).to(bf16)
