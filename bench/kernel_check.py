@@ -225,6 +225,39 @@ def fp8_rows() -> list[dict]:
     return rows
 
 
+def fp8_o_proj_rows() -> list[dict]:
+    """MLA's output into an FP8 o_proj as a step runs it (`models.quant.value_up`: W_UV's
+    product quantized in its own launch, then o_proj's GEMM on that FP8 form) at
+    DeepSeek-V3's shapes (128 heads, latent 512, V 128, o_proj 7168 x 16384 in blocks of 128),
+    against the float32 product of the same inputs and dequantized weight. Tolerance: one
+    e4m3 rounding of o_proj's input (2^-4), as for the GEMMs."""
+    from torch import nn
+
+    from bench.fp8_gemm import weights
+    from dserve.models.quant import fp8_linear, value_up
+
+    gen, rows = torch.Generator("cuda").manual_seed(4), []
+    q, scale, _ = weights(7168, 128 * 128, 128)
+    scale.block = 128
+    o_proj = nn.Module()
+    o_proj.weight, o_proj.weight_scale = q, scale
+    dense = dequantize(q, scale, 128)
+    w_uv = (torch.randn(128, 128, 512, generator=gen, device="cuda") / 512**0.5).to(BF16)
+    for m in (1, 64, 1024):
+        o = torch.randn(m, 128, 512, generator=gen, device="cuda").to(BF16)
+        out = torch.bmm(o.float().transpose(0, 1), w_uv.float().transpose(1, 2))
+        ref = out.transpose(0, 1).flatten(1) @ dense.T
+        rows.append(
+            {
+                "kernel": "FP8 o_proj after W_UV",
+                "shape": f"M {m}, 128 heads, N 7168, K 16384",
+                "error": relative_error(ref, fp8_linear(value_up(o, w_uv, o_proj), o_proj)),
+                "tolerance": 2**-4,
+            }
+        )
+    return rows
+
+
 def dsa_rows(backends: list[str]) -> list[dict]:
     """GLM-5's sparse attention: `bench/kernel_check_dsa.py`."""
     from bench.kernel_check_dsa import dsa_rows as rows
@@ -238,7 +271,7 @@ GROUPS = {  # name: rows(backends)
     "mha": mha_rows,
     "elementwise": lambda _: elementwise_rows(),
     "moe": lambda _: moe_rows(),
-    "fp8": lambda _: fp8_rows(),
+    "fp8": lambda _: fp8_rows() + fp8_o_proj_rows(),
     "fp8_moe": lambda _: fp8_moe_rows(),
     "dsa": dsa_rows,
 }

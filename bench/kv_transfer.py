@@ -5,6 +5,7 @@ bare `ucxx` send of the same bytes (`bench.ucx_floor`: what UCX needs with no ds
 
     python -m bench.kv_transfer --device cuda --sizes-mib 64,256,1024 --page-sizes 16,64
     python -m bench.kv_transfer --device cpu --sizes-mib 4,32,128
+    python -m bench.kv_transfer --device cuda --same-gpu --layers 4 --sizes-mib 0,4,16
 
 The layout defaults to DeepSeek-V3's MLA cache (61 layers, 576-wide latent, bf16). Each size is one
 room of consecutive pages: one UCX message, since pools are page-major. Size 0 is a one-page room,
@@ -59,11 +60,12 @@ def rank_process(
     agent.thread.join()
 
 
-def copy_bandwidth(device: str, nbytes: int, repeats: int = 5) -> float:
-    """Bytes per second of one plain copy of `nbytes` (cuda:0 -> cuda:1 on GPU, host memcpy on CPU)."""
+def copy_bandwidth(device: str, nbytes: int, repeats: int = 5, same_gpu: bool = False) -> float:
+    """Bytes per second of one plain copy of `nbytes` (cuda:0 -> cuda:1 on GPU, or within
+    cuda:0 for `same_gpu`; host memcpy on CPU)."""
     if device == "cuda":
         src = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
-        dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{0 if same_gpu else 1}")
     else:
         src, dst = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
     sync = lambda: [torch.cuda.synchronize(i) for i in range(2)] if device == "cuda" else None
@@ -76,6 +78,12 @@ def copy_bandwidth(device: str, nbytes: int, repeats: int = 5) -> float:
         sync()
         best = min(best, time.perf_counter() - t)
     return nbytes / best
+
+
+def copy_path(args) -> str:
+    if args.device != "cuda":
+        return "host memcpy"
+    return "within cuda:0" if args.same_gpu else "cuda:0 -> cuda:1"
 
 
 def one_room(
@@ -119,7 +127,7 @@ def one_room(
 def run(args) -> dict:
     dtype = _DTYPES[args.dtype]
     env = dict(kv.split("=", 1) for kv in args.ucx_env)
-    copy = copy_bandwidth(args.device, max(1, max(args.sizes_mib)) << 20)
+    copy = copy_bandwidth(args.device, max(1, max(args.sizes_mib)) << 20, same_gpu=args.same_gpu)
     layouts = {
         ps: KVLayout(
             "mla", args.layers, ps, dtype, latent_dim=args.latent, kv_lora_rank=args.latent - 64
@@ -135,6 +143,7 @@ def run(args) -> dict:
             sorted({room_bytes(l, s) for l in layouts.values() for s in args.sizes_mib}),
             args.repeats,
             env,
+            same_gpu=args.same_gpu,
         )
         if args.bare
         else {}
@@ -146,6 +155,8 @@ def run(args) -> dict:
         managers = [TransferManager(), TransferManager()]
         ctx = mp.get_context("spawn")
         devices = ["cuda:0", "cuda:1"] if args.device == "cuda" else ["cpu", "cpu"]
+        if args.device == "cuda" and args.same_gpu:
+            devices = ["cuda:0", "cuda:0"]
         procs = [
             ctx.Process(
                 target=rank_process,
@@ -327,6 +338,11 @@ def main() -> None:
         default=True,
         help="also time bare ucxx sends of each size (bench.ucx_floor)",
     )
+    parser.add_argument(
+        "--same-gpu",
+        action="store_true",
+        help="both ranks on cuda:0 (a prefill and a decode sharing one GPU, as bench.pd_overhead)",
+    )
     parser.add_argument("--out", default="bench/results/kv_transfer.json")
     args = parser.parse_args()
     logging.basicConfig(level=int(os.environ.get("BENCH_LOG", "30")), format="[bench] %(message)s")
@@ -336,10 +352,7 @@ def main() -> None:
         + (f" {'bare ms':>10} {'bare med/copy':>11}" if args.bare else "")
     )
     result = run(args)
-    print(
-        f"plain copy ({'cuda:0 -> cuda:1' if args.device == 'cuda' else 'host memcpy'}): "
-        f"{result['copy_gb_per_s']:.1f} GB/s"
-    )
+    print(f"plain copy ({copy_path(args)}): {result['copy_gb_per_s']:.1f} GB/s")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

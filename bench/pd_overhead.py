@@ -5,6 +5,7 @@ decode` + `dserve router`) on the same device(s), per prompt length, and their r
     python -m bench.pd_overhead [--lengths 1024,4096,16384] [--requests 8] [--output-len 32]
                                 [--model-path DIR | --layers 4 --experts 32] [--device cuda]
                                 [--prefill-env CUDA_VISIBLE_DEVICES=0 --decode-env ...=1]
+                                [--server-args '...' --router-args '...']
 
 Without `--model-path` the model is DeepSeek-V3-shaped with random weights (`--load-format
 dummy`, `bench.spec_verify.deepseek_v3_config_dir`). The colocated instance runs first, alone,
@@ -102,7 +103,7 @@ def start(mode: str, model: list[str], args, log_dir: str) -> tuple[str, list[Se
             s.wait_ready()
         if mode != "colocated":
             ends = ["--prefill", servers[0].url, "--decode", servers[1].url]
-            router = Server(["router", *ends], log_dir)
+            router = Server(["router", *ends, *args.router_args.split()], log_dir)
             servers.append(router)
             router.wait_ready()
     except BaseException:
@@ -273,6 +274,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--vocab", type=int, default=32000, help="token ids drawn below this")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--server-args", default="", help="more flags for every instance")
+    parser.add_argument("--router-args", default="", help="more flags for the router")
     parser.add_argument("--prefill-env", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--decode-env", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--seed", type=int, default=0)
