@@ -68,7 +68,8 @@ def copy_bandwidth(device: str, nbytes: int, repeats: int = 5, same_gpu: bool = 
         dst = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{0 if same_gpu else 1}")
     else:
         src, dst = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
-    sync = lambda: [torch.cuda.synchronize(i) for i in range(2)] if device == "cuda" else None
+    gpus = 1 if same_gpu else 2
+    sync = lambda: [torch.cuda.synchronize(i) for i in range(gpus)] if device == "cuda" else None
     dst.copy_(src)
     sync()
     best = float("inf")

@@ -77,12 +77,31 @@ def role_connector(role: str):
 def warm_up(engine: Engine) -> None:
     """Before the instance reports ready: a few prompts of different shapes (one token, a few
     pages, a long chunk) and their first decode steps, so every kernel a step launches is
-    compiled (or loaded from Triton's cache) before the first request, not during it."""
+    compiled (or loaded from Triton's cache) before the first request, not during it. On a
+    GPU also a prompt past each power of two up to a chunk, each in a pass of its own: some
+    kernels compile a variant per range of a pass's tokens (the MoE's pair sort and row
+    blocks, the FP8 GEMMs' M buckets), and a 522-token prompt on an H100 otherwise paid
+    0.5 s for one (session 24)."""
     page = engine.config.page_size
-    lengths = sorted({1, page + 3, min(engine.config.chunked_prefill_size, 4 * page + 5)})
-    prompts = [[1 + i % 7 for i in range(n)] for n in lengths]
+    chunk = engine.config.chunked_prefill_size
     params = SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True)
-    engine.generate(input_ids=prompts, sampling_params=params)
+    lengths = sorted({1, page + 3, min(chunk, 4 * page + 5)})
+    engine.generate(input_ids=[_warm_prompt(n) for n in lengths], sampling_params=params)
+    if engine.config.device == "cpu":  # no kernel compiles there
+        return
+    longest = min(chunk, engine.max_context - 8, engine.pool_tokens - 8)
+    for n in pass_sizes(longest):
+        engine.generate(input_ids=[_warm_prompt(n)], sampling_params=params)
+
+
+def pass_sizes(longest: int) -> list[int]:
+    """Prompt lengths just past each power of two from 16 below `longest`, and `longest`."""
+    past = [2**k + 3 for k in range(4, longest.bit_length()) if 2**k + 3 < longest]
+    return past + [longest]
+
+
+def _warm_prompt(n: int) -> list[int]:
+    return [1 + i % 7 for i in range(n)]
 
 
 class Instance:
