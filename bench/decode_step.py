@@ -164,8 +164,10 @@ def main() -> None:
     args = parser.parse_args()
 
     copy = copy_bandwidth()
-    shapes = {"deepseek_v3": deepseek_v3_config_dir, "glm5": glm5_config_dir}
-    path = shapes[args.arch](args.layers, args.experts)
+    if args.arch == "glm5":
+        path = glm5_config_dir(args.layers, args.experts)
+    else:
+        path = deepseek_v3_config_dir(args.layers, args.experts, args.dense_layers)
     rows, parameter_bytes = our_steps(path, args, copy)
     gc.collect()  # our model's memory back before the peer's is made
     torch.cuda.empty_cache()

@@ -137,7 +137,7 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown modes {sorted(unknown)}; choose from {', '.join(MODES)}")
 
-    path = args.model_path or deepseek_v3_config_dir(args.layers, args.experts)
+    path = args.model_path or deepseek_v3_config_dir(args.layers, args.experts, args.dense_layers)
     draft_dir = args.draft_path or (None if args.model_path else eagle3_dummy_dir(path))
     rows, plain = [], {}
     print(

@@ -193,7 +193,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/spec_verify.json")
     args = parser.parse_args()
 
-    path = deepseek_v3_config_dir(args.layers, args.experts)
+    path = deepseek_v3_config_dir(args.layers, args.experts, args.dense_layers)
     graphs = uses_graphs(args)
     runner, kv = dummy_runner(
         path,

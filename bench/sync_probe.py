@@ -27,7 +27,7 @@ def main() -> None:
     args = parser.parse_args()
 
     runner, kv = dummy_runner(
-        deepseek_v3_config_dir(args.layers, args.experts),
+        deepseek_v3_config_dir(args.layers, args.experts, args.dense_layers),
         args.batch,
         args.context,
         args.attention_backend,

@@ -79,9 +79,9 @@ def warm_up(engine: Engine) -> None:
     pages, a long chunk) and their first decode steps, so every kernel a step launches is
     compiled (or loaded from Triton's cache) before the first request, not during it. On a
     GPU also a prompt past each power of two up to a chunk, each in a pass of its own: some
-    kernels compile a variant per range of a pass's tokens (the MoE's pair sort and row
-    blocks, the FP8 GEMMs' M buckets), and a 522-token prompt on an H100 otherwise paid
-    0.5 s for one (session 24)."""
+    kernels compile a variant per range of a pass's tokens (the MoE's pair sort reads 1 to
+    16 chunk counts, its row blocks, the FP8 GEMMs' M buckets), which one pass of all the
+    prompts above left cold."""
     page = engine.config.page_size
     chunk = engine.config.chunked_prefill_size
     params = SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True)
@@ -90,7 +90,7 @@ def warm_up(engine: Engine) -> None:
     if engine.config.device == "cpu":  # no kernel compiles there
         return
     longest = min(chunk, engine.max_context - 8, engine.pool_tokens - 8)
-    for n in pass_sizes(longest):
+    for n in pass_sizes(longest) if longest > 0 else []:
         engine.generate(input_ids=[_warm_prompt(n)], sampling_params=params)
 
 
