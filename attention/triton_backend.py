@@ -153,10 +153,13 @@ class TritonBackend(AttentionBackend):
             scores = scores.masked_fill(~self._visible(), float("-inf"))
         if not scores.is_cuda or scores.numel() > TRITON_TOP_MAX:
             return select_top(scores, topk)
-        from dserve.attention.triton_topk import select_top_triton
+        from dserve.attention import triton_topk
 
+        if not torch.cuda.is_current_stream_capturing():  # the warm-up's first pass
+            triton_topk.compile_every_chunk(topk, str(scores.device))
         kept = scores.shape[0] <= TOP_HIST_ROWS
-        return select_top_triton(scores, topk, hist=self.top_hist if kept else None)
+        hist = self.top_hist if kept else None
+        return triton_topk.select_top_triton(scores, topk, hist=hist)
 
     def _visible(self) -> torch.Tensor:
         """[T, max_len]: which context positions each token sees (causal, or its tree)."""

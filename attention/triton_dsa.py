@@ -20,7 +20,7 @@ import triton.language as tl
 from dserve.attention.triton_mla import _context_block, _dot
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_w_t", "s_pt_b", "s_o_t", "width"])
 def _scores_kernel(
     Q,
     W,

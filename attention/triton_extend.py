@@ -112,7 +112,7 @@ def _visible(
     return vis
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_pt_b", "s_tree_t"])
 def _mla_kernel(
     QL,
     QR,
@@ -227,7 +227,7 @@ def _kv_block(
     return k, v, kv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_pt_b", "s_tree_t"])
 def _mha_kernel(
     Q,
     K,

@@ -25,7 +25,9 @@ from dserve.attention.triton_mla import (
 )
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["s_pt_b", "s_mo_b", "s_mo_h", "s_ml_b", "s_ml_h", "min_split", "num_splits"]
+)
 def _split_kernel(
     Q,
     K,
@@ -55,16 +57,16 @@ def _split_kernel(
     min_split,
     head_dim,
     v_head_dim,
+    num_splits,
     D: tl.constexpr,
     DV: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(SeqLens + b)
-    per_split = tl.maximum(tl.cdiv(seq_len, NUM_SPLITS), min_split)
+    per_split = tl.maximum(tl.cdiv(seq_len, num_splits), min_split)
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
     g = tl.arange(0, BLOCK_G)
@@ -181,7 +183,7 @@ def mha_decode(
         DV=dv,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n,
-        NUM_SPLITS=num_splits,
+        num_splits=num_splits,
         IEEE=q.dtype == torch.float32,
         num_warps=num_warps,
     )
@@ -198,7 +200,7 @@ def mha_decode(
         out.stride(0),
         out.stride(1),
         R=dv,
-        NUM_SPLITS=num_splits,
-        CHUNK=min(num_splits, 16),
+        num_splits=num_splits,
+        CHUNK=16,
     )
     return out[..., :v_head_dim]

@@ -15,7 +15,19 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=[
+        "s_sel_b",
+        "sel_width",
+        "s_pt_b",
+        "s_mo_b",
+        "s_mo_h",
+        "s_ml_b",
+        "s_ml_h",
+        "min_split",
+        "num_splits",
+    ]
+)
 def _split_kernel(
     QL,
     QR,
@@ -46,13 +58,13 @@ def _split_kernel(
     scale,
     page_size,
     min_split,
+    num_splits,
     R: tl.constexpr,
     P: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     REST: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     IEEE: tl.constexpr,
     TMA: tl.constexpr,
     SELECT: tl.constexpr,
@@ -69,7 +81,7 @@ def _split_kernel(
         seq_len = tl.load(SeqLens + b)
     # a short context takes fewer splits than the launch has (no split under min_split tokens): the
     # split count is fixed at launch (a CUDA graph keeps it) while contexts vary from step to step
-    per_split = tl.cdiv(tl.maximum(tl.cdiv(seq_len, NUM_SPLITS), min_split), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.maximum(tl.cdiv(seq_len, num_splits), min_split), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
     hmask = heads < tl.where(start < end, num_heads, 0)  # an empty split reads nothing
@@ -186,7 +198,7 @@ def _store_split(MidO, MidLse, heads, cols, written, s_mo_h, s_ml_h, m, l, acc):
     tl.store(MidLse + heads * s_ml_h, lse, mask=written)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_mo_b", "s_mo_h", "s_ml_b", "s_ml_h", "num_splits"])
 def _combine_kernel(
     MidO,
     MidLse,
@@ -198,23 +210,39 @@ def _combine_kernel(
     s_ml_h,
     s_o_b,
     s_o_h,
+    num_splits,
     R: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
     """Out = the splits' outputs weighted by softmax(lse); the [splits, R] partial outputs are read
-    CHUNK splits at a time, so many splits do not spill registers."""
+    CHUNK splits at a time, so many splits do not spill registers. The split count is a runtime
+    value: one compiled variant serves every count (no compile when a context first needs more)."""
     b, h = tl.program_id(0), tl.program_id(1)
     r = tl.arange(0, R)
     lse_row = MidLse + b * s_ml_b + h * s_ml_h
-    lse = tl.load(lse_row + tl.arange(0, NUM_SPLITS))
-    top = tl.max(lse, 0)
-    total = tl.sum(tl.exp(lse - top), 0)  # empty splits (-inf) weigh nothing
-    out = tl.zeros([R], tl.float32)
-    for c in tl.static_range(0, NUM_SPLITS, CHUNK):
+    top = tl.full([CHUNK], float("-inf"), tl.float32)
+    for c in range(0, num_splits, CHUNK):
         splits = c + tl.arange(0, CHUNK)
-        weights = tl.exp(tl.load(lse_row + splits) - top) / total
-        parts = tl.load(MidO + b * s_mo_b + h * s_mo_h + splits[:, None] * s_mo_s + r[None, :])
+        lse = tl.load(lse_row + splits, mask=splits < num_splits, other=float("-inf"))
+        top = tl.maximum(top, lse)
+    top = tl.max(top, 0)
+    total = tl.zeros([CHUNK], tl.float32)  # empty splits (-inf) weigh nothing
+    for c in range(0, num_splits, CHUNK):
+        splits = c + tl.arange(0, CHUNK)
+        lse = tl.load(lse_row + splits, mask=splits < num_splits, other=float("-inf"))
+        total += tl.exp(lse - top)
+    total = tl.sum(total, 0)
+    out = tl.zeros([R], tl.float32)
+    for c in range(0, num_splits, CHUNK):
+        splits = c + tl.arange(0, CHUNK)
+        live = splits < num_splits
+        lse = tl.load(lse_row + splits, mask=live, other=float("-inf"))
+        weights = tl.exp(lse - top) / total
+        parts = tl.load(
+            MidO + b * s_mo_b + h * s_mo_h + splits[:, None] * s_mo_s + r[None, :],
+            mask=live[:, None],
+            other=0.0,
+        )
         out += tl.sum(parts * weights[:, None], 0)
     tl.store(Out + b * s_o_b + h * s_o_h + r, out.to(Out.dtype.element_ty))
 
@@ -381,7 +409,7 @@ def mla_decode(
         BLOCK_N=block_n,
         BLOCK_V=block_v,
         REST=max(rank - block_v, 1),
-        NUM_SPLITS=num_splits,
+        num_splits=num_splits,
         IEEE=q_latent.dtype == torch.float32,
         TMA=tma,
         SELECT=selected is not None,
@@ -401,7 +429,7 @@ def mla_decode(
         out.stride(0),
         out.stride(1),
         R=rank,
-        NUM_SPLITS=num_splits,
-        CHUNK=min(num_splits, 16),
+        num_splits=num_splits,
+        CHUNK=16,
     )
     return out

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n0", "n1"])
 def _store_kernel(
     Slots,
     Src0,

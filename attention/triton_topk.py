@@ -27,6 +27,8 @@ memset per call.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -100,12 +102,14 @@ def _decide(hist, state, c, topk, LEVEL: tl.constexpr):
 
 
 @triton.jit
-def _before(sfx, c, col, CHUNKS: tl.constexpr):
+def _before(sfx, c, col):
     """The sum of column `col` (none past 255) of the counts of the chunks before c."""
-    chunk = tl.arange(0, CHUNKS)
-    before = chunk < tl.where(col < 256, c, 0)
-    counts = tl.load(sfx + chunk * 256 + col, mask=before, other=0)
-    return tl.sum(counts, 0)
+    n = tl.where(col < 256, c, 0)
+    total = tl.zeros([64], tl.int32)
+    for c0 in range(0, n, 64):
+        chunk = c0 + tl.arange(0, 64)
+        total += tl.load(sfx + chunk * 256 + col, mask=chunk < n, other=0)
+    return tl.sum(total, 0)
 
 
 @triton.jit
@@ -127,7 +131,7 @@ def _fill_unused(out, filled, topk, c, chunks, BLOCK: tl.constexpr):
         tl.store(out + slot, tl.full([BLOCK], -1, tl.int64), mask=slot < end)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_row", "width", "chunks"])
 def _level_kernel(
     Scores,
     Out,
@@ -142,7 +146,6 @@ def _level_kernel(
     LEVEL: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
-    CHUNKS: tl.constexpr,
 ):
     """One pass of one chunk of a row; SfxIn / SfxOut: per chunk how many of the level's
     group have each digit or above, from the last level / for the next."""
@@ -160,10 +163,10 @@ def _level_kernel(
     else:
         members = tl.load(sfx_in + c * 256)  # of the level's group in the chunk
         filled, left_in, left, digit, prefix = _decide(hist, state, c, topk, LEVEL)
-        above = _before(sfx_in, c, digit + 1, CHUNKS)  # the chunks before: above it
+        above = _before(sfx_in, c, digit + 1)  # the chunks before: above it
         slot = filled - left_in + above
         if LEVEL == 5:  # and equal to the k-th key
-            tied = _before(sfx_in, c, digit, CHUNKS) - above
+            tied = _before(sfx_in, c, digit) - above
         if members > 0:
             for i in tl.static_range(0, CHUNK, BLOCK):
                 pos = c * CHUNK + i + tl.arange(0, BLOCK)
@@ -196,11 +199,23 @@ def top_hist(rows: int, device) -> torch.Tensor:
     return torch.zeros(rows, LEVELS, BINS, dtype=torch.int32, device=device)
 
 
+CHUNKS = (512, 1024, 2048, 4096, 8192, 16384)  # the chunk sizes `default_chunk` picks
+
+
 def default_chunk(tokens: int, width: int) -> int:
     """Positions per program: about 512 programs in all (4 per SM of an H100), 512-16k positions
     (H100, batch 1 at 32k: 64 programs of 512 took 23 us, 32 of 1024 26 us)."""
     per_program = triton.next_power_of_2(triton.cdiv(tokens * width, 512))
-    return min(max(per_program, 512), 16384)
+    return min(max(per_program, CHUNKS[0]), CHUNKS[-1])
+
+
+@functools.lru_cache(maxsize=None)
+def compile_every_chunk(topk: int, device: str) -> None:
+    """Runs the select once per chunk size `default_chunk` can pick (its only compile-time
+    choice; widths, rows and chunk counts are runtime values), so no request compiles one:
+    a serving engine calls this while it warms up."""
+    for chunk in CHUNKS:
+        select_top_triton(torch.zeros(1, chunk, device=device), topk, chunk=chunk)
 
 
 def select_top_triton(
@@ -243,7 +258,6 @@ def select_top_triton(
             LEVEL=level,
             CHUNK=chunk,
             BLOCK=block,
-            CHUNKS=triton.next_power_of_2(chunks),
             num_warps=num_warps,
         )
     return out

@@ -33,10 +33,10 @@ import triton.language as tl
 
 from dserve.kernels import launch_table
 from dserve.kernels.triton_fp8 import QuantizedRows, quantize_activations
-from dserve.kernels.triton_routing import sort_pairs
+from dserve.kernels.triton_routing import pairs_bound, sort_pairs
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "stride_ask"])
 def _grouped_gemm(
     a_ptr,
     w_ptr,
@@ -145,7 +145,8 @@ def launch_choice(dtype: str, hidden: int, inter: int, experts: int, tokens: int
 
 
 def default_block_m(pairs: int, num_experts: int) -> int:
-    """Rows per program: twice the mean pairs per expert, a power of two in [16, 128]. A program reads
+    """Rows per program: twice the mean pairs per expert, a power of two in [16, 128] (from
+    `pairs_bound`'s count, so a token-count bucket has one choice). A program reads
     its expert's weights once per row block, so an expert should mostly fit one block; the choice
     depends on shapes only (a CUDA graph keeps it)."""
     want = max(16, min(128, 2 * pairs // max(num_experts, 1)))
@@ -181,7 +182,7 @@ def fused_experts(
     if block_m is None and block_n is None and not launch_options:
         kind = "fp8" if scales is not None else "bf16"
         launch_options = launch_choice(kind, hidden, two_i // 2, num_local, tokens)
-    block_m = launch_options.pop("block_m", block_m) or default_block_m(n, num_local)
+    block_m = launch_options.pop("block_m", block_m) or default_block_m(pairs_bound(ids), num_local)
     block_n = launch_options.pop("block_n", block_n) or 64
     pairs, block_expert = sort_pairs(ids, first, num_local, block_m)
     gate_up = torch.empty(n, two_i, dtype=x.dtype, device=x.device)

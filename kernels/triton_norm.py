@@ -20,7 +20,12 @@ import torch
 import triton
 import triton.language as tl
 
-from dserve.kernels.triton_fp8 import QuantizedRows, padded_rows
+from dserve.kernels.triton_fp8 import (
+    QuantizedRows,
+    e4m3_scale,
+    e4m3_values,
+    padded_rows,
+)
 
 
 @triton.jit
@@ -30,16 +35,16 @@ def _store_quantized(
     """Row `row` of y [BLOCK] (zeros past n_cols) in e4m3, one scale per GROUP columns."""
     groups: tl.constexpr = BLOCK // GROUP
     amax = tl.max(tl.reshape(tl.abs(y), (groups, GROUP)), axis=1)
-    scale = tl.maximum(amax, 1e-10) / 448.0
+    scale = e4m3_scale(amax)
     wide = tl.broadcast_to(scale[:, None], (groups, GROUP))
-    q = tl.clamp(y / tl.reshape(wide, (BLOCK,)), -448.0, 448.0)
+    q = e4m3_values(y, tl.reshape(wide, (BLOCK,)))
     dest = q_ptr + row * n_cols + cols
     tl.store(dest, q.to(q_ptr.dtype.element_ty), mask=cols < n_cols)
     g = tl.arange(0, groups)
     tl.store(s_ptr + g * rows + row, scale, mask=g * GROUP < n_cols)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_kernel(
     x_ptr,
     res_ptr,

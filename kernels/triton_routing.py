@@ -142,7 +142,10 @@ def _local_expert(ids_ptr, pair, n, first, num_local):
     return tl.where((e >= 0) & (e < num_local) & (pair < n), e, -1)
 
 
-@triton.jit
+# A pass's token count reaches these kernels as plain ints: left
+# unspecialized (Triton would compile a variant per value of 1 or
+# multiple of 16), so a new prompt length never compiles mid-request.
+@triton.jit(do_not_specialize=["n"])
 def _count_kernel(
     ids_ptr,
     counts_ptr,
@@ -168,7 +171,7 @@ def _count_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "num_chunks", "num_blocks"])
 def _place_kernel(
     ids_ptr,
     counts_ptr,
@@ -241,6 +244,12 @@ def capacity(pairs: int, num_local: int, block_m: int) -> int:
     return triton.cdiv(pairs + runs * (block_m - 1), block_m) * block_m
 
 
+def pairs_bound(ids: torch.Tensor) -> int:
+    """The pairs of ids [tokens, top_k] with its token count rounded up to a power of two."""
+    tokens = ids.shape[0] if ids.dim() > 1 else ids.numel()
+    return triton.next_power_of_2(max(tokens, 1)) * (ids.numel() // max(tokens, 1))
+
+
 def sort_pairs(
     ids: torch.Tensor, first: int, num_local: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,9 +265,12 @@ def sort_pairs(
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
     block_e = triton.next_power_of_2(num_local)
     sub = max(1, min(64, 4096 // block_e))  # one-hot tiles of <= 4096 entries
+    # the tiles follow the pairs of the token count's power of two, so every count in one
+    # bucket runs one compiled variant (the warm-up passes one prompt per bucket)
+    bound = pairs_bound(ids)
     # <= 64 chunks (a place program reads all their counts), <= 256 pairs at small n
-    smallest = min(256, triton.next_power_of_2(n))
-    chunk = max(sub, smallest, triton.next_power_of_2(triton.cdiv(n, 64)))
+    smallest = min(256, triton.next_power_of_2(bound))
+    chunk = max(sub, smallest, triton.next_power_of_2(triton.cdiv(bound, 64)))
     num_chunks = triton.cdiv(n, chunk)
     counts = torch.empty(num_chunks, block_e, dtype=torch.int32, device=device)
     flat = ids.reshape(-1)
@@ -278,7 +290,7 @@ def sort_pairs(
         CHUNK=chunk,
         SUB=sub,
         BLOCK_E=block_e,
-        BLOCK_C=min(16, triton.next_power_of_2(num_chunks)),
+        BLOCK_C=min(16, triton.next_power_of_2(triton.cdiv(bound, chunk))),
         BLOCK_M=block_m,
         BLOCKS_AT_ONCE=max(1, min(16, 4096 // block_e)),
     )

@@ -17,10 +17,15 @@ import torch
 import triton
 import triton.language as tl
 
-from dserve.kernels.triton_fp8 import QuantizedRows, attach_quantized
+from dserve.kernels.triton_fp8 import (
+    QuantizedRows,
+    attach_quantized,
+    e4m3_scale,
+    e4m3_values,
+)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens", "padded"])
 def _value_up_kernel(
     O,
     W,
@@ -64,8 +69,8 @@ def _value_up_kernel(
     tl.store(out_ptrs, y, mask=live[:, None])
     groups: tl.constexpr = V // GROUP
     blocks = tl.reshape(y.to(tl.float32), [BLOCK_T, groups, GROUP])
-    scale = tl.maximum(tl.max(tl.abs(blocks), 2), 1e-10) / 448.0
-    q = tl.clamp(blocks / scale[:, :, None], -448.0, 448.0)
+    scale = e4m3_scale(tl.max(tl.abs(blocks), 2))
+    q = e4m3_values(blocks, scale[:, :, None])
     q = tl.reshape(q, [BLOCK_T, V]).to(Q.dtype.element_ty)
     rows = t < padded
     tl.store(Q + t[:, None] * width + cols[None, :], q, mask=rows[:, None])

@@ -78,30 +78,44 @@ def warm_up(engine: Engine) -> None:
     """Before the instance reports ready: a few prompts of different shapes (one token, a few
     pages, a long chunk) and their first decode steps, so every kernel a step launches is
     compiled (or loaded from Triton's cache) before the first request, not during it. On a
-    GPU also a prompt past each power of two up to a chunk, each in a pass of its own: some
-    kernels compile a variant per range of a pass's tokens (the MoE's pair sort reads 1 to
-    16 chunk counts, its row blocks, the FP8 GEMMs' M buckets), which one pass of all the
-    prompts above left cold."""
+    GPU also one pass per power-of-two bucket of a step's tokens, up to its token budget
+    (the prompts of a pass share no prefix, so the pass computes all their tokens). The
+    kernels' compile-time choices follow that bucket (the GEMM tiles, the MoE's pair sort
+    and row blocks), and every count they see at run time (tokens, contexts, splits, the
+    strides that follow them) is left unspecialized, so one pass per bucket compiles every
+    variant a request can meet (`tests/runtime/test_startup.py` checks it on a GPU with a
+    fresh Triton cache)."""
     page = engine.config.page_size
     chunk = engine.config.chunked_prefill_size
     params = SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True)
     lengths = sorted({1, page + 3, min(chunk, 4 * page + 5)})
-    engine.generate(input_ids=[_warm_prompt(n) for n in lengths], sampling_params=params)
+    prompts = [_warm_prompt(n, seed) for seed, n in enumerate(lengths)]
+    engine.generate(input_ids=prompts, sampling_params=params)
     if engine.config.device == "cpu":  # no kernel compiles there
         return
-    longest = min(chunk, engine.max_context - 8, engine.pool_tokens - 8)
-    for n in pass_sizes(longest) if longest > 0 else []:
-        engine.generate(input_ids=[_warm_prompt(n)], sampling_params=params)
+    # a step holds several prompts' chunks, up to its token budget
+    piece = min(chunk, engine.max_context - 8)
+    budget = engine.config.max_num_batched_tokens
+    slack = (budget // piece + 2) * (page + 4)  # each prompt's last page, its decodes
+    longest = min(budget, engine.pool_tokens - slack)
+    seed = len(lengths)
+    for n in pass_sizes(longest) if piece > 0 and longest > 0 else []:
+        parts = [min(piece, n - start) for start in range(0, n, piece)]
+        prompts = [_warm_prompt(m, seed + i) for i, m in enumerate(parts)]  # n tokens
+        seed += len(parts)
+        engine.generate(input_ids=prompts, sampling_params=params)
 
 
 def pass_sizes(longest: int) -> list[int]:
-    """Prompt lengths just past each power of two from 16 below `longest`, and `longest`."""
-    past = [2**k + 3 for k in range(4, longest.bit_length()) if 2**k + 3 < longest]
-    return past + [longest]
+    """One token count in each power-of-two bucket up to `longest` (1, 2, 3, 5, 9, ...:
+    just past each power of two), and `longest` itself."""
+    past = [1, 2] + [2**k + 1 for k in range(1, longest.bit_length())]
+    return sorted({n for n in past if n < longest} | {longest})
 
 
-def _warm_prompt(n: int) -> list[int]:
-    return [1 + i % 7 for i in range(n)]
+def _warm_prompt(n: int, seed: int) -> list[int]:
+    """n tokens whose first one is the seed's: prompts of other seeds share no prefix."""
+    return [1 + (seed * 31 + i * 7) % 97 for i in range(n)]
 
 
 class Instance:
