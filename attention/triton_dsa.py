@@ -20,7 +20,7 @@ import triton.language as tl
 from dserve.attention.triton_mla import _context_block, _dot
 
 
-@triton.jit(do_not_specialize=["s_w_t", "s_pt_b", "s_o_t", "width"])
+@triton.jit(do_not_specialize=["s_pt_b", "width"])
 def _scores_kernel(
     Q,
     W,
@@ -97,7 +97,9 @@ def indexer_scores(
     `index_cache`), token t's page-table row `row_seqs[t]` and context length `ctx_lens[t]` ->
     scores [T, width] float32 (-inf past each context). H and D powers of two, at least 16."""
     tokens, heads, dim = q.shape
-    out = torch.empty(tokens, width, dtype=torch.float32, device=q.device)
+    # rows 16-aligned whatever the width: the stride stays one compiled case (and aligned)
+    padded = triton.cdiv(max(width, 1), 16) * 16
+    out = torch.empty(tokens, padded, dtype=torch.float32, device=q.device)[:, :width]
     if not tokens or not width:
         return out
     assert keys.stride(-1) == 1 and q.stride(-1) == 1 and weights.stride(-1) == 1

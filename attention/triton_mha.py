@@ -16,18 +16,16 @@ import triton
 import triton.language as tl
 
 from dserve.attention.triton_mla import (
-    _combine_kernel,
     _context_block,
     _dot,
     _online_softmax_step,
     _store_split,
+    combine_splits,
     default_splits,
 )
 
 
-@triton.jit(
-    do_not_specialize=["s_pt_b", "s_mo_b", "s_mo_h", "s_ml_b", "s_ml_h", "min_split", "num_splits"]
-)
+@triton.jit(do_not_specialize=["s_pt_b", "s_ml_b", "s_ml_h", "min_split", "num_splits"])
 def _split_kernel(
     Q,
     K,
@@ -188,19 +186,4 @@ def mha_decode(
         num_warps=num_warps,
     )
     out = torch.empty(batch, heads, dv, dtype=q.dtype, device=q.device)
-    _combine_kernel[(batch, heads)](
-        mid_out,
-        mid_lse,
-        out,
-        mid_out.stride(0),
-        mid_out.stride(1),
-        mid_out.stride(2),
-        mid_lse.stride(0),
-        mid_lse.stride(1),
-        out.stride(0),
-        out.stride(1),
-        R=dv,
-        num_splits=num_splits,
-        CHUNK=16,
-    )
-    return out[..., :v_head_dim]
+    return combine_splits(mid_out, mid_lse, out)[..., :v_head_dim]
