@@ -39,12 +39,21 @@ def variants() -> set[tuple[str, str]]:
 def late_variants(spec: str, workdir: str) -> dict[str, list]:
     """Per kernel, the (what was sent, key) of each variant compiled after the warm-up."""
     from dserve.models.tiny import make_tiny
-    from dserve.runtime import Engine, SamplingParams
-    from dserve.runtime.http_server import warm_up
+    from dserve.runtime import Engine
 
     arch, _, fp8 = spec.partition(":")
     model = make_tiny(arch, os.path.join(workdir, arch), fp8=fp8 or None)
-    engine = Engine(model, mem_fraction_static=0.3)
+    engine = Engine(model, max_total_tokens=16384)
+    try:
+        return _sends_after_warm_up(engine)
+    finally:
+        engine.shutdown()
+
+
+def _sends_after_warm_up(engine) -> dict[str, list]:
+    from dserve.runtime import SamplingParams
+    from dserve.runtime.http_server import warm_up
+
     warm_up(engine)
     params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
     sends = [(f"{n} tokens", [[3 + j % 50 for j in range(n)]]) for n in LENGTHS]
