@@ -6,7 +6,8 @@ page and token strides, so the page-major pool needs no copy). MHA/GQA runs
 `BatchPrefillWithPagedKVCacheWrapper` over the K and V buffers (layout NHD), every span causal (one
 decode token, a few draft tokens or a prompt chunk alike). A batch that holds a draft tree's mask runs
 on the Triton kernels instead (FlashInfer's MLA kernel takes no mask). New tokens are stored into pages
-by the Triton store kernel.
+by the Triton store kernel; the pages FlashInfer reads are listed on the device
+(`triton_pages.gather_pages`, with no host sync).
 
 FlashInfer's kernels take bf16/fp16 only, and a plan (page lists, split work) made on the host per
 batch: these steps run eagerly, not under CUDA graphs (`runs_static` is False). The plan is made at
@@ -21,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from dserve.attention.backend import AttentionBackend, ForwardBatch
+from dserve.attention.triton_pages import gather_pages
 from dserve.attention.triton_store import store_tokens
 
 WORKSPACE_BYTES = 128 << 20
@@ -169,12 +171,14 @@ def page_lists(batch: ForwardBatch, page_size: int) -> dict:
     pages = (kv_lens + page_size - 1) // page_size
     zero = torch.zeros(1, dtype=torch.int32)
     kv_indptr = torch.cat([zero, pages.cumsum(0, dtype=torch.int32)])
-    used = torch.arange(batch.page_table.shape[1]) < pages[:, None]  # [B, max_pages] on the host
-    indices = batch.page_table[used.to(device)].to(torch.int32)
     host = {
         "qo_indptr": torch.cat([zero, q_lens.cumsum(0, dtype=torch.int32)]),
         "kv_indptr": kv_indptr,
         "kv_lens": kv_lens,
         "last_page_lens": kv_lens - (pages - 1) * page_size,
     }
-    return {**{k: v.to(device, non_blocking=True) for k, v in host.items()}, "kv_indices": indices}
+    lists = {k: v.to(device, non_blocking=True) for k, v in host.items()}
+    # the pages themselves, gathered on the device: no count read back to the host
+    total = int(kv_indptr[-1])
+    lists["kv_indices"] = gather_pages(batch.page_table, lists["kv_indptr"], total)
+    return lists

@@ -154,9 +154,11 @@ def dsa_and_norm_launches(gen: torch.Generator) -> None:
 def decode_and_gemm_launches(gen: torch.Generator) -> None:
     """MLA decode (over contexts and over selected positions; TMA needs a GPU), MHA decode,
     the FP8 quantization and GEMM (whole K and split), MLA's value up-projection that
-    quantizes for o_proj, and the fused MoE in BF16 and FP8."""
+    quantizes for o_proj, the fused MoE in BF16 and FP8, and the page gather of FlashInfer's
+    page lists."""
     from dserve.attention.triton_mha import mha_decode
     from dserve.attention.triton_mla import mla_decode
+    from dserve.attention.triton_pages import gather_pages
     from dserve.kernels.triton_fp8 import quantize_activations, triton_matmul
     from dserve.kernels.triton_moe import fused_experts
     from dserve.kernels.triton_value_up import value_up_quantized
@@ -170,6 +172,7 @@ def decode_and_gemm_launches(gen: torch.Generator) -> None:
     mla_decode(q, qr, cache, table, None, 0.1, max_len=128, selected=chosen)
     k = torch.randn(8, 64, 8, 128).to(bf16)
     mha_decode(torch.randn(2, 64, 128).to(bf16), k, k.clone(), table, lens, 0.1, max_len=256)
+    gather_pages(table, torch.tensor([0, 3, 7], dtype=i32), 7)
     x = torch.randn(4, 1024).to(bf16)
     qx, sx = quantize_activations(x, 128)
     w = torch.randn(256, 1024).to(torch.float8_e4m3fn)
