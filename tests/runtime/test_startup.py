@@ -146,8 +146,8 @@ def test_no_kernel_compiles_after_ready_and_the_first_request_is_fast(arch, tiny
     can launch before /health says ready, so prompts of 1 to 999 tokens (each side of the
     powers of two, one by one) and bursts of 8 at once (mixed prefill and decode steps)
     compile nothing more: the cache folder gains no kernel after ready. And the first
-    request takes at most twice the median of the ones after it (a compile costs 0.2-0.5 s
-    on an H100, a whole request 30-40 ms)."""
+    request, of 448 tokens, takes at most twice the median of the later ones of 300 to 596
+    tokens (a compile costs 0.2-0.5 s on an H100, such a request 30-40 ms)."""
     cache = tmp_path / "triton"
     env = {"TRITON_CACHE_DIR": str(cache)}
     proc = start_instance(
@@ -163,6 +163,7 @@ def test_no_kernel_compiles_after_ready_and_the_first_request_is_fast(arch, tiny
     try:
         proc.wait_ready()
         ready = compiled_kernels(cache)
+        first = timed_generate(proc.url, 448, 99)
         times = [timed_generate(proc.url, n, i) for i, n in enumerate(WARM_LENGTHS)]
         with ThreadPoolExecutor(8) as pool:
             for burst in range(3):
@@ -170,8 +171,9 @@ def test_no_kernel_compiles_after_ready_and_the_first_request_is_fast(arch, tiny
                 list(pool.map(timed_generate, [proc.url] * 8, lengths, range(8)))
         late = sorted(compiled_kernels(cache) - ready)
         assert not late, f"compiled after ready: {late}; request times {times}"
-        steady = statistics.median(times[1:])
-        assert times[0] <= 2 * steady, f"first {times[0]:.3f} s, then {times[1:]}"
+        alike = [t for n, t in zip(WARM_LENGTHS, times) if 300 <= n <= 600]
+        steady = statistics.median(alike)
+        assert first <= 2 * steady, f"first {first:.3f} s, then {alike}"
         assert_all_pages_free(proc)
     finally:
         proc.stop()
