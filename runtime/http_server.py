@@ -95,11 +95,13 @@ def warm_up(engine: Engine) -> None:
         return
     # a step holds several prompts' chunks, up to its token budget
     piece = min(chunk, engine.max_context - 8)
+    if piece <= 0:
+        return
     budget = engine.config.max_num_batched_tokens
     slack = (budget // piece + 2) * (page + 4)  # each prompt's last page, its decodes
     longest = min(budget, engine.pool_tokens - slack)
     seed = len(lengths)
-    for n in pass_sizes(longest) if piece > 0 and longest > 0 else []:
+    for n in pass_sizes(longest) if longest > 0 else []:
         parts = [min(piece, n - start) for start in range(0, n, piece)]
         prompts = [_warm_prompt(m, seed + i) for i, m in enumerate(parts)]  # n tokens
         seed += len(parts)
