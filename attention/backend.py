@@ -15,9 +15,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from dserve.memory.kv_pool import KVPool
+
+MAX_DECODE_LIKE = 8  # spans up to this many tokens go through the decode kernel, one row per token
 
 
 @dataclass
@@ -89,6 +92,11 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @property
+    def is_static(self) -> bool:
+        """A padded pass from a CUDA graph's static buffers (`runtime/cuda_graphs.py`)."""
+        return self.real_tokens is not None
 
     def to(self, device: torch.device) -> "ForwardBatch":
         if self.input_ids.device == device:
@@ -254,6 +262,13 @@ class AttentionBackend(ABC):
         host work that depends on the step's values (what a CUDA graph replay needs); `plan` may
         still read shapes."""
         return False
+
+    def prepare_static(self, tokens: int, ctx_lens: np.ndarray) -> None:
+        """Before a static pass of `tokens` padded tokens (a graph's replay, or the eager runs
+        before its capture), outside the graph: each token's context length (what it sees
+        causally; a pad token sees one position), from the host. A backend that plans on the
+        host (FlashInfer) plans here; the others need nothing."""
+        return None
 
     @abstractmethod
     def plan(self, batch: ForwardBatch) -> None:

@@ -9,9 +9,10 @@ on the Triton kernels instead (FlashInfer's MLA kernel takes no mask). New token
 by the Triton store kernel; the pages FlashInfer reads are listed on the device
 (`triton_pages.gather_pages`, with no host sync).
 
-FlashInfer's kernels take bf16/fp16 only, and a plan (page lists, split work) made on the host per
-batch: these steps run eagerly, not under CUDA graphs (`runs_static` is False). The plan is made at
-the first layer of a pass, which is when the softmax scale is known.
+FlashInfer's kernels take bf16/fp16 only, and a plan (split work) made on the host per batch. An
+eager pass plans at its first layer, which is when the softmax scale is known. Decode-like passes
+run under CUDA graphs (`runs_static`): one wrapper per captured token count, planned on the host
+before each replay (`flashinfer_graphs.py`).
 
 Install: FlashInfer compiles its kernels on first use with the host's nvcc (see the README's
 "GPU hosts" for the version that works with torch 2.11 / CUDA 13).
@@ -19,9 +20,11 @@ Install: FlashInfer compiles its kernels on first use with the host's nvcc (see 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from dserve.attention.backend import AttentionBackend, ForwardBatch
+from dserve.attention.backend import MAX_DECODE_LIKE, AttentionBackend, ForwardBatch, PassShape
+from dserve.attention.flashinfer_graphs import GraphPlan, csr_lists
 from dserve.attention.triton_pages import gather_pages
 from dserve.attention.triton_store import store_tokens
 
@@ -72,10 +75,25 @@ class FlashInferBackend(AttentionBackend):
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=pool.device)
         self.wrapper = None
         self.triton = None  # draft trees: the Triton extend kernels
+        self.graphs: dict[int, GraphPlan] = {}  # static passes, by token count
+        self.graph: GraphPlan | None = None  # this pass's, where it is static
+
+    def runs_static(self, shape: PassShape) -> bool:
+        """Spans of a few causal tokens: each token is one query over its own context, planned
+        on the host before the replay (`prepare_static`)."""
+        return shape.max_q_len <= MAX_DECODE_LIKE and not shape.tree
+
+    def prepare_static(self, tokens: int, ctx_lens: np.ndarray) -> None:
+        graph = self.graphs.get(tokens)
+        if graph is None:
+            graph = GraphPlan(tokens, self.pool.layout.page_size, self.pool.device)
+            self.graphs[tokens] = graph
+        graph.prepare(ctx_lens)
 
     def plan(self, batch: ForwardBatch) -> None:
         self.batch = batch
         self.planned_scale = None
+        self.graph = None
         self.tree = batch.tree_masks is not None and any(m is not None for m in batch.tree_masks)
         if self.tree:
             if self.triton is None:
@@ -83,6 +101,10 @@ class FlashInferBackend(AttentionBackend):
 
                 self.triton = TritonBackend(self.pool)
             self.triton.plan(batch)
+            return
+        if batch.is_static:  # a CUDA graph's pass: its pages gathered on the device
+            self.graph = self.graphs[batch.num_tokens]
+            self.graph.gather(batch.page_table, batch.token_seqs)
             return
         self.metadata = page_lists(batch, self.pool.layout.page_size)
 
@@ -95,35 +117,70 @@ class FlashInferBackend(AttentionBackend):
         rank = q_latent.shape[-1]
         if not q_latent.shape[0]:  # an empty step (a DP group without tokens): nothing to plan
             return q_latent.new_empty(q_latent.shape)
-        if self.planned_scale != scale:
-            self._plan_mla(q_latent.shape[1], rank, cache.shape[-1] - rank, scale, q_latent.dtype)
-        return self.wrapper.run(
+        shapes = (q_latent.shape[1], rank, cache.shape[-1] - rank, scale, q_latent.dtype)
+        wrapper = self._mla_wrapper(*shapes)
+        return wrapper.run(
             query=(q_latent.contiguous(), q_rope.contiguous()),
             kv_cache=(cache[..., :rank], cache[..., rank:]),
         )
 
-    def _plan_mla(self, heads: int, rank: int, rope: int, scale: float, dtype: torch.dtype) -> None:
-        from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
+    def _mla_wrapper(self, heads: int, rank: int, rope: int, scale: float, dtype):
+        from flashinfer.mla import BatchMLAPagedAttentionWrapper as Wrapper
 
-        if not isinstance(self.wrapper, BatchMLAPagedAttentionWrapper):
-            self.wrapper = BatchMLAPagedAttentionWrapper(self.workspace)
-        m = self.metadata
-        self.wrapper.plan(
-            metadata=MLAPlanMetadata.csr(
-                m["qo_indptr"], m["kv_indptr"], m["kv_indices"], m["kv_lens"]
-            ),
-            num_heads=heads,
-            head_dim_ckv=rank,
-            head_dim_kpe=rope,
-            page_size=self.pool.layout.page_size,
-            causal=True,
-            sm_scale=scale,
-            q_data_type=dtype,
-            kv_data_type=self.pool.layout.dtype,
-            query_layout="split",
-            kv_cache_layout="split",
-        )
-        self.planned_scale = scale
+        def make(graph: GraphPlan | None):
+            if graph is None:
+                return Wrapper(self.workspace)
+            return Wrapper(
+                self.workspace,
+                use_cuda_graph=True,
+                qo_indptr=graph.qo_indptr,
+                kv_indptr=graph.kv_indptr,
+                kv_indices=graph.kv_indices,
+                kv_len_arr=graph.kv_lens,
+            )
+
+        planner = lambda: self._mla_planner(heads, rank, rope, scale, dtype)  # noqa: E731
+        return self._wrapper(make, planner, scale)
+
+    def _wrapper(self, make, planner, scale: float):
+        """The pass's wrapper, planned at its first layer: a static pass's graph wrapper (made
+        and planned once, planned again before each replay), or the eager one. `make(graph)`
+        makes a wrapper (graph None: the eager one); `planner()` gives its plan function."""
+        graph = self.graph
+        if graph is not None:
+            if graph.wrapper is None:
+                graph.first_plan(make(graph), planner())
+            return graph.wrapper
+        if self.planned_scale != scale:
+            if self.wrapper is None:
+                self.wrapper = make(None)
+            m = self.metadata
+            planner()(self.wrapper, m, m["kv_indices"])
+            self.planned_scale = scale
+        return self.wrapper
+
+    def _mla_planner(self, heads: int, rank: int, rope: int, scale: float, dtype):
+        """Plans an MLA wrapper on host CSR lists (`csr_lists`) and device page indices."""
+        from flashinfer.mla import MLAPlanMetadata
+
+        def make_plan(wrapper, lists: dict, kv_indices: torch.Tensor) -> None:
+            wrapper.plan(
+                metadata=MLAPlanMetadata.csr(
+                    lists["qo_indptr"], lists["kv_indptr"], kv_indices, lists["kv_lens"]
+                ),
+                num_heads=heads,
+                head_dim_ckv=rank,
+                head_dim_kpe=rope,
+                page_size=self.pool.layout.page_size,
+                causal=True,
+                sm_scale=scale,
+                q_data_type=dtype,
+                kv_data_type=self.pool.layout.dtype,
+                query_layout="split",
+                kv_cache_layout="split",
+            )
+
+        return make_plan
 
     # ---- MHA ----------------------------------------------------------------------------------------
     def forward_mha(self, layer, q, k, v, scale):
@@ -133,52 +190,58 @@ class FlashInferBackend(AttentionBackend):
         store_tokens(self.batch.out_slots, [(keys, k), (values, v)])
         if not q.shape[0]:
             return q.new_empty(0, q.shape[1], values.shape[-1])
-        if self.planned_scale != scale:
-            self._plan_mha(q.shape[1], keys.shape[2], q.shape[2], values.shape[3], scale, q.dtype)
-        return self.wrapper.run(q.contiguous(), (keys, values))
+        shapes = (q.shape[1], keys.shape[2], q.shape[2], values.shape[3], scale, q.dtype)
+        return self._mha_wrapper(*shapes).run(q.contiguous(), (keys, values))
 
-    def _plan_mha(
-        self, heads: int, kv_heads: int, head_dim: int, v_dim: int, scale: float, dtype
-    ) -> None:
-        fi = self.flashinfer
-        if not isinstance(self.wrapper, fi.BatchPrefillWithPagedKVCacheWrapper):
-            self.wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
-        m = self.metadata
-        self.wrapper.plan(
-            m["qo_indptr"],
-            m["kv_indptr"],
-            m["kv_indices"],
-            m["last_page_lens"],
-            heads,
-            kv_heads,
-            head_dim,
-            self.pool.layout.page_size,
-            head_dim_vo=v_dim,
-            causal=True,
-            sm_scale=scale,
-            q_data_type=dtype,
-            kv_data_type=self.pool.layout.dtype,
-        )
-        self.planned_scale = scale
+    def _mha_wrapper(self, heads, kv_heads, head_dim, v_dim, scale, dtype):
+        Wrapper = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper
+
+        def make(graph: GraphPlan | None):
+            if graph is None:
+                return Wrapper(self.workspace, "NHD")
+            return Wrapper(
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                qo_indptr_buf=graph.qo_indptr,
+                paged_kv_indptr_buf=graph.kv_indptr,
+                paged_kv_indices_buf=graph.kv_indices,
+                paged_kv_last_page_len_buf=graph.last_page_lens,
+            )
+
+        shapes = (heads, kv_heads, head_dim, v_dim, scale, dtype)
+        return self._wrapper(make, lambda: self._mha_planner(*shapes), scale)
+
+    def _mha_planner(self, heads, kv_heads, head_dim, v_dim, scale, dtype):
+        """Plans an MHA wrapper on host CSR lists (`csr_lists`) and device page indices."""
+
+        def make_plan(wrapper, lists: dict, kv_indices: torch.Tensor) -> None:
+            wrapper.plan(
+                lists["qo_indptr"],
+                lists["kv_indptr"],
+                kv_indices,
+                lists["last_page_lens"],
+                heads,
+                kv_heads,
+                head_dim,
+                self.pool.layout.page_size,
+                head_dim_vo=v_dim,
+                causal=True,
+                sm_scale=scale,
+                q_data_type=dtype,
+                kv_data_type=self.pool.layout.dtype,
+            )
+
+        return make_plan
 
 
 def page_lists(batch: ForwardBatch, page_size: int) -> dict:
-    """The batch in FlashInfer's CSR form (int32, on the batch's device): query offsets, page offsets,
-    the sequences' pages one after another, context lengths and tokens in each last page."""
+    """The batch in FlashInfer's CSR form (int32): query offsets, page offsets, context lengths
+    and tokens in each last page on the host (FlashInfer plans there: no device sync), and the
+    sequences' pages one after another on the batch's device (`kv_indices`)."""
+    lists = csr_lists(batch.q_lens, batch.seq_lens, page_size)
     device = batch.page_table.device
-    q_lens = torch.tensor(batch.q_lens, dtype=torch.int32)
-    kv_lens = torch.tensor(batch.seq_lens, dtype=torch.int32)
-    pages = (kv_lens + page_size - 1) // page_size
-    zero = torch.zeros(1, dtype=torch.int32)
-    kv_indptr = torch.cat([zero, pages.cumsum(0, dtype=torch.int32)])
-    host = {
-        "qo_indptr": torch.cat([zero, q_lens.cumsum(0, dtype=torch.int32)]),
-        "kv_indptr": kv_indptr,
-        "kv_lens": kv_lens,
-        "last_page_lens": kv_lens - (pages - 1) * page_size,
-    }
-    lists = {k: v.to(device, non_blocking=True) for k, v in host.items()}
-    # the pages themselves, gathered on the device: no count read back to the host
-    total = int(kv_indptr[-1])
-    lists["kv_indices"] = gather_pages(batch.page_table, lists["kv_indptr"], total)
+    kv_indptr = lists["kv_indptr"].to(device, non_blocking=True)
+    total = int(lists["kv_indptr"][-1])
+    lists["kv_indices"] = gather_pages(batch.page_table, kv_indptr, total)
     return lists

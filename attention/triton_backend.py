@@ -21,11 +21,10 @@ import os
 import torch
 import triton
 
-from dserve.attention.backend import AttentionBackend, ForwardBatch, PassShape
+from dserve.attention.backend import MAX_DECODE_LIKE, AttentionBackend, ForwardBatch, PassShape
 from dserve.attention.index_cache import select_top, stored_rows
 from dserve.attention.triton_store import store_tokens
 
-MAX_DECODE_LIKE = 8  # spans up to this many tokens go through the decode kernel, one row per token
 # the DSA top-k's row histograms kept for passes of up to this many tokens (4 KB a token; its
 # kernels zero them again for the next call: no memset per layer); longer passes take fresh ones
 TOP_HIST_ROWS = 1024

@@ -3,6 +3,7 @@ roofline, on a DeepSeek-V3-shaped model with random weights (GPU):
 
     python -m bench.engine_step [--batches 1,8,32,128,256] [--layers 4 --experts 32]
                                 [--context 1024] [--output-len 64] [--quantization fp8]
+                                [--attention-backend flashinfer] [--disable-cuda-graph]
                                 [--tp-size 2 [--dp-size 2 | --ep-size 2]]   # several GPUs
 
 For each batch size three runs, each in its own process (so each has the GPU's memory to itself):
@@ -23,7 +24,8 @@ forward-alone column is the one-GPU forward then, for scale, and the ratios are 
 roofline only.
 
 Prints a table, writes JSON and, with matplotlib, a PNG of the three against the roofline.
-The issue's goal: the engine step within 1.10x of the forward alone and within 1.5x of the
+`--attention-backend flashinfer` (with FlashInfer installed) times its steps, under CUDA graphs
+unless `--disable-cuda-graph`. The issue's goal: the engine step within 1.10x of the forward alone and within 1.5x of the
 roofline at batch 1, 32 and 128 on an H100.
 """
 
@@ -46,8 +48,14 @@ from bench.spec_verify import deepseek_v3_config_dir, dummy_runner, model_args, 
 def forward_row(path: str, batch: int, args) -> dict:
     """The forward alone (one GPU) and what a decode step of `batch` requests reads."""
     copy = copy_bandwidth()
+    graph_tokens = 0 if args.disable_cuda_graph else batch
     runner, kv = dummy_runner(
-        path, batch, args.context, "triton", graph_tokens=batch, quantization=args.quantization
+        path,
+        batch,
+        args.context,
+        args.attention_backend,
+        graph_tokens=graph_tokens,
+        quantization=args.quantization,
     )
     decode = step_batch(kv, batch, args.context, 1)
     parts = step_bytes_parts(runner, decode)
@@ -72,7 +80,8 @@ def engine_ms(path: str, batch: int, args, overlap: bool) -> dict:
         device="cuda",
         load_format="dummy",
         load_progress=False,
-        attention_backend="triton",
+        attention_backend=args.attention_backend,
+        disable_cuda_graph=args.disable_cuda_graph,
         cuda_graph_max_bs=batch,
         max_running_requests=batch,
         max_total_tokens=batch * (args.context + args.output_len + 64),
@@ -155,6 +164,8 @@ def main() -> None:
         "--quantization", choices=["fp8"], help="random block-FP8 weights (blocks of 128)"
     )
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--attention-backend", choices=["triton", "flashinfer"], default="triton")
+    parser.add_argument("--disable-cuda-graph", action="store_true", help="every step eagerly")
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--dp-size", type=int, default=1)
     parser.add_argument("--ep-size", type=int, default=1)

@@ -46,7 +46,7 @@ class EngineConfig:
     (`auto`), or `fp8`: e4m3 with a float32 scale per token, as those models serve them."""
     attention_backend: Literal["auto", "torch", "triton", "flashinfer"] = "auto"
     """`torch` (reference, any device); `triton` (kernels, CUDA graphs); `flashinfer`
-    (FlashInfer's kernels, bf16/fp16, eager); `auto`: triton on a GPU, torch on the CPU."""
+    (FlashInfer's kernels, bf16/fp16, CUDA graphs); `auto`: triton on a GPU, torch on the CPU."""
     mla_expand_min_tokens: int | None = None
     """MLA spans of at least this many new tokens (prompt chunks) attend in the expanded form,
     as prefills run: each context latent decompressed through kv_b_proj into per-head keys
@@ -57,8 +57,8 @@ class EngineConfig:
     new tokens over an 8k prefix against 1.78 absorbed, 2.8 against 13.2 ms for a 4k prompt
     (`python -m bench.extend_attention --kinds mla --cases 128:8192,4096:0`)."""
     cuda_graph_max_bs: int = 256
-    """Triton backend: decode-like passes of up to this many sequences (at most 512) replay CUDA
-    graphs."""
+    """Triton and flashinfer backends: decode-like passes of up to this many sequences (at most
+    512) replay CUDA graphs."""
     disable_cuda_graph: bool = False
     """Run every step eagerly."""
     disable_overlap_schedule: bool = False

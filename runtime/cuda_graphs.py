@@ -26,7 +26,8 @@ the batch's first sequence, writes its KV into a scratch page the KV manager nev
 pool's last page), and is routed to no expert (`ForwardBatch.real_tokens`). Per pass the host
 packs the per-token ints (ids, positions, slots, span, context length, the fused draft's inputs),
 the wanted logits rows and the page table into one pinned buffer; one non-blocking copy fills the
-graph's static buffer and the graph replays, with no host sync. A token id the host does not have
+graph's static buffer and the graph replays, with no host sync. A backend that plans on the host
+(FlashInfer) plans from the packed context lengths before the replay (`prepare_static`). A token id the host does not have
 yet (a request's newest token, sampled by the step before: `batch.pending_token`) is read from the
 device inside the graph.
 
@@ -273,6 +274,7 @@ class StaticSteps:
 
     def _capture(self, n: int, context: int, pool) -> torch.cuda.CUDAGraph:
         batch = self.static_batch(n, context)
+        self._prepare_backends(n)
         for _ in range(2):  # compile the kernels, settle the allocator
             self._layers(batch)
         torch.cuda.synchronize(self.device)
@@ -292,6 +294,7 @@ class StaticSteps:
         wanted = self._pack(batch, n)
         end = self.table_start + max(batch.page_table.shape[0], 1) * self.max_pages
         self.flat[:end].copy_(self.host[:end], non_blocking=True)
+        self._prepare_backends(n)
         if self.copied is not None:
             self.copied.record()
         if self.hidden_width is not None and batch.num_tokens:  # padding only: nothing to read
@@ -302,6 +305,13 @@ class StaticSteps:
         else:  # the CPU: the same buffers, run eagerly
             self._layers(self.static_batch(n, context))
         return self._heads(self.select[:wanted], n, batch)
+
+    def _prepare_backends(self, n: int) -> None:
+        """What a backend that plans on the host does before a pass (`prepare_static`), from
+        the packed context lengths."""
+        ctx_lens = self.host_ints[ROW["token_ctx_lens"], :n]
+        for backend in self.backends:
+            backend.prepare_static(n, ctx_lens)
 
     def _heads(self, select: torch.Tensor, n: int, batch: ForwardBatch):
         """The LM heads on the wanted rows; the states a following draft pass reads."""

@@ -25,7 +25,12 @@ from dserve.models.loader import load_embedding, load_model, parameter_bytes
 from dserve.models.parallel import SINGLE, ParallelContext
 from dserve.models.quant import quantize_in_norms
 from dserve.runtime.config import EngineConfig
-from dserve.runtime.cuda_graphs import StaticSteps, output_bytes, sparse_scores_bytes
+from dserve.runtime.cuda_graphs import (
+    StaticSteps,
+    output_bytes,
+    sparse_scores_bytes,
+    token_buckets,
+)
 
 log = logging.getLogger("dserve.runtime")
 CPU_DEFAULT_TOKENS = 16384
@@ -132,10 +137,10 @@ def aux_layers(config: EngineConfig, num_layers: int) -> tuple[int, ...]:
 
 
 def uses_static_steps(config: EngineConfig) -> bool:
-    """Decode-like passes from static buffers (CUDA graphs on a GPU): the triton backend, one
-    pipeline stage (stages run eagerly so far)."""
-    graphs = config.attention_backend == "triton" and not config.disable_cuda_graph
-    return graphs and config.pp_size == 1
+    """Decode-like passes from static buffers (CUDA graphs on a GPU): the triton and flashinfer
+    backends, one pipeline stage (stages run eagerly so far)."""
+    backend = config.attention_backend in ("triton", "flashinfer")
+    return backend and not config.disable_cuda_graph and config.pp_size == 1
 
 
 def tokens_per_seq(config: EngineConfig) -> int:
@@ -184,6 +189,9 @@ class ModelRunner:
         if static and indexed:
             longest = self.model_config.max_position_embeddings
             reserved += sparse_scores_bytes(self.graph_tokens, longest)
+        if static and config.attention_backend == "flashinfer":  # the target's and the draft's
+            backends = 1 + (self.draft is not None)
+            reserved += backends * self._flashinfer_graph_bytes()
         sized = layouts + [lay for lay in (indexed, draft_indexed) if lay]
         self.num_pages = pool_pages(config, sized, self.device, reserved)
         num_pages = self.num_pages + static  # and a scratch page for static steps' padding
@@ -235,6 +243,14 @@ class ModelRunner:
     def graph_tokens(self) -> int:
         """The largest bucket of static passes: `cuda_graph_max_bs` sequences' tokens."""
         return self.config.cuda_graph_max_bs * tokens_per_seq(self.config)
+
+    def _flashinfer_graph_bytes(self) -> int:
+        """What one FlashInfer backend's graphs keep on the device, at most."""
+        from dserve.attention.flashinfer_graphs import graph_bytes
+
+        page_size = self.config.page_size
+        longest = self.model_config.max_position_embeddings
+        return graph_bytes(token_buckets(self.graph_tokens), -(-longest // page_size))
 
     def _static_widths(self) -> list[int | None]:
         """One set of static passes for the target (None), and per width of the states the

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -49,6 +50,19 @@ def test_a_buffer_is_filled_in_place_and_nothing_past_the_total():
     assert buffer[8:].tolist() == [-7] * 12
 
 
+def test_entries_read_the_table_rows_they_name():
+    """A static pass lists one entry per token, each reading its span's row (`rows`), into the
+    graph's buffer: entries 0-2 read row 1 (a chain of three tokens), 3 row 0, 4 row 2."""
+    table = torch.arange(30, dtype=torch.int32).view(3, 10).to(DEVICE)
+    counts = [1, 2, 3, 4, 1]
+    rows = torch.tensor([1, 1, 1, 0, 2], device=DEVICE)
+    buffer = torch.full((16,), -7, dtype=torch.int32, device=DEVICE)
+    got = gather_pages(table, indptr_of(counts), 16, out=buffer, rows=rows)
+    assert got.data_ptr() == buffer.data_ptr()
+    assert buffer[:11].tolist() == [10, 10, 11, 10, 11, 12, 0, 1, 2, 3, 20]
+    assert buffer[11:].tolist() == [-7] * 5
+
+
 def test_no_rows_or_no_pages_launch_nothing():
     table = torch.zeros(0, 4, dtype=torch.int32, device=DEVICE)
     assert gather_pages(table, indptr_of([]), 0).numel() == 0
@@ -67,6 +81,20 @@ def test_page_lists_gives_flashinfers_csr_form():
     assert lists["last_page_lens"] == [1, 1, 4, 1]
     counts = [1, 3, 1, 4]
     assert lists["kv_indices"] == masked_pages(table, counts).tolist()
+
+
+def test_a_static_pass_is_one_request_per_token():
+    """Under CUDA graphs (`flashinfer_graphs.GraphPlan.prepare`) each token of a padded pass is
+    one query over the context it sees: a chain of three tokens over 9-11 positions, a decode
+    token over 4, a pad token over 1."""
+    from dserve.attention.flashinfer_graphs import csr_lists
+
+    ctx_lens = np.array([9, 10, 11, 4, 1])
+    lists = {k: v.tolist() for k, v in csr_lists(np.ones(5), ctx_lens, 4).items()}
+    assert lists["qo_indptr"] == [0, 1, 2, 3, 4, 5]
+    assert lists["kv_indptr"] == [0, 3, 6, 9, 10, 11]
+    assert lists["kv_lens"] == [9, 10, 11, 4, 1]
+    assert lists["last_page_lens"] == [1, 2, 3, 4, 1]
 
 
 @pytest.mark.gpu

@@ -76,6 +76,32 @@ def test_static_steps_give_the_reference_tokens(arch, tiny_dir, make_engine):
             assert sorted(static.graphs) == [(n, static.max_context) for n in static.buckets]
 
 
+def test_backends_hear_each_static_pass_before_it_runs(tiny_dir, make_engine):
+    """A backend that plans on the host (FlashInfer) is told before every static pass (a replay
+    on a GPU) its padded token count and each token's context length: the real tokens' and one
+    position for each pad token."""
+    engine = make_engine(tiny_dir("deepseek_v3"), attention_backend="triton", **EXACT)
+    runner = engine.executor.runner
+    (static,) = runner.statics
+    told, passes, run = [], [], static.run
+
+    def tell(tokens, ctx_lens):
+        told.append((tokens, ctx_lens.tolist()))
+
+    def counted(batch, bucket):
+        passes.append((bucket[0], batch.token_ctx_lens.tolist()))
+        return run(batch, bucket)
+
+    runner.backend.prepare_static, static.run = tell, counted
+    prompts = random_prompts(3, 512, [5, 40, 13], seed=2)
+    params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in LENGTHS]
+    engine.generate(input_ids=prompts, sampling_params=params)
+    assert len(passes) >= LENGTHS[-1] - 1 and len(told) == len(passes)
+    for (tokens, ctx_lens), (bucket, real) in zip(told, passes):
+        assert tokens == bucket and ctx_lens == real + [1] * (bucket - len(real))
+    assert any(bucket > len(real) for bucket, real in passes)  # 3 sequences padded to 4
+
+
 def test_disabled_static_steps_run_eagerly(tiny_dir, make_engine):
     """`disable_cuda_graph` runs every step eagerly, and the KV manager gets every page (no scratch)."""
     off = make_engine(

@@ -173,6 +173,10 @@ def decode_and_gemm_launches(gen: torch.Generator) -> None:
     k = torch.randn(8, 64, 8, 128).to(bf16)
     mha_decode(torch.randn(2, 64, 128).to(bf16), k, k.clone(), table, lens, 0.1, max_len=256)
     gather_pages(table, torch.tensor([0, 3, 7], dtype=i32), 7)
+    rows = torch.tensor([1, 0], dtype=torch.int64)
+    gather_pages(
+        table, torch.tensor([0, 3, 7], dtype=i32), 7, out=torch.empty(8, dtype=i32), rows=rows
+    )
     x = torch.randn(4, 1024).to(bf16)
     qx, sx = quantize_activations(x, 128)
     w = torch.randn(256, 1024).to(torch.float8_e4m3fn)
