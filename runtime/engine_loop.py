@@ -22,6 +22,7 @@ first token left 3.8 ms after it was handed over, 0.2 ms with the wait; 2-core C
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -85,6 +86,21 @@ class EngineLoop:
         self.inbox.put(job)
         with contextlib.suppress(BlockingIOError):  # the pipe is full of wake-ups already
             os.write(self._wake_w, b"\0")
+
+    def run_here(self, fn: Callable, *args):
+        """Run `fn(*args)` on the engine thread and wait for its result, from a thread that is
+        not an event loop's (the instance's start: its warm-up runs where steps will run, so
+        what CUDA keeps per thread, cuBLAS's handles and workspaces, is made before ready)."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def job() -> None:
+            try:
+                done.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                done.set_exception(e)
+
+        self._put(job)
+        return done.result()
 
     async def call(self, fn: Callable, *args):
         """Run `fn(*args)` on the engine thread and return its result (or raise its exception)."""

@@ -162,9 +162,13 @@ class Instance:
             connector = connector_class(self.engine, self.manager, config, self.metrics)
             self.engine.connector = connector
         self.connector = self.engine.connector
-        warm_up(self.engine)
         stats = Stats(self.engine, self.metrics, config.batch_log_interval_s)
         self.loop = EngineLoop(self.engine, stats)
+        try:  # on the thread that will run the steps
+            self.loop.run_here(warm_up, self.engine)
+        except BaseException:
+            self.loop.stop()
+            raise
         self.model_name = config.served_model_name or os.path.basename(os.path.normpath(model_path))
         self.chat_template = load_template(config.chat_template)
         self.metrics.watch(self.engine)
