@@ -1,35 +1,39 @@
 #!/bin/bash
-# Download FlashInfer (JIT wheel, for torch 2.11 / CUDA 13) and the packages it imports that the GPU
-# image lacks, and cut them into pieces that fit the device tool's 64 MiB carry limit, one folder per
-# call: .fi/part1, .fi/part2, ... (.fi/ is in .gitignore).
+# FlashInfer for a GPU host without a registry, in one carry of ~30 MB: download FlashInfer (JIT
+# wheel, for torch 2.11 / CUDA 13), apache-tvm-ffi (its FFI, cp312) and requests (imported at
+# `import flashinfer`), install them into a folder, drop the kernel sources of features the
+# flashinfer backend never builds (MoE, Blackwell, sampling, ...: its MLA and prefill modules
+# compile from csrc's top level, csrc/generated, csrc/nv_internal, include, cutlass and cccl),
+# and pack the folder as .fi/fisite.tgz (.fi/ is in .gitignore), with .whl/'s pyzmq and msgpack
+# wheels beside it when there (the engine's own imports on the GPU image).
 #
-# On one warm GPU machine, one `run` per part, each carrying its folder (carry [".fi/partN"]):
-#   mkdir -p /tmp/fi && cp .fi/partN/* /tmp/fi/
-# then, in the last call (or a following one):
-#   cd /tmp/fi && for w in $(ls *.part-aa | sed 's/.part-aa$//'); do cat $w.part-* > $w; rm $w.part-*; done
-#   python3 -m pip install -q --no-index --no-deps --target /tmp/fisite /tmp/fi/*.whl
-#   export PYTHONPATH=/tmp/fisite:$PYTHONPATH   # kernels compile on first use with the image's nvcc
-# Run this way on an H100 on 2026-11-23: bench/notes/flashinfer-2026-11-23.md.
+# On the GPU machine, one `run` carrying [".fi"]:
+#   tar xzf .fi/fisite.tgz -C /tmp
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .fi/*.whl
+#   export PYTHONPATH=/tmp/fi-site:/tmp/site MAX_JOBS=16   # kernels compile on first use with nvcc
+# Run this way on an H100 on 2026-11-26 (bench/notes/session26-h100-2026-11-26.md); the first MLA
+# module compiled in about a minute. (Before, four carried parts of the full dependency set:
+# bench/notes/flashinfer-2026-11-23.md.)
 set -euo pipefail
 dest=${1:-.fi}
 raw=$(mktemp -d)
-plat=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
+site=$raw/fi-site
+plat=(--platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64
       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
-for pkg in flashinfer-python==0.7.2.post1 apache-tvm-ffi==0.1.15.post2 nvidia-cudnn-frontend==1.32.0 \
-           nccl4py==0.6.0 nccl-extensions cuda-tile==1.7.0 nvidia-cutlass-dsl==4.8.1 \
-           nvidia-cutlass-dsl-libs-base==4.8.1 nvidia-cutlass-dsl-libs-core==4.8.1 \
-           nvidia-cutlass-dsl-libs-cu13==4.8.1; do
-  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-      "${plat[@]}" -d "$raw" "$pkg"
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    "${plat[@]}" -d "$raw/wheels" flashinfer-python==0.7.2.post1 apache-tvm-ffi==0.1.15.post2
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform any \
+    -d "$raw/wheels" requests urllib3 idna certifi charset-normalizer
+python3 -m pip install -q --no-deps --no-compile --only-binary=:all: --python-version 3.12 \
+    "${plat[@]}" --target "$site" "$raw"/wheels/*.whl
+csrc=$site/flashinfer/data/csrc
+for d in "$csrc"/*/; do
+  case "$(basename "$d")" in generated|nv_internal) ;; *) rm -rf "$d" ;; esac
 done
-(cd "$raw" && for w in *.whl; do split -b 27M -a 2 "$w" "$w.part-"; rm "$w"; done)
-# fill parts of at most 56 MiB (the working tree travels too), largest pieces first
-rm -rf "$dest" && mkdir -p "$dest"
-part=1 used=0
-for f in $(ls -S "$raw"); do
-  size=$(stat -c %s "$raw/$f")
-  if (( used + size > 56 * 1024 * 1024 )); then part=$((part + 1)); used=0; fi
-  mkdir -p "$dest/part$part" && mv "$raw/$f" "$dest/part$part/" && used=$((used + size))
-done
-rmdir "$raw"
-du -sh "$dest"/part*
+rm -f "$csrc"/alphamoe_* "$csrc"/cake_* "$csrc"/blackwell_* "$csrc"/kda* "$csrc"/gdn*
+find "$site" -name __pycache__ -type d -prune -exec rm -rf {} +
+rm -rf "$site/bin" "$dest" && mkdir -p "$dest"
+tar czf "$dest/fisite.tgz" -C "$raw" fi-site
+cp .whl/pyzmq-*.whl .whl/msgpack-*.whl "$dest/" 2>/dev/null || true
+rm -rf "$raw"
+du -sh "$dest"/*

@@ -1,5 +1,7 @@
 """The engine thread's asyncio front (`runtime/engine_loop.py`): a client that leaves ends its request
-and frees its pages, even when it leaves while the start still waits behind a busy engine thread."""
+and frees its pages, even when it leaves while the start still waits behind a busy engine thread; a
+job run on the engine thread from outside an event loop (`run_here`, the warm-up) hands back its
+outcome."""
 
 from __future__ import annotations
 
@@ -34,3 +36,20 @@ def test_client_gone_while_the_start_waits_aborts(tiny_dir, make_engine):
         busy.set()
         loop.stop()
     assert requests == {} and tables == {}
+
+
+def test_run_here_runs_on_the_engine_thread_and_hands_back_its_outcome(tiny_dir, make_engine):
+    """The instance's warm-up goes through `run_here`: it runs where the steps run (CUDA keeps
+    cuBLAS handles per thread), and the caller gets its result or its exception."""
+    loop = EngineLoop(make_engine(tiny_dir("deepseek_v3")))
+    try:
+        assert loop.run_here(lambda: threading.current_thread()) is loop.thread
+        with pytest.raises(ValueError, match="warm-up failed"):
+            loop.run_here(_fail, "warm-up failed")
+        assert loop.run_here(lambda x: x + 1, 41) == 42  # the thread still serves
+    finally:
+        loop.stop()
+
+
+def _fail(message: str) -> None:
+    raise ValueError(message)

@@ -141,16 +141,16 @@ def timed_generate(url: str, length: int, seed: int) -> float:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm_moe_dsa"])
-def test_no_kernel_compiles_after_ready_and_the_first_request_is_timed(arch, tiny_dir, tmp_path):
+def test_no_kernel_compiles_after_ready_and_the_first_request_is_fast(arch, tiny_dir, tmp_path):
     """Warm start on a fresh Triton cache: the warm-up compiles every kernel variant a step
     can launch before /health says ready, so prompts of 1 to 999 tokens (each side of the
     powers of two, one by one) and bursts of 8 at once (mixed prefill and decode steps)
     compile nothing more: the cache folder gains no kernel after ready. And the first
-    request, of 448 tokens, should take at most twice the median of the later ones of 300
-    to 596 tokens (a compile costs 0.2-0.5 s on an H100, such a request 30-40 ms). Over that
-    is an expected failure, a known gap of issue 20: on an H100 (session 25) the first took
-    69 ms against a median of 34 with no kernel compiled, a one-time cost outside Triton
-    whose cause is not found (session 24 saw 59 against 29 once)."""
+    request, of 448 tokens, takes at most twice the median of the later ones of 300 to 596
+    tokens (a compile costs 0.2-0.5 s on an H100, such a request 30-40 ms). Session 25 once
+    saw 69 against 34 ms with no kernel compiled: the warm-up ran on the thread that built
+    the instance, the requests on the engine thread, and CUDA libraries keep state per
+    thread (cuBLAS handles, workspaces); the warm-up now runs on the engine thread."""
     cache = tmp_path / "triton"
     env = {"TRITON_CACHE_DIR": str(cache)}
     proc = start_instance(
@@ -179,8 +179,7 @@ def test_no_kernel_compiles_after_ready_and_the_first_request_is_timed(arch, tin
         assert_all_pages_free(proc)
     finally:
         proc.stop()
-    if first > 2 * steady:
-        pytest.xfail(f"first {first:.3f} s against a median of {steady:.3f} s")
+    assert first <= 2 * steady, f"first {first:.3f} s against a median of {steady:.3f} s"
 
 
 def test_the_warm_up_passes_cross_every_power_of_two():

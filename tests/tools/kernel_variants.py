@@ -10,7 +10,7 @@ the constexpr values, so the argument that made a new variant shows in the diff.
     python -m tests.tools.kernel_variants deepseek_v3 [glm_moe_dsa deepseek_v3:block ...]
 
 `ARCH:block` / `ARCH:channel` writes an FP8 checkpoint. The GPU test of the same property is
-`tests/runtime/test_startup.py::test_no_kernel_compiles_after_ready_and_the_first_request_is_timed`.
+`tests/runtime/test_startup.py::test_no_kernel_compiles_after_ready_and_the_first_request_is_fast`.
 """
 
 from __future__ import annotations
