@@ -16,8 +16,9 @@ before each replay (SGLang and vLLM run FlashInfer's decode this way). Here:
 - the first plan of a wrapper needs the layer's shapes and softmax scale: it happens at the
   first layer of the eager runs before the capture, never inside it.
 
-FlashInfer copies a plan's work split through a pinned host buffer with an asynchronous copy;
-a wrapper is not planned again until that copy has run (an event per plan).
+A plan's copies to the device are asynchronous: FlashInfer's own (its work split, through a pinned
+buffer) and the CSR lists (pinned here, so that no copy waits for the stream). A wrapper's lists
+are not written again, nor is it planned again, until those copies have run (an event per plan).
 """
 
 from __future__ import annotations
@@ -64,7 +65,11 @@ class GraphPlan:
         self.kv_lens = torch.ones(tokens, **i32)
         self.last_page_lens = torch.ones(tokens, **i32)
         self.kv_indices: torch.Tensor | None = None  # sized by the page table at the first pass
-        self.host: dict | None = None
+        # the next pass's CSR lists on the host, pinned: the plan's copies of them are async
+        pinned = dict(dtype=torch.int32, pin_memory=True)
+        sizes = {"qo_indptr": tokens + 1, "kv_indptr": tokens + 1}
+        sizes.update(kv_lens=tokens, last_page_lens=tokens)
+        self.host = {name: torch.zeros(size, **pinned) for name, size in sizes.items()}
         self.wrapper = None
         self.make_plan = None  # (wrapper, host CSR, kv_indices) -> None, set by the first layer
         self.planned = torch.cuda.Event()
@@ -72,7 +77,10 @@ class GraphPlan:
     def prepare(self, ctx_lens: np.ndarray) -> None:
         """Before a pass: the host's context length of each of the `tokens` tokens; plans the
         wrapper now where its first layer did already (a replay)."""
-        self.host = csr_lists(np.ones(self.tokens, dtype=np.int32), ctx_lens, self.page_size)
+        self.planned.synchronize()  # the last plan's copies have read the pinned lists
+        lists = csr_lists(np.ones(self.tokens, dtype=np.int32), ctx_lens, self.page_size)
+        for name, values in lists.items():
+            self.host[name].copy_(values)
         if self.make_plan is not None:
             self.plan()
         else:  # the gather before the first plan reads the offsets too
@@ -91,8 +99,6 @@ class GraphPlan:
     def plan(self) -> None:
         """Plan the wrapper on the prepared host CSR (never while a graph is being captured)."""
         assert not torch.cuda.is_current_stream_capturing(), "FlashInfer plans outside a capture"
-        assert self.host is not None, "prepare() comes before a static pass"
-        self.planned.synchronize()  # the last plan's asynchronous copy has left its buffer
         total = int(self.host["kv_indptr"][-1])
         self.make_plan(self.wrapper, self.host, self.kv_indices[:total])
         self.planned.record()
