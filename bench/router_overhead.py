@@ -1,0 +1,164 @@
+"""What the router's hop alone costs a request's first token, with no model behind it (any host):
+
+    python -m bench.router_overhead [--lengths 1024,4096,16384] [--requests 200]
+
+One process serves two stub instances that answer at once: a "prefill" that reads the body and
+answers 200, a "decode" that reads it and streams one event and `[DONE]`. Another runs the real
+router (`dserve.runtime.router`) in front of them. The client, in this process, sends streamed
+`/generate` requests of N token ids to the decode stub directly, then through the router, one at
+a time, and times the first byte of the answer (median and p99, ms). The difference is what the
+router adds to a disaggregated TTFT: reading and checking the body, picking a pair, sending it
+to both instances and relaying the first event. `bench.pd_overhead` measures the whole pair.
+Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import statistics
+import time
+
+import aiohttp
+from aiohttp import web
+
+from bench.pd_overhead import free_port
+
+FIRST_EVENT = b'data: {"text": "a"}\n\n'
+
+
+async def _prefill(request: web.Request) -> web.Response:
+    await request.read()
+    return web.json_response({"text": "a"})
+
+
+async def _decode(request: web.Request) -> web.StreamResponse:
+    await request.read()
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    await resp.write(FIRST_EVENT)
+    await resp.write(b"data: [DONE]\n\n")
+    return resp
+
+
+def _stub(answer, bootstrap_port: int) -> web.Application:
+    async def health(_):
+        return web.json_response({"status": "ok"})
+
+    async def info(_):
+        return web.json_response({"bootstrap_port": bootstrap_port})
+
+    app = web.Application(client_max_size=2**26)
+    app.router.add_post("/generate", answer)
+    app.router.add_get("/health", health)
+    app.router.add_get("/server_info", info)
+    return app
+
+
+def serve_stubs(prefill_port: int, decode_port: int) -> None:
+    """The two stub instances, until killed (aiohttp alone: this process imports no model code)."""
+
+    async def serve() -> None:
+        for answer, port in ((_prefill, prefill_port), (_decode, decode_port)):
+            runner = web.AppRunner(_stub(answer, 1))
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+        await asyncio.Event().wait()
+
+    asyncio.run(serve())
+
+
+def serve_router(prefill_port: int, decode_port: int, port: int) -> None:
+    from dserve.runtime.router import run_router
+    from dserve.runtime.server_config import RouterConfig
+
+    urls = (f"http://127.0.0.1:{prefill_port}", f"http://127.0.0.1:{decode_port}")
+    run_router([urls[0]], [urls[1]], RouterConfig(port=port))
+
+
+async def first_byte(session: aiohttp.ClientSession, url: str, body: bytes) -> float:
+    """Seconds from sending the request to its answer's first bytes (then read to the end)."""
+    start = time.perf_counter()
+    headers = {"Content-Type": "application/json"}
+    async with session.post(url + "/generate", data=body, headers=headers) as resp:
+        assert resp.status == 200, await resp.text()
+        await resp.content.readany()
+        seconds = time.perf_counter() - start
+        await resp.read()
+    return seconds
+
+
+async def wait_ready(session: aiohttp.ClientSession, url: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            async with session.get(url + "/health") as resp:
+                if resp.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} not ready in {timeout_s} s")
+        await asyncio.sleep(0.1)
+
+
+async def measure(direct: str, routed: str, lengths: list[int], requests: int) -> list[dict]:
+    rows = []
+    async with aiohttp.ClientSession() as session:
+        for url in (direct, routed):
+            await wait_ready(session, url)
+        for n in lengths:
+            prompt = {"input_ids": list(range(100, 100 + n)), "stream": True}
+            body = json.dumps({**prompt, "sampling_params": {"max_new_tokens": 4}}).encode()
+            row = {"tokens": n, "body_bytes": len(body)}
+            for name, url in (("direct", direct), ("router", routed)):
+                for _ in range(max(requests // 10, 2)):  # warm-up
+                    await first_byte(session, url, body)
+                times = [await first_byte(session, url, body) for _ in range(requests)]
+                row[f"{name}_p50_ms"] = 1e3 * statistics.median(times)
+                row[f"{name}_p99_ms"] = 1e3 * sorted(times)[int(0.99 * (len(times) - 1))]
+            row["router_adds_ms"] = row["router_p50_ms"] - row["direct_p50_ms"]
+            rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    parser.add_argument("--lengths", type=ints, default=[1024, 4096, 16384])
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--out", default="bench/results/router_overhead.json")
+    args = parser.parse_args(argv)
+    prefill, decode, router = free_port(), free_port(), free_port()
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=serve_stubs, args=(prefill, decode), daemon=True),
+        ctx.Process(target=serve_router, args=(prefill, decode, router), daemon=True),
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        direct, routed = f"http://127.0.0.1:{decode}", f"http://127.0.0.1:{router}"
+        rows = asyncio.run(measure(direct, routed, args.lengths, args.requests))
+    finally:
+        for proc in procs:
+            proc.kill()
+    print(
+        f"{'tokens':>7} {'direct p50':>11} {'router p50':>11} {'adds':>7} {'router p99':>11}  (ms)"
+    )
+    for r in rows:
+        print(
+            f"{r['tokens']:>7} {r['direct_p50_ms']:>11.3f} {r['router_p50_ms']:>11.3f} "
+            f"{r['router_adds_ms']:>7.3f} {r['router_p99_ms']:>11.3f}"
+        )
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"cpus": os.cpu_count(), "rows": rows}, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
