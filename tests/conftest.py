@@ -1,9 +1,12 @@
 """Shared fixtures: tiny random checkpoints of each architecture (written once per test session and
-worker through `dserve.models.tiny`, i.e. transformers' save_pretrained) and engine factories."""
+worker through `dserve.models.tiny`, i.e. transformers' save_pretrained) and engine factories;
+`made_once` for what the test workers of a session share (trained checkpoints)."""
 
 from __future__ import annotations
 
+import fcntl
 import gc
+import json
 import os
 import random
 
@@ -62,7 +65,10 @@ def make_engine():
         engine.check_invariants()
         assert not any(g.kv.tables for g in engine.groups), "pages still held after shutdown"
     engines.clear()
-    gc.collect()  # free KV pools now: a GPU pool sized from free memory must not see the last test's
+    # free KV pools now: a GPU pool sized from free memory must not see the last test's (a CPU
+    # pool's size is fixed, and a full collection takes 0.3 s in a test worker)
+    if torch.cuda.is_available():
+        gc.collect()
 
 
 def forward_spans(engine, spans):
@@ -89,6 +95,24 @@ def count_calls(obj, name: str) -> list:
 
     setattr(obj, name, counted)
     return calls
+
+
+def made_once(tmp_path_factory, name: str, make) -> tuple[str, dict]:
+    """(directory, info) of `make(directory) -> info` (JSON), run once per test session: under
+    pytest-xdist the first worker to ask makes it in the session's directory while the others
+    wait on its lock, then each reads what it made (a trained checkpoint takes 10-20 s)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # this session's, above each worker's own
+    out, done = root / name, root / f"{name}.json"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when closed
+        if not done.exists():
+            out.mkdir(exist_ok=True)
+            info = make(str(out))
+            done.with_suffix(".tmp").write_text(json.dumps(info))
+            done.with_suffix(".tmp").rename(done)  # whole, or not there
+    return str(out), json.loads(done.read_text())
 
 
 def random_prompts(n: int, vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:

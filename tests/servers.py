@@ -129,12 +129,24 @@ class Proc:
         self.popen.wait()
 
     def stop(self) -> None:
+        stop_all([self])
+
+    def terminate(self) -> None:
+        """SIGTERM (a clean stop), without waiting for it."""
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.popen.wait(20)
-        self.kill()
-        self.log.close()
+
+
+def stop_all(procs) -> None:
+    """SIGTERM each, then wait for each (20 s, then SIGKILL its process group): each stops
+    cleanly as when stopped one by one, but they stop at the same time."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.popen.wait(20)
+        proc.kill()
+        proc.log.close()
 
 
 def start_instance(
@@ -172,8 +184,7 @@ class Cluster:
         return self.router.url
 
     def stop(self) -> None:
-        for p in self.procs:
-            p.stop()
+        stop_all(self.procs)
 
 
 def start_cluster(
@@ -185,21 +196,21 @@ def start_cluster(
     prefill_env=None,
     decode_env=None,
 ) -> Cluster:
+    """The three start at once: the router probes the instances every 0.5 s until both answer
+    ready, and the cluster is returned once it has seen them so."""
     prefill = start_instance("prefill", model, log_dir, *prefill_args, env=prefill_env)
     decode = start_instance("decode", model, log_dir, *decode_args, env=decode_env)
     started = [prefill, decode]
     try:
-        prefill.wait_ready()
-        decode.wait_ready()
         router = start_router([prefill], [decode], log_dir, *router_args)
         started.insert(0, router)
-        router.wait_ready()
+        for proc in (prefill, decode, router):
+            proc.wait_ready()
         wait_for(
             lambda: get(router.url + "/health")[0] == 200, 30, "router sees both instances healthy"
         )
     except BaseException:
-        for proc in started:  # the router too: none outlives a failed start
-            proc.stop()
+        stop_all(started)  # the router too: none outlives a failed start
         raise
     return Cluster(prefill, decode, router, started)
 

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tests.conftest import random_prompts
-from tests.servers import free_port, get, post, start_instance
+from tests.servers import free_port, get, post, start_instance, stop_all
 
 pytestmark = pytest.mark.slow
 GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
@@ -54,8 +54,7 @@ def test_two_hosts_give_the_tokens_of_one(shape, tiny_dir, tmp_path, make_engine
         status, health = get(front.url + "/health")
         assert status == 503 and "rank 1 on node 1" in health["error"]
     finally:
-        front.stop()
-        other.stop()
+        stop_all([front, other])
 
 
 def test_a_node_that_never_joins_fails_the_start_naming_it(tiny_dir):

@@ -24,6 +24,7 @@ from tests.servers import (
     post,
     start_instance,
     start_router,
+    stop_all,
     stream,
     wait_for,
 )
@@ -41,8 +42,7 @@ def instances(tiny_dir, tmp_path_factory):
             proc.wait_ready()
         yield procs[:2], procs[2:], logs
     finally:
-        for proc in procs:
-            proc.stop()
+        stop_all(procs)
 
 
 def router(instances, *flags: str):

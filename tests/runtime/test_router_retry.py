@@ -23,6 +23,7 @@ from tests.servers import (
     post,
     start_instance,
     start_router,
+    stop_all,
     wait_for,
 )
 
@@ -111,5 +112,4 @@ def test_a_dead_decode_and_failed_transfers_lose_no_request(tiny_dir, tmp_path, 
         )
         assert_all_pages_free(prefill, decodes[0], timeout=30)
     finally:
-        for proc in procs:
-            proc.stop()
+        stop_all(procs)

@@ -16,6 +16,7 @@ from tests.servers import (
     get,
     post,
     start_instance,
+    stop_all,
     stream,
     wait_for,
 )
@@ -48,8 +49,7 @@ def pair(tiny_dir, tmp_path_factory):
         wait_for(lambda: get(router.url + "/health")[0] == 200, 60, "sglang-router is up")
         yield model, router, prefill, decode
     finally:
-        for proc in procs:
-            proc.stop()
+        stop_all(procs)
 
 
 def test_generate_through_sglang_router(pair, make_engine):

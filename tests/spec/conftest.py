@@ -1,11 +1,12 @@
 """Draft checkpoints for the speculative tests: a tiny target and MTP draft trained on a phrase
-corpus (bench/train_mtp.py), once per session and worker, for tests whose drafts must be accepted
-often; and random EAGLE-3 drafts written for the tiny targets."""
+corpus (bench/train_mtp.py), once per session (the test workers share it: `made_once`), for tests
+whose drafts must be accepted often; and random EAGLE-3 drafts written for the tiny targets."""
 
 from __future__ import annotations
 
 import pytest
 
+from tests.conftest import made_once
 from tests.drafts import train
 
 
@@ -15,8 +16,11 @@ def trained_dir(tmp_path_factory):
 
     def get(arch: str):
         if arch not in made:
-            out = str(tmp_path_factory.mktemp(f"mtp_trained_{arch}"))
-            made[arch] = (out, train(arch, out, steps=120, log=lambda *_: None))
+            made[arch] = made_once(
+                tmp_path_factory,
+                f"mtp_trained_{arch}",
+                lambda out: train(arch, out, steps=120, log=lambda *_: None),
+            )
         return made[arch]
 
     return get
@@ -49,7 +53,7 @@ def eagle3_dir(tiny_dir, tmp_path_factory):
 @pytest.fixture(scope="session")
 def trained_eagle3(trained_dir, tmp_path_factory):
     """(target, draft, target info): an EAGLE-3 draft trained (bench/train_eagle3.py) for the trained
-    target of `trained_dir`, once per session and worker."""
+    target of `trained_dir`, once per session."""
     made = {}
 
     def get(arch: str):
@@ -57,12 +61,12 @@ def trained_eagle3(trained_dir, tmp_path_factory):
             from tests.drafts import train_eagle3
 
             target, info = trained_dir(arch)
-            out = str(tmp_path_factory.mktemp(f"eagle3_trained_{arch}"))
-            made[arch] = (
-                target,
-                out,
-                {**info, **train_eagle3(target, out, steps=150, log=lambda *_: None)},
+            out, trained = made_once(
+                tmp_path_factory,
+                f"eagle3_trained_{arch}",
+                lambda out: train_eagle3(target, out, steps=150, log=lambda *_: None),
             )
+            made[arch] = (target, out, {**info, **trained})
         return made[arch]
 
     return get

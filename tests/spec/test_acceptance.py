@@ -90,6 +90,18 @@ def sampled_tokens(engine, prompt: list[int], samples: int = SAMPLES) -> list[li
     ]
 
 
+_plain_draws: dict[tuple[str, tuple[int, ...]], list[list[int]]] = {}
+
+
+def plain_draws(path: str, prompt: list[int], make_engine) -> list[list[int]]:
+    """The plain engine's seeded draws after `prompt` (`sampled_tokens`): made once per checkpoint
+    and prompt in a test worker, the reference of every topk below."""
+    key = (path, tuple(prompt))
+    if key not in _plain_draws:
+        _plain_draws[key] = sampled_tokens(make_engine(path, max_running_requests=512), prompt)
+    return _plain_draws[key]
+
+
 @pytest.mark.parametrize("topk", [1, 4])
 def test_speculative_sampling_keeps_the_target_distribution(topk, trained, make_engine):
     """Seeded sampling with drafts (accepted with probability p(d), else a draw from the rest; in a
@@ -97,7 +109,7 @@ def test_speculative_sampling_keeps_the_target_distribution(topk, trained, make_
     verified position are one distribution."""
     path, info = trained
     prompt = info["prompts"][0]
-    plain = sampled_tokens(make_engine(path, max_running_requests=512), prompt)
+    plain = plain_draws(path, prompt, make_engine)
     engine = make_engine(
         path,
         max_running_requests=512,

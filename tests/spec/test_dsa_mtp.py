@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.conftest import made_once
 from tests.drafts import train
 
 GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
@@ -18,8 +19,11 @@ SHAPES = {
 
 @pytest.fixture(scope="module")
 def trained_dsa(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("mtp_trained_glm_moe_dsa"))
-    return out, train("glm_moe_dsa", out, steps=60, log=lambda *_: None)
+    return made_once(
+        tmp_path_factory,
+        "mtp_trained_glm_moe_dsa",
+        lambda out: train("glm_moe_dsa", out, steps=60, log=lambda *_: None),
+    )
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))

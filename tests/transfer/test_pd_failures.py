@@ -22,6 +22,7 @@ from tests.servers import (
     start_cluster,
     start_instance,
     start_router,
+    stop_all,
     wait_for,
 )
 
@@ -172,8 +173,7 @@ def test_decode_killed_in_flight(tiny_dir, tmp_path):
         assert generate(router.url, [1, 2, 3])[0] == 200
         assert_all_pages_free(prefill, decode)
     finally:
-        for p in procs:
-            p.stop()
+        stop_all(procs)
 
 
 def test_bootstrap_and_transfer_timeouts(tiny_dir, tmp_path):
@@ -207,8 +207,7 @@ def test_bootstrap_and_transfer_timeouts(tiny_dir, tmp_path):
         assert status == 400 and "router" in answer["error"]["message"]
         assert_all_pages_free(prefill, decode)
     finally:
-        prefill.stop()
-        decode.stop()
+        stop_all([prefill, decode])
 
 
 def test_incompatible_pair_is_refused_with_the_difference(tiny_dir, tmp_path):

@@ -10,19 +10,15 @@ import pytest
 
 from tests.conftest import random_prompts
 from tests.reference import hf_greedy
-from tests.servers import assert_all_pages_free, get, post, start_cluster, stream
+from tests.servers import assert_all_pages_free, get, post, stream
 
 pytestmark = pytest.mark.slow
 GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe"])
-def cluster(request, tiny_dir, tmp_path_factory):
-    model = tiny_dir(request.param)
-    c = start_cluster(model, tmp_path_factory.mktemp("logs"))
-    c.model = model
-    yield c
-    c.stop()
+def cluster(request, default_pair):
+    return default_pair(request.param)
 
 
 @pytest.fixture(scope="module")

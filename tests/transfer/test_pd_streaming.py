@@ -28,25 +28,47 @@ from tests.servers import (
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])  # MLA latents, MHA heads
-def test_streamed_prompts_keep_the_exact_tokens(arch, tiny_dir, tmp_path):
-    model = tiny_dir(arch)
-    cluster = start_cluster(model, tmp_path)
-    try:
-        prompts = random_prompts(3, 512, [70, 300, 600], seed=5)
-        with ThreadPoolExecutor(3) as pool:
-            answers = list(pool.map(lambda ids: generate(cluster.url, ids), prompts))
-        streamed = []
-        for ids, (status, body) in zip(prompts, answers):
-            assert status == 200, body
-            assert body["output_ids"] == hf_greedy(model, ids, 6)
-            streamed.append(body["meta_info"]["kv_transfer"]["streamed_pages"])
-        # how many pages leave early depends on when the decode's registration comes (on a
-        # loaded host, late): some must have
-        assert sum(streamed) > 0, streamed
-        assert_all_pages_free(cluster.prefill, cluster.decode)
-    finally:
-        cluster.stop()
+# MHA heads, MLA latents; the default pairs (conftest.py): GLM's from test_pd_serving's last
+# tests, DeepSeek's on to test_client_leaves_while_the_prompt_streams
+@pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3"])
+def test_streamed_prompts_keep_the_exact_tokens(arch, default_pair):
+    cluster = default_pair(arch)
+    prompts = random_prompts(3, 512, [70, 300, 600], seed=5)
+    with ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(lambda ids: generate(cluster.url, ids), prompts))
+    streamed = []
+    for ids, (status, body) in zip(prompts, answers):
+        assert status == 200, body
+        assert body["output_ids"] == hf_greedy(cluster.model, ids, 6)
+        streamed.append(body["meta_info"]["kv_transfer"]["streamed_pages"])
+    # how many pages leave early depends on when the decode's registration comes (on a
+    # loaded host, late): some must have
+    assert sum(streamed) > 0, streamed
+    assert_all_pages_free(cluster.prefill, cluster.decode)
+
+
+def test_client_leaves_while_the_prompt_streams(default_pair):
+    """The client hangs up while its long prompt is computed and streamed: the prefill gives
+    the room up with a final push carrying the error, the decode stops waiting, no page is
+    held, and the pair serves the next request."""
+    cluster = default_pair("deepseek_v3")
+    ids = random_prompts(1, 512, [900], seed=8)[0]
+    body = {"input_ids": ids, "stream": True, "sampling_params": GREEDY}
+    request = urllib.request.Request(
+        cluster.url + "/generate",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    response = urllib.request.urlopen(request, timeout=60)
+    time.sleep(0.5)  # some chunks computed and streamed
+    response.close()
+    wait_for(
+        lambda: get(cluster.decode.url + "/debug/kv")[1]["requests"] == 0,
+        20,
+        "the decode drops the request of the client that left",
+    )
+    assert_all_pages_free(cluster.prefill, cluster.decode, timeout=30)
+    assert generate(cluster.url, random_prompts(1, 512, [40], seed=9)[0])[0] == 200
 
 
 def test_a_room_whose_final_push_fails_never_decodes(tiny_dir, tmp_path):
@@ -89,32 +111,5 @@ def test_preempted_while_streaming(tiny_dir, tmp_path):
         preempted = get(cluster.prefill.url + "/debug/kv")[1]["preempted"]
         assert preempted > 0, "no preemption happened"
         assert_all_pages_free(cluster.prefill, cluster.decode)
-    finally:
-        cluster.stop()
-
-
-def test_client_leaves_while_the_prompt_streams(tiny_dir, tmp_path):
-    """The client hangs up while its long prompt is computed and streamed: the prefill gives
-    the room up with a final push carrying the error, the decode stops waiting, no page is
-    held, and the pair serves the next request."""
-    cluster = start_cluster(tiny_dir("deepseek_v3"), tmp_path)
-    try:
-        ids = random_prompts(1, 512, [900], seed=8)[0]
-        body = {"input_ids": ids, "stream": True, "sampling_params": GREEDY}
-        request = urllib.request.Request(
-            cluster.url + "/generate",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        response = urllib.request.urlopen(request, timeout=60)
-        time.sleep(0.5)  # some chunks computed and streamed
-        response.close()
-        wait_for(
-            lambda: get(cluster.decode.url + "/debug/kv")[1]["requests"] == 0,
-            20,
-            "the decode drops the request of the client that left",
-        )
-        assert_all_pages_free(cluster.prefill, cluster.decode, timeout=30)
-        assert generate(cluster.url, random_prompts(1, 512, [40], seed=9)[0])[0] == 200
     finally:
         cluster.stop()
