@@ -27,9 +27,9 @@ pool's last page), and is routed to no expert (`ForwardBatch.real_tokens`). Per 
 packs the per-token ints (ids, positions, slots, span, context length, the fused draft's inputs),
 the wanted logits rows and the page table into one pinned buffer; one non-blocking copy fills the
 graph's static buffer and the graph replays, with no host sync. A backend that plans on the host
-(FlashInfer) plans from the packed context lengths before the replay (`prepare_static`). A token id the host does not have
-yet (a request's newest token, sampled by the step before: `batch.pending_token`) is read from the
-device inside the graph.
+(FlashInfer) plans from the packed context lengths before the replay (`prepare_static`). A token
+id the host does not have yet (a request's newest token, sampled by the step before:
+`batch.pending_token`) is read from the device inside the graph.
 
 A graph computes the layers into output buffers that every bucket of its set shares; the LM head
 then runs on the wanted rows only. The naive fused step, whose draft reads the target's argmax,
