@@ -43,6 +43,7 @@ log = logging.getLogger("dserve.runtime")
 IDLE_WAIT_S = 0.05  # nothing at all to do: wake up this often anyway (to see `running`)
 SIDE_WAIT_S = 0.01  # rooms in flight: how often their deadlines are checked
 HANDOFF_WAIT_S = 0.001  # the most the engine thread waits for a request's first tokens taken
+RUN_HERE_CHECK_S = 1.0  # how often a `run_here` caller checks that the engine thread lives
 
 
 class NullStats:
@@ -90,7 +91,8 @@ class EngineLoop:
     def run_here(self, fn: Callable, *args):
         """Run `fn(*args)` on the engine thread and wait for its result, from a thread that is
         not an event loop's (the instance's start: its warm-up runs where steps will run, so
-        what CUDA keeps per thread, cuBLAS's handles and workspaces, is made before ready)."""
+        what CUDA keeps per thread, cuBLAS's handles and workspaces, is made before ready). An
+        engine thread that has ended fails the wait within `RUN_HERE_CHECK_S`."""
         done: concurrent.futures.Future = concurrent.futures.Future()
 
         def job() -> None:
@@ -100,6 +102,10 @@ class EngineLoop:
                 done.set_exception(e)
 
         self._put(job)
+        while not done.done():  # the job (a warm-up) has no bound, a dead engine thread has one
+            if not self.thread.is_alive():
+                raise RuntimeError("the engine thread ended before it ran the job")
+            concurrent.futures.wait([done], timeout=RUN_HERE_CHECK_S)
         return done.result()
 
     async def call(self, fn: Callable, *args):

@@ -1,17 +1,18 @@
 """The engine thread's asyncio front (`runtime/engine_loop.py`): a client that leaves ends its request
 and frees its pages, even when it leaves while the start still waits behind a busy engine thread; a
 job run on the engine thread from outside an event loop (`run_here`, the warm-up) hands back its
-outcome."""
+outcome, and fails within a second when the engine thread is gone."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
 from dserve.runtime import SamplingParams
-from dserve.runtime.engine_loop import EngineLoop
+from dserve.runtime.engine_loop import RUN_HERE_CHECK_S, EngineLoop
 
 
 def test_client_gone_while_the_start_waits_aborts(tiny_dir, make_engine):
@@ -47,6 +48,23 @@ def test_run_here_runs_on_the_engine_thread_and_hands_back_its_outcome(tiny_dir,
         with pytest.raises(ValueError, match="warm-up failed"):
             loop.run_here(_fail, "warm-up failed")
         assert loop.run_here(lambda x: x + 1, 41) == 42  # the thread still serves
+    finally:
+        loop.stop()
+
+
+def test_run_here_fails_at_once_when_the_engine_thread_has_ended(tiny_dir, make_engine):
+    """A job queued behind an engine thread that is gone never runs: the caller gets an error
+    within a second (RUN_HERE_CHECK_S), not a hang."""
+    loop = EngineLoop(make_engine(tiny_dir("deepseek_v3")))
+    loop.running = False
+    loop.post(lambda: None)  # wakes the thread, which leaves its loop
+    loop.thread.join(timeout=10)
+    assert not loop.thread.is_alive()
+    start = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match="engine thread ended"):
+            loop.run_here(lambda: 42)
+        assert time.monotonic() - start < 2 * RUN_HERE_CHECK_S
     finally:
         loop.stop()
 
