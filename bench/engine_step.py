@@ -25,8 +25,8 @@ roofline only.
 
 Prints a table, writes JSON and, with matplotlib, a PNG of the three against the roofline.
 `--attention-backend flashinfer` (with FlashInfer installed) times its steps, under CUDA graphs
-unless `--disable-cuda-graph`. The issue's goal: the engine step within 1.10x of the forward alone and within 1.5x of the
-roofline at batch 1, 32 and 128 on an H100.
+unless `--disable-cuda-graph`. The issue's goal: the engine step within 1.10x of the forward
+alone and within 1.5x of the roofline at batch 1, 32 and 128 on an H100.
 """
 
 from __future__ import annotations

@@ -91,9 +91,15 @@ async def first_byte(session: aiohttp.ClientSession, url: str, body: bytes) -> f
     return seconds
 
 
-async def wait_ready(session: aiohttp.ClientSession, url: str, timeout_s: float = 60) -> None:
+async def wait_ready(
+    session: aiohttp.ClientSession, url: str, procs: list, timeout_s: float = 60
+) -> None:
+    """Until `url` answers /health, failing at once if one of `procs` has exited."""
     deadline = time.monotonic() + timeout_s
     while True:
+        dead = [p.name for p in procs if p.exitcode is not None]
+        if dead:
+            raise RuntimeError(f"exited before {url} was ready: {dead}")
         try:
             async with session.get(url + "/health") as resp:
                 if resp.status == 200:
@@ -105,11 +111,13 @@ async def wait_ready(session: aiohttp.ClientSession, url: str, timeout_s: float 
         await asyncio.sleep(0.1)
 
 
-async def measure(direct: str, routed: str, lengths: list[int], requests: int) -> list[dict]:
+async def measure(
+    direct: str, routed: str, lengths: list[int], requests: int, procs: list
+) -> list[dict]:
     rows = []
     async with aiohttp.ClientSession() as session:
         for url in (direct, routed):
-            await wait_ready(session, url)
+            await wait_ready(session, url, procs)
         for n in lengths:
             prompt = {"input_ids": list(range(100, 100 + n)), "stream": True}
             body = json.dumps({**prompt, "sampling_params": {"max_new_tokens": 4}}).encode()
@@ -142,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
         proc.start()
     try:
         direct, routed = f"http://127.0.0.1:{decode}", f"http://127.0.0.1:{router}"
-        rows = asyncio.run(measure(direct, routed, args.lengths, args.requests))
+        rows = asyncio.run(measure(direct, routed, args.lengths, args.requests, procs))
     finally:
         for proc in procs:
             proc.kill()
