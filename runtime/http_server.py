@@ -17,7 +17,6 @@ import asyncio
 import json
 import logging
 import os
-import socket
 import time
 
 from aiohttp import web
@@ -35,25 +34,24 @@ from dserve.runtime.config import EngineConfig
 from dserve.runtime.engine import Engine
 from dserve.runtime.engine_loop import EngineLoop, merge
 from dserve.runtime.metrics import CONTENT_TYPE, InstanceMetrics
-from dserve.runtime.openai_protocol import parse_chat, parse_completions
+from dserve.runtime.openai_protocol import PARSERS
 from dserve.runtime.pd import mark
 from dserve.runtime.protocol import (
     ROUTES,
     BadRequest,
+    EventStream,
     GenerateInput,
     Part,
     error_body,
-    parse_generate,
 )
 from dserve.runtime.server_config import ServerConfig
 from dserve.runtime.sglang_compat import drop_no_op_fields, quiet_h2_probes
-from dserve.runtime.startup import listening_socket, stop_signals
+from dserve.runtime.startup import listening_socket, start_site, stop_signals
 from dserve.runtime.stats import Stats
 from dserve.scheduler.request import SamplingParams
 from dserve.transfer.descriptor import IncompatiblePeer
 
 log = logging.getLogger("dserve.server")
-PARSERS = {"generate": parse_generate, "completions": parse_completions, "chat": parse_chat}
 
 
 def front_host(engine_kwargs: dict) -> str | None:
@@ -393,16 +391,6 @@ class Server:
         return resp
 
 
-class EventStream(web.StreamResponse):
-    """A server-sent event stream whose headers leave with its first event, in one write. Sent
-    apart, the send between them let the engine thread take the GIL, and the first event waited
-    for it (2-core CPU host: 0.5 ms of the time to first token). aiohttp 3.12 on reads the flag;
-    an older one sends the headers at once."""
-
-    HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-    _send_headers_immediately = False
-
-
 class _Timer:
     def __init__(self, metrics: InstanceMetrics):
         self.metrics, self.start, self.last = metrics, time.perf_counter(), None
@@ -444,20 +432,6 @@ async def _read_json(request: web.Request) -> dict:
     return body
 
 
-async def run_apps(apps: list[tuple[web.Application, str, int]], on_stop=None) -> None:
-    """Serve each app on its host:port until SIGINT/SIGTERM; clients that leave cancel their handler."""
-    stop = stop_signals()
-    runners = []
-    for app, host, port in apps:
-        runners.append(await start_site(app, listening_socket(host, port, "the HTTP API")))
-    print("dserve: ready", flush=True)
-    await stop.wait()
-    for runner in runners:
-        await runner.cleanup()
-    if on_stop is not None:
-        on_stop()
-
-
 def serve(model_path: str, config: ServerConfig, **engine_kwargs) -> None:
     """Listen at once (a port in use fails before any weight is read), answer 503 while the
     instance loads and warms up, then serve until SIGINT/SIGTERM."""
@@ -492,12 +466,3 @@ async def _serve(server: Server, sockets, model_path, config, metrics, engine_kw
             await runner.cleanup()
         if instance is not None:
             instance.shutdown()
-
-
-async def start_site(app: web.Application, sock: socket.socket) -> web.AppRunner:
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    await web.SockSite(runner, sock).start()
-    host, port = sock.getsockname()[:2]
-    log.info("listening on http://%s:%d", host, port)
-    return runner

@@ -21,6 +21,7 @@ from dserve.runtime.protocol import (
     choices,
     expect,
     is_int,
+    parse_generate,
     refuse_unknown,
     stream_flag,
     token_list,
@@ -348,3 +349,7 @@ def _check_tool_choice(chat: ChatOptions) -> None:
     )
     names = [t["function"]["name"] for t in chat.tools or []]
     expect(fn["name"] in names, f"tool_choice names {fn['name']!r}, which is not in tools")
+
+
+# each route's body parser, the native route's from protocol.py (the instances and the router)
+PARSERS = {"generate": parse_generate, "completions": parse_completions, "chat": parse_chat}

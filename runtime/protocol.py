@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from aiohttp import web
+
 
 class BadRequest(ValueError):
     """The client's request is malformed; HTTP `status` (400) with this message."""
@@ -237,3 +239,14 @@ def error_body(message: str, status: int) -> dict:
     if status == 404:
         kind = "NotFoundError"
     return {"error": {"message": message, "type": kind, "code": status}}
+
+
+class EventStream(web.StreamResponse):
+    """A server-sent event stream (the instances' streamed answers, the router's relay of them)
+    whose headers leave with its first event, in one write. Sent apart, the send between them
+    let the engine thread take the GIL, and the first event waited for it (2-core CPU host:
+    0.5 ms of the time to first token). aiohttp 3.12 on reads the flag; an older one sends the
+    headers at once."""
+
+    HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    _send_headers_immediately = False

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
-from dserve.runtime.http_server import PARSERS, EventStream
 from dserve.runtime.metrics import CONTENT_TYPE, RouterMetrics
-from dserve.runtime.protocol import BOOTSTRAP_FIELDS, ROUTES, error_body
+from dserve.runtime.openai_protocol import PARSERS
+from dserve.runtime.protocol import BOOTSTRAP_FIELDS, ROUTES, EventStream, error_body
 from dserve.runtime.router_policy import Backend, Breaker, Picker
 from dserve.runtime.server_config import RouterConfig
 from dserve.runtime.sglang_compat import drop_no_op_fields
@@ -465,7 +465,7 @@ def _event_error(head: bytes) -> str | None:
 
 
 def run_router(prefill_urls: list[str], decode_urls: list[str], config: RouterConfig) -> None:
-    from dserve.runtime.http_server import run_apps
+    from dserve.runtime.startup import run_apps
 
     router = Router(prefill_urls, decode_urls, config)
     asyncio.run(run_apps([(router.app, config.host, config.port)]))

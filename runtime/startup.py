@@ -3,17 +3,24 @@
 A `StartupError` (a bad model path, a directory that holds no checkpoint, a CUDA device on a
 host without CUDA, a port in use) ends the command with one line on stderr and exit status 2,
 the status argparse gives a usage error; `cli.main` prints it. `stop_signals` makes the first
-SIGINT/SIGTERM stop the process cleanly and a second one exit at once.
+SIGINT/SIGTERM stop the process cleanly and a second one exit at once. `start_site` serves an
+aiohttp app on a listening socket; `run_apps` serves apps until stopped (the router). Nothing
+here imports the engine (or torch): the router starts without it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import socket
 import sys
+
+from aiohttp import web
+
+log = logging.getLogger("dserve.server")
 
 
 class StartupError(Exception):
@@ -96,3 +103,26 @@ def stop_signals() -> asyncio.Event:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     return stop
+
+
+async def run_apps(apps: list[tuple[web.Application, str, int]], on_stop=None) -> None:
+    """Serve each app on its host:port until SIGINT/SIGTERM; clients that leave cancel their handler."""
+    stop = stop_signals()
+    runners = []
+    for app, host, port in apps:
+        runners.append(await start_site(app, listening_socket(host, port, "the HTTP API")))
+    print("dserve: ready", flush=True)
+    await stop.wait()
+    for runner in runners:
+        await runner.cleanup()
+    if on_stop is not None:
+        on_stop()
+
+
+async def start_site(app: web.Application, sock: socket.socket) -> web.AppRunner:
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.SockSite(runner, sock).start()
+    host, port = sock.getsockname()[:2]
+    log.info("listening on http://%s:%d", host, port)
+    return runner
