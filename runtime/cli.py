@@ -13,14 +13,13 @@ import sys
 import textwrap
 import typing
 
-from dserve.models.tiny import ARCHES as TINY_ARCHES
-from dserve.runtime.config import EngineConfig
-
 SHORT_FLAGS = {"tp_size": ["--tp"], "dp_size": ["--dp"], "ep_size": ["--ep"]}
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per EngineConfig field (`model_path` is `--model`)."""
+    from dserve.runtime.config import EngineConfig
+
     group = parser.add_argument_group("engine")
     group.add_argument(
         "--model",
@@ -117,6 +116,8 @@ def server_config(args: argparse.Namespace, role: str):
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
+    from dserve.runtime.config import EngineConfig
+
     return {
         f.name: getattr(args, f.name)
         for f in dataclasses.fields(EngineConfig)
@@ -188,6 +189,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     preflight(args)
     kwargs = engine_kwargs(args)
     if kwargs["node_rank"] > 0:  # another host of a multi-host instance: its ranks only
+        from dserve.runtime.config import EngineConfig
         from dserve.runtime.nodes import run_node
 
         run_node(EngineConfig(args.model_path, **kwargs))
@@ -269,7 +271,10 @@ class _SubParsers(argparse._SubParsersAction):
         return parser
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; with `only="router"`, the router's subcommand
+    alone, which imports neither torch nor the model code (a router host
+    need not have them, and it starts in half a second)."""
     parser = argparse.ArgumentParser(
         prog="dserve",
         description="Disaggregated LLM inference for DeepSeek-V3/R1 and GLM-4.5 class MoE models.",
@@ -278,6 +283,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(
         dest="command", required=True, metavar="COMMAND", action=_SubParsers
     )
+    if only != "router":
+        _add_engine_commands(sub)
+    _add_router(sub)
+    return parser
+
+
+def _add_engine_commands(sub) -> None:
+    from dserve.models.tiny import ARCHES as TINY_ARCHES
 
     tiny = sub.add_parser(
         "make-tiny",
@@ -353,14 +366,25 @@ def build_parser() -> argparse.ArgumentParser:
         add_engine_flags(cmd)
         add_server_flags(cmd, role)
         cmd.set_defaults(func=_cmd_serve, role=role)
-    _add_router(sub)
-    return parser
+
+
+def _command(argv: list[str]) -> str | None:
+    """The subcommand named in argv (the first word that is not a flag or
+    the value of --log-level)."""
+    words = iter(argv)
+    for word in words:
+        if word == "--log-level":
+            next(words, None)
+        elif not word.startswith("-"):
+            return word
+    return None
 
 
 def main(argv: list[str] | None = None) -> None:
     from dserve.runtime.startup import StartupError
 
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(_command(argv)).parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
