@@ -74,3 +74,94 @@ def test_glm45_mha_matches_the_reference(spans):
 
     ref, ours = mha_case(96, 8, 128, 64, torch.bfloat16, spans, FlashInferBackend)
     assert relative_error(ref, ours) < 2e-2
+
+
+GRAPH_ROUNDS = [
+    [(1, 1, None), (1, 63, None), (4, 68, None), (1, 1000, None), (4, 8191, None)],
+    [(1, 8000, None), (1, 64, None), (4, 4, None), (1, 2, None), (4, 700, None)],
+    [(1, 8001, None), (1, 65, None), (4, 5, None), (1, 3, None), (4, 701, None)],
+]
+
+
+def static_copy(static: dict, batch) -> None:
+    """A batch's tensors into a captured pass's fixed buffers (the page
+    table into the first columns of the static one)."""
+    table = static["page_table"]
+    table.zero_()
+    table[: batch.page_table.shape[0], : batch.page_table.shape[1]] = batch.page_table
+    for name in ("out_slots", "token_seqs", "token_ctx_lens"):
+        static[name].copy_(getattr(batch, name))
+
+
+@pytest.mark.gpu
+@needs_flashinfer
+@pytest.mark.parametrize("arch", ["mla", "mha"])
+def test_graph_replays_match_the_reference_at_long_contexts(arch):
+    """A static pass captured once, then replayed over new pages, new
+    queries and contexts of 1 to 8191 tokens that grow between replays
+    (decode tokens and chains of 4), each against the torch reference on
+    the same pool: the graph's page gather and the host plan before each
+    replay follow the batch, not the capture."""
+    from dataclasses import replace
+
+    from dserve.attention.flashinfer_backend import FlashInferBackend
+    from dserve.attention.torch_backend import TorchBackend
+    from tests.kernel_cases import pages_for, random_batch
+
+    dtype, gen = torch.bfloat16, torch.Generator().manual_seed(3)
+    if arch == "mla":
+        heads, rank, rope = 128, 512, 64
+        layout = KVLayout("mla", 1, 64, dtype, latent_dim=rank + rope, kv_lora_rank=rank)
+        shapes = ((heads, rank), (heads, rope), (rank + rope,))
+        forward = lambda b, x: b.forward_mla(0, *x, (rank + rope) ** -0.5)
+    else:
+        layout = KVLayout("mha", 1, 64, dtype, num_kv_heads=8, head_dim=128, v_head_dim=128)
+        shapes = ((96, 128), (8, 128), (8, 128))
+        forward = lambda b, x: b.forward_mha(0, *x, 128**-0.5)
+    pool = KVPool(layout, 3 * max(pages_for(r, 64) for r in GRAPH_ROUNDS), "cuda")
+    pool.pages.copy_(torch.randn(pool.pages.shape, generator=gen).to(dtype))
+    batches = [random_batch(pool, spans, gen, "cuda") for spans in GRAPH_ROUNDS]
+    tokens = batches[0].num_tokens
+    inputs = [
+        [torch.randn(tokens, *s, generator=gen).to("cuda", dtype) for s in shapes] for _ in batches
+    ]
+    first = batches[0]
+    static = {
+        "page_table": torch.zeros(len(first.q_lens), 200, dtype=torch.int64, device="cuda"),
+        "out_slots": first.out_slots.clone(),
+        "token_seqs": first.token_seqs.clone(),
+        "token_ctx_lens": first.token_ctx_lens.clone(),
+        "inputs": [x.clone() for x in inputs[0]],
+    }
+    real = torch.ones(tokens, dtype=torch.int64, device="cuda")
+    static_batch = replace(
+        first,
+        page_table=static["page_table"],
+        out_slots=static["out_slots"],
+        token_seqs=static["token_seqs"],
+        token_ctx_lens=static["token_ctx_lens"],
+        real_tokens=real,
+    )
+    ours = FlashInferBackend(pool)
+
+    def prepare(batch, x) -> None:
+        static_copy(static, batch)
+        for dst, src in zip(static["inputs"], x):
+            dst.copy_(src)
+        ours.prepare_static(tokens, batch.token_ctx_lens.cpu().numpy())
+
+    prepare(first, inputs[0])
+    ours.plan(static_batch)  # the eager run before a capture: the first plan
+    forward(ours, static["inputs"])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ours.plan(static_batch)
+        out = forward(ours, static["inputs"])
+    assert ours.graphs[tokens].wrapper is not None
+    for batch, x in zip(batches, inputs):
+        reference = TorchBackend(pool)
+        reference.plan(batch)
+        expected = forward(reference, x).float()
+        prepare(batch, x)
+        graph.replay()
+        assert relative_error(expected, out.float()) < 2e-2
