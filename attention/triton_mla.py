@@ -66,11 +66,15 @@ def _split_kernel(
     IEEE: tl.constexpr,
     TMA: tl.constexpr,
     SELECT: tl.constexpr,
+    BOTH: tl.constexpr,
+    REST_ACC: tl.constexpr,
 ):
     b, split = tl.program_id(0), tl.program_id(2)
     # a program owns BLOCK_V of the R value columns: the scores need all R (+ P) columns, the
-    # accumulator only its own, which keeps it in registers when R is wide
-    hb, vb = tl.program_id(1) // (R // BLOCK_V), tl.program_id(1) % (R // BLOCK_V)
+    # accumulator only its own, which keeps it in registers when R is wide. BOTH: a program
+    # owns both halves (BLOCK_V = R / 2), in two accumulators that share the scores
+    blocks: tl.constexpr = 1 if BOTH else R // BLOCK_V
+    hb, vb = tl.program_id(1) // blocks, tl.program_id(1) % blocks
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     sel_row = Selected + b.to(tl.int64) * s_sel_b
     if SELECT:  # the row's selection, -1 where it has no position
@@ -100,6 +104,7 @@ def _split_kernel(
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
+    acc_rest = tl.zeros([BLOCK_H, REST_ACC], tl.float32)
     # whole blocks (one page each) through Hopper's tensor memory accelerator; the tail below
     if TMA:
         whole_end = start + (end - start) // BLOCK_N * BLOCK_N
@@ -111,7 +116,9 @@ def _split_kernel(
             s = _dot(q_own, tl.trans(c_own), IEEE) + _dot(q_rest, tl.trans(c_rest), IEEE)
             s += _dot(qr, tl.trans(kr), IEEE)
             whole = n0 + tl.arange(0, BLOCK_N) < end
-            m, l, acc = _online_softmax_step(s * scale, whole[None, :], c_own, m, l, acc, IEEE)
+            m, l, acc, acc_rest = _softmax_step(
+                s * scale, whole[None, :], c_own, c_rest, m, l, acc, acc_rest, BOTH, IEEE
+            )
         start = whole_end
     for n0 in range(start, end, BLOCK_N):
         if SELECT:  # sparse attention: the row's selected positions, not its whole context
@@ -122,10 +129,13 @@ def _split_kernel(
         c_own = tl.load(Cache + base[:, None] + own[None, :], mask=tmask[:, None], other=0.0)
         kr = tl.load(Cache + base[:, None] + R + p[None, :], mask=tmask[:, None], other=0.0)
         s = _dot(q_own, tl.trans(c_own), IEEE) + _dot(qr, tl.trans(kr), IEEE)
+        c_rest = c_own  # unused unless BLOCK_V < R
         if BLOCK_V < R:
             c_rest = tl.load(Cache + base[:, None] + rest[None, :], mask=tmask[:, None], other=0.0)
             s += _dot(q_rest, tl.trans(c_rest), IEEE)
-        m, l, acc = _online_softmax_step(s * scale, tmask[None, :], c_own, m, l, acc, IEEE)
+        m, l, acc, acc_rest = _softmax_step(
+            s * scale, tmask[None, :], c_own, c_rest, m, l, acc, acc_rest, BOTH, IEEE
+        )
     # every value block writes the same log-sum-exp
     _store_split(
         MidO + b * s_mo_b + split * s_mo_s,
@@ -139,6 +149,19 @@ def _split_kernel(
         l,
         acc,
     )
+    if BOTH:
+        _store_split(
+            MidO + b * s_mo_b + split * s_mo_s,
+            MidLse + b * s_ml_b + split,
+            heads,
+            rest,
+            heads < num_heads,
+            s_mo_h,
+            s_ml_h,
+            m,
+            l,
+            acc_rest,
+        )
 
 
 @triton.jit
@@ -172,18 +195,39 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _online_softmax_step(s, visible, values, m, l, acc, IEEE: tl.constexpr):
-    """One block of scores s [rows, BLOCK_N] (masked where `visible`, broadcast to s, is false) into
-    the running max m, sum l and weighted values acc of the rows. A row that has seen nothing yet
-    (m = -inf) stays at zero instead of NaN."""
+def _softmax_step(
+    s, visible, values, rest, m, l, acc, acc_rest, BOTH: tl.constexpr, IEEE: tl.constexpr
+):
+    """`_online_softmax_step` over `values`, and with BOTH the same weights over the other
+    half of the value columns, `rest`, into `acc_rest`."""
+    m, l, alpha, probs = _softmax_weights(s, visible, m, l)
+    acc = acc * alpha[:, None] + _dot(probs.to(values.dtype), values, IEEE)
+    if BOTH:
+        acc_rest = acc_rest * alpha[:, None] + _dot(probs.to(rest.dtype), rest, IEEE)
+    return m, l, acc, acc_rest
+
+
+@triton.jit
+def _softmax_weights(s, visible, m, l):
+    """One block of scores s [rows, BLOCK_N] (masked where `visible`, broadcast to s, is false)
+    into the running max m and sum l of the rows: (new m, new l, the factor that rescales what
+    was accumulated, the block's weights). A row that has seen nothing yet (m = -inf) stays at
+    zero instead of NaN."""
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp(m - m_safe)
     probs = tl.exp(s - m_safe[:, None])
-    l = l * alpha + tl.sum(probs, 1)
+    return m_new, l * alpha + tl.sum(probs, 1), alpha, probs
+
+
+@triton.jit
+def _online_softmax_step(s, visible, values, m, l, acc, IEEE: tl.constexpr):
+    """One block of scores s [rows, BLOCK_N] (masked where `visible`) into the running max m,
+    sum l and weighted values acc of the rows (`_softmax_weights`)."""
+    m, l, alpha, probs = _softmax_weights(s, visible, m, l)
     acc = acc * alpha[:, None] + _dot(probs.to(values.dtype), values, IEEE)
-    return m_new, l, acc
+    return m, l, acc
 
 
 @triton.jit
@@ -265,16 +309,35 @@ def default_splits(
     return 1 << (want - 1).bit_length()
 
 
-def default_tune(heads: int, rank: int, page_size: int, device: torch.device) -> dict:
+FEW_ROWS = 8  # fewer query rows than this fill the GPU only with twice the programs
+
+
+def default_tune(
+    heads: int,
+    rank: int,
+    page_size: int,
+    device: torch.device,
+    sparse: bool = False,
+    rows: int = FEW_ROWS,
+) -> dict:
     """Launch parameters by heads per rank, from `bench.mla_decode` sweeps on an H100
-    (bench/notes/mla-decode-2026-11-23.md). Up to 16 heads (DeepSeek-V3 at attention TP 8) the kernel
-    is memory-bound: one program takes every head and all value columns, so the cache is read once.
-    With more heads each latent token feeds more FLOPs than the tensor cores keep up with at this
-    structure: a program takes up to 128 heads and half the value columns, its blocks loaded by TMA
-    on Hopper."""
+    (bench/notes/mla-decode-2026-11-23.md, session27-h100-2026-11-26.md). Up to 16 heads
+    (DeepSeek-V3 at attention TP 8) the kernel is memory-bound: one program takes every head
+    and all value columns, so the cache is read once. With more heads each latent token feeds
+    more FLOPs than the tensor cores keep up with at this structure. On Hopper, whole pages of
+    64 tokens: a program takes 64 heads and both halves of the value columns (two
+    accumulators sharing the scores), its blocks of 64 tokens loaded by TMA (128 heads, batch
+    32 / 128 at 8k: 0.319 / 1.227 ms, where 128 heads and half the columns a program took
+    0.360 / 1.352; 10-13% faster at 8k-32k). Otherwise, and for fewer than `FEW_ROWS` query
+    `rows` (batch 1 at 1k: 29 against 25 us) or `sparse` attention's gathered positions, a
+    program takes up to 128 heads and half the value columns."""
     if heads <= 16:
         return {"block_h": 16, "num_warps": 4, "block_n": 32}
     hopper = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+    whole_pages = page_size % 64 == 0 and rows >= FEW_ROWS and not sparse
+    if hopper and whole_pages and rank // 2 <= 256:
+        both = {"both_halves": True, "block_h": 64}
+        return {"tma": True, **both, "num_warps": 8, "block_n": 64}
     if hopper and page_size % 32 == 0 and rank // 2 <= 256:
         return {
             "tma": True,
@@ -303,6 +366,7 @@ def mla_decode(
     block_v: int | None = None,
     tma: bool | None = None,
     selected: torch.Tensor | None = None,
+    both_halves: bool | None = None,
 ) -> torch.Tensor:
     """q_latent [B, H, R], q_rope [B, H, P] (one query row per decode token); `cache` one layer's
     latent pages [num_pages, page_size, R + P] (any page stride); `seq_lens` [B] tokens in KV each row
@@ -312,11 +376,14 @@ def mla_decode(
     the longest context, so no host sync is needed); a row uses fewer splits where its context is
     short (none under `min_split` tokens, by default 2 * block_n). A program accumulates `block_v` of
     the R value columns (by default all). `tma` reads whole blocks through tensor descriptors (Hopper's
-    TMA; half the value columns per program, blocks within a page). Parameters left None come from
+    TMA; half the value columns per program unless `both_halves`, blocks within a page). Parameters left None come from
     `default_tune`. Sparse attention: `selected` [B, K] lists each row's context positions to
-    attend (-1 for none, anywhere in the row) and `seq_lens` is not read (None)."""
+    attend (-1 for none, anywhere in the row) and `seq_lens` is not read (None). `both_halves`:
+    a program accumulates both halves of the value columns (block_v R / 2) in two accumulators
+    that share one computation of the scores (FlashMLA's split: 64 heads a program)."""
     batch, heads, rank = q_latent.shape
-    tune = default_tune(heads, rank, cache.shape[1], q_latent.device)
+    sparse = selected is not None
+    tune = default_tune(heads, rank, cache.shape[1], q_latent.device, sparse, batch)
     block_n, block_h, num_warps = (
         block_n or tune["block_n"],
         block_h or tune["block_h"],
@@ -326,12 +393,14 @@ def mla_decode(
     # selected positions are gathered, not whole blocks: a few rows of many heads still take
     # half the value columns a program, for twice the programs (H100, 64 heads: batch 1 took
     # 20-25 us with half the columns, 20-31 with all; batch 32 and 128 were faster with all)
-    few_rows = tma and batch < 8
+    few_rows = tma and batch < FEW_ROWS
     tma = tma and selected is None
-    block_v = block_v or (rank // 2 if tma or few_rows else rank)
+    both = tune.get("both_halves", False) if both_halves is None else both_halves
+    block_v = block_v or (rank // 2 if tma or few_rows or both else rank)
+    assert block_v == rank // 2 or not both, "both halves: block_v is half the columns"
+    value_blocks = 1 if both else rank // block_v
     if num_splits is None:
         longest, device = max_len or 1 << 16, q_latent.device
-        value_blocks = rank // block_v
         num_splits = default_splits(
             batch, heads, longest, block_n, device, block_h, value_blocks, selected is not None
         )
@@ -357,7 +426,7 @@ def mla_decode(
         shape, strides = list(cache.shape), list(cache.stride())
         halves = TensorDescriptor(cache, shape, strides, [1, block_n, block_v])
         ropes = TensorDescriptor(cache, shape, strides, [1, block_n, rope])
-    _split_kernel[(batch, triton.cdiv(heads, block_h) * (rank // block_v), num_splits)](
+    _split_kernel[(batch, triton.cdiv(heads, block_h) * value_blocks, num_splits)](
         q_latent,
         q_rope,
         cache,
@@ -397,6 +466,8 @@ def mla_decode(
         IEEE=q_latent.dtype == torch.float32,
         TMA=tma,
         SELECT=selected is not None,
+        BOTH=both,
+        REST_ACC=rank - block_v if both else 1,
         num_warps=num_warps,
         num_stages=num_stages,
     )

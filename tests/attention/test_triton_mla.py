@@ -52,10 +52,19 @@ def case(heads, rank, rope, page_size, seq_lens, dtype, device, seed=0):
 
 
 @pytest.mark.parametrize(
-    "num_splits,block_v,tma",
-    [(1, None, False), (4, None, False), (4, 16, False), (4, 16, True), (32, None, False)],
+    "num_splits,block_v,tma,both",
+    [
+        (1, None, False, False),
+        (4, None, False, False),
+        (4, 16, False, False),
+        (4, 16, True, False),
+        (32, None, False, False),
+        (4, 16, False, True),
+        (4, 16, True, True),
+    ],
 )
-def test_small_shapes_match_the_reference(num_splits, block_v, tma):
+def test_small_shapes_match_the_reference(num_splits, block_v, tma, both):
+    """Also with both halves of the value columns in one program (`both_halves`)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # TMA blocks lie within a page; a GPU's dot takes blocks of 16 or more
     page_size = (16 if device == "cuda" else 4) if tma else 4
@@ -81,6 +90,7 @@ def test_small_shapes_match_the_reference(num_splits, block_v, tma):
         min_split=1,
         block_v=block_v,
         tma=tma,
+        both_halves=both,
     )
     ref = reference(q_latent, q_rope, cache, table, lens, scale)
     assert torch.allclose(ours, ref, atol=1e-4, rtol=1e-4), (ours - ref).abs().max()
@@ -127,6 +137,8 @@ def test_rows_of_shared_sequences_and_short_contexts():
         (16, {}),
         (128, {"block_v": 256, "block_h": 64, "num_warps": 4}),
         (128, {"tma": True, "block_h": 64, "num_warps": 4}),
+        (128, {"tma": True, "block_h": 64, "num_warps": 8, "both_halves": True}),
+        (128, {"tma": False, "block_h": 64, "num_warps": 8, "both_halves": True}),
     ],
 )
 def test_deepseek_v3_shapes_match_the_reference(heads, tune):

@@ -168,6 +168,7 @@ def decode_and_gemm_launches(gen: torch.Generator) -> None:
     table, lens = torch.arange(8, dtype=i32).view(2, -1), torch.tensor([200, 256], dtype=i32)
     q, qr = torch.randn(2, 64, 512).to(bf16), torch.randn(2, 64, 64).to(bf16)
     mla_decode(q, qr, cache, table, lens, 0.1, max_len=256)
+    mla_decode(q, qr, cache, table, lens, 0.1, max_len=256, both_halves=True, block_h=64)
     chosen = torch.randint(0, 256, (2, 128), generator=gen)
     mla_decode(q, qr, cache, table, None, 0.1, max_len=128, selected=chosen)
     k = torch.randn(8, 64, 8, 128).to(bf16)
