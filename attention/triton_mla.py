@@ -320,25 +320,27 @@ def default_tune(
     sparse: bool = False,
     rows: int = FEW_ROWS,
 ) -> dict:
-    """Launch parameters by heads per rank, from `bench.mla_decode` sweeps on an H100
-    (bench/notes/mla-decode-2026-11-23.md, session27-h100-2026-11-26.md). Up to 16 heads
-    (DeepSeek-V3 at attention TP 8) the kernel is memory-bound: one program takes every head
-    and all value columns, so the cache is read once. With more heads each latent token feeds
-    more FLOPs than the tensor cores keep up with at this structure. On Hopper, whole pages of
-    64 tokens: a program takes 64 heads and both halves of the value columns (two
-    accumulators sharing the scores), its blocks of 64 tokens loaded by TMA (128 heads, batch
-    32 / 128 at 8k: 0.319 / 1.227 ms, where 128 heads and half the columns a program took
-    0.360 / 1.352; 10-13% faster at 8k-32k). Otherwise, and for fewer than `FEW_ROWS` query
-    `rows` (batch 1 at 1k: 29 against 25 us) or `sparse` attention's gathered positions, a
-    program takes up to 128 heads and half the value columns."""
+    """Launch parameters by heads per rank, from `bench.mla_decode` and `bench.sparse_decode`
+    sweeps on an H100 (bench/notes/mla-decode-2026-11-23.md, session27-h100-2026-11-26.md).
+    Up to 16 heads (DeepSeek-V3 at attention TP 8) the kernel is memory-bound: one program
+    takes every head and all value columns, so the cache is read once. With more heads each
+    latent token feeds more FLOPs than the tensor cores keep up with at this structure. On
+    Hopper, from `FEW_ROWS` query `rows` up, a program takes 64 heads and both halves of the
+    value columns (two accumulators sharing the scores) over blocks of 64 tokens, loaded by
+    TMA where they are whole pages of 64 (not for `sparse` attention's gathered positions).
+    128 heads, batch 32 / 128 at 8k: 0.322 / 1.216 ms, where 128 heads and half the columns
+    a program took 0.363 / 1.347; sparse, 64 heads over 2048 positions: 0.089 / 0.287 ms,
+    where all columns in one accumulator took 0.118 / 0.394. Fewer rows fill the GPU with
+    more programs: up to 128 heads and half the value columns a program (batch 1 at 1k: 25
+    against 29 us)."""
     if heads <= 16:
         return {"block_h": 16, "num_warps": 4, "block_n": 32}
     hopper = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
-    whole_pages = page_size % 64 == 0 and rows >= FEW_ROWS and not sparse
-    if hopper and whole_pages and rank // 2 <= 256:
-        both = {"both_halves": True, "block_h": 64}
-        return {"tma": True, **both, "num_warps": 8, "block_n": 64}
-    if hopper and page_size % 32 == 0 and rank // 2 <= 256:
+    halves = rank // 2 <= 256
+    if hopper and halves and rows >= FEW_ROWS and (sparse or page_size % 64 == 0):
+        both = {"both_halves": True, "block_h": 64, "num_warps": 8, "block_n": 64}
+        return {"tma": not sparse, **both}
+    if hopper and page_size % 32 == 0 and halves:
         return {
             "tma": True,
             "block_h": min(128, triton.next_power_of_2(heads)),
@@ -375,9 +377,9 @@ def mla_decode(
     [B, H, R]. R and P must be powers of two, `num_splits` too (by default from the batch and `max_len`,
     the longest context, so no host sync is needed); a row uses fewer splits where its context is
     short (none under `min_split` tokens, by default 2 * block_n). A program accumulates `block_v` of
-    the R value columns (by default all). `tma` reads whole blocks through tensor descriptors (Hopper's
-    TMA; half the value columns per program unless `both_halves`, blocks within a page). Parameters left None come from
-    `default_tune`. Sparse attention: `selected` [B, K] lists each row's context positions to
+    the R value columns (by default all). `tma` reads whole blocks through tensor descriptors
+    (Hopper's TMA; half the value columns per program unless `both_halves`, blocks within a
+    page). Parameters left None come from `default_tune`. Sparse attention: `selected` [B, K] lists each row's context positions to
     attend (-1 for none, anywhere in the row) and `seq_lens` is not read (None). `both_halves`:
     a program accumulates both halves of the value columns (block_v R / 2) in two accumulators
     that share one computation of the scores (FlashMLA's split: 64 heads a program)."""

@@ -43,7 +43,10 @@ def test_indexer_scores_match_torch(fp8):
         assert torch.isinf(got[t, n:]).all()
 
 
-def test_mla_decode_over_selected_positions_matches_torch():
+@pytest.mark.parametrize("launch", [{}, {"both_halves": True, "block_v": 16}])
+def test_mla_decode_over_selected_positions_matches_torch(launch):
+    """Also with both halves of the value columns in one program (a GPU's default from 8 rows
+    on)."""
     q_latent, q_rope, cache, table, lens = case(
         heads=20, rank=32, rope=16, page_size=4, seq_lens=[5, 16, 37], dtype=torch.float32,
         device=DEVICE,
@@ -55,7 +58,15 @@ def test_mla_decode_over_selected_positions_matches_torch():
         selected[b, : len(picks)] = picks
         selected[b] = selected[b, torch.randperm(6, generator=gen)]  # -1 anywhere
     got = mla_decode(
-        q_latent, q_rope, cache, table, None, 0.3, max_len=6, selected=selected.to(DEVICE)
+        q_latent,
+        q_rope,
+        cache,
+        table,
+        None,
+        0.3,
+        max_len=6,
+        selected=selected.to(DEVICE),
+        **launch,
     )
     for b in range(3):
         pos = selected[b][selected[b] >= 0].to(DEVICE)
@@ -63,6 +74,37 @@ def test_mla_decode_over_selected_positions_matches_torch():
         scores = (q_latent[b] @ ctx[:, :32].T + q_rope[b] @ ctx[:, 32:].T) * 0.3
         want = scores.softmax(-1) @ ctx[:, :32]
         torch.testing.assert_close(got[b], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GLM-5's shapes run on a GPU")
+@pytest.mark.parametrize("rows", [3, 12])
+def test_glm5_sparse_mla_matches_torch(rows):
+    """64 heads, latent 512 + 64, page size 64, bf16, each row over 2048 selected positions of
+    its context (fewer where the context is shorter, -1 anywhere): the default launch for few
+    rows and for many (both halves of the value columns in one program)."""
+    lens = [4096, 2100, 900, 3000, 1, 2048, 4000, 64, 2500, 3333, 1500, 4095][:rows]
+    q_latent, q_rope, cache, table, _ = case(
+        heads=64, rank=512, rope=64, page_size=64, seq_lens=lens, dtype=torch.bfloat16,
+        device="cuda",
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(6)
+    selected = torch.full((rows, 2048), -1, dtype=torch.int64)
+    for b, n in enumerate(lens):
+        picks = torch.randperm(n, generator=gen)[:2048]
+        selected[b, : len(picks)] = picks
+        selected[b] = selected[b, torch.randperm(2048, generator=gen)]
+    scale = 192**-0.5
+    got = mla_decode(
+        q_latent, q_rope, cache, table.long(), None, scale, max_len=2048,
+        selected=selected.cuda(),
+    ).float()  # fmt: skip
+    for b in range(rows):
+        pos = selected[b][selected[b] >= 0].cuda()
+        ctx = cache[table[b, pos // 64].long(), pos % 64].float()
+        scores = q_latent[b].float() @ ctx[:, :512].T + q_rope[b].float() @ ctx[:, 512:].T
+        want = (scores * scale).softmax(-1) @ ctx[:, :512]
+        assert (got[b] - want).abs().max() / want.abs().max() < 2e-2
 
 
 def test_engine_with_the_triton_backend_gives_the_reference_tokens(tiny_dir, make_engine):
