@@ -9,7 +9,8 @@ scattered; `--fp8-keys`: the indexer keys in FP8, the production layout): the de
 `mla_decode` over every position; the sparse step is what the triton backend runs, the
 indexer's scores over every position's key (`indexer_scores`), the top-k (`triton_topk`,
 its row histograms kept as the backend keeps them; `--topk-*`: its launch, default
-`default_chunk`, blocks of 1024, 4 warps), and `mla_decode` over the selected positions.
+`default_chunk`, blocks of 1024, 4 warps; torch's above the backend's `TRITON_TOP_MAX`
+scores in a pass, as the backend does), and `mla_decode` over the selected positions.
 Each is timed as a CUDA graph replay (median), the sparse step's parts too, with torch's
 top-k beside ours (unsorted: `select_top`, and sorted), and the sparse step against its
 roofline: the bytes it must read (every token's indexer key, the selected latents) over the
@@ -114,8 +115,14 @@ def sparse_mla_part(c: dict, chosen: torch.Tensor) -> torch.Tensor:
 
 
 def sparse_step(c: dict, context: int) -> torch.Tensor:
-    """What the triton backend runs for one DSA layer's decode."""
-    return sparse_mla_part(c, top_part(scores_part(c, context), c["hist"]))
+    """What the triton backend runs for one DSA layer's decode: its top-k is ours up to
+    `TRITON_TOP_MAX` scores in a pass, torch's beyond."""
+    from dserve.attention.triton_backend import TRITON_TOP_MAX
+
+    scores = scores_part(c, context)
+    if scores.numel() > TRITON_TOP_MAX:
+        return sparse_mla_part(c, torch_top(scores))
+    return sparse_mla_part(c, top_part(scores, c["hist"]))
 
 
 def same_sets(a: torch.Tensor, b: torch.Tensor) -> bool:
