@@ -137,31 +137,11 @@ def _split_kernel(
             s * scale, tmask[None, :], c_own, c_rest, m, l, acc, acc_rest, BOTH, IEEE
         )
     # every value block writes the same log-sum-exp
-    _store_split(
-        MidO + b * s_mo_b + split * s_mo_s,
-        MidLse + b * s_ml_b + split,
-        heads,
-        own,
-        heads < num_heads,
-        s_mo_h,
-        s_ml_h,
-        m,
-        l,
-        acc,
-    )
+    out_at, lse_at = MidO + b * s_mo_b + split * s_mo_s, MidLse + b * s_ml_b + split
+    written = heads < num_heads
+    _store_split(out_at, lse_at, heads, own, written, s_mo_h, s_ml_h, m, l, acc)
     if BOTH:
-        _store_split(
-            MidO + b * s_mo_b + split * s_mo_s,
-            MidLse + b * s_ml_b + split,
-            heads,
-            rest,
-            heads < num_heads,
-            s_mo_h,
-            s_ml_h,
-            m,
-            l,
-            acc_rest,
-        )
+        _store_split(out_at, lse_at, heads, rest, written, s_mo_h, s_ml_h, m, l, acc_rest)
 
 
 @triton.jit
