@@ -359,10 +359,11 @@ def mla_decode(
     short (none under `min_split` tokens, by default 2 * block_n). A program accumulates `block_v` of
     the R value columns (by default all). `tma` reads whole blocks through tensor descriptors
     (Hopper's TMA; half the value columns per program unless `both_halves`, blocks within a
-    page). Parameters left None come from `default_tune`. Sparse attention: `selected` [B, K] lists each row's context positions to
-    attend (-1 for none, anywhere in the row) and `seq_lens` is not read (None). `both_halves`:
-    a program accumulates both halves of the value columns (block_v R / 2) in two accumulators
-    that share one computation of the scores (FlashMLA's split: 64 heads a program)."""
+    page). Parameters left None come from `default_tune`. Sparse attention: `selected` [B, K]
+    lists each row's context positions to attend (-1 for none, anywhere in the row) and
+    `seq_lens` is not read (None). `both_halves`: a program accumulates both halves of the value
+    columns (block_v R / 2) in two accumulators that share one computation of the scores
+    (FlashMLA's split: 64 heads a program)."""
     batch, heads, rank = q_latent.shape
     sparse = selected is not None
     tune = default_tune(heads, rank, cache.shape[1], q_latent.device, sparse, batch)
