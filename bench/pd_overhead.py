@@ -278,11 +278,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--prefill-env", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--decode-env", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--log-dir",
+        help="keep the instances' logs here (default: a temporary folder, removed); with "
+        "--server-args '--log-level debug' each push's agent timeline is in the prefill's",
+    )
     parser.add_argument("--out", default="bench/results/pd_overhead.json")
     args = parser.parse_args(argv)
     model = model_flags(args)
     results = {}
-    with tempfile.TemporaryDirectory(prefix="pd-overhead-") as logs:
+    with contextlib.ExitStack() as stack:
+        logs = args.log_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="pd-"))
+        os.makedirs(logs, exist_ok=True)
         for mode in ("colocated", "disaggregated"):
             url, servers = start(mode, model, args, logs)
             try:

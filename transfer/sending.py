@@ -129,6 +129,7 @@ class Sending:
         address = push.dst_ranks[d]
         final = push.ready_pages is None
         left = lambda: max(deadline - time.monotonic(), 0.01)
+        marks = [time.perf_counter()]
         try:
             making = self.endpoints.get(address)
             ep = (
@@ -138,6 +139,7 @@ class Sending:
             )
             error = self._failure(push, final)
             data = [] if error or stream.errors else self._data(push, me, d, stream)
+            marks.append(time.perf_counter())
             sends = [ep.send(as_ucx_buffer(t), tag=msg.tag, force_tag=True) for msg, t in data]
             if final:
                 error = error or (stream.errors[0] if stream.errors else None)
@@ -145,7 +147,10 @@ class Sending:
                 control = Control(error is None, error, payload).pack()
                 ctrl = np.frombuffer(control, dtype=np.uint8)
                 sends.append(ep.send(ctrl, tag=ctrl_tag(room, me, d), force_tag=True))
+            marks.append(time.perf_counter())
             await asyncio.wait_for(asyncio.gather(*sends), left())
+            marks.append(time.perf_counter())
+            _log_send_marks(room, d, len(sends), marks)
             stream.bytes += sum(t.numel() * t.element_size() for _, t in data)
             if error:
                 stream.errors.append(error)
@@ -233,3 +238,19 @@ def as_ucx_buffer(t: torch.Tensor):
     dtypes numpy lacks, such as bfloat16, pass too). `t` must be contiguous: the result aliases it."""
     assert t.is_contiguous()
     return t if t.is_cuda else t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _log_send_marks(room: int, d: int, sends: int, marks: list[float]) -> None:
+    """Debug: where a push to decode rank d spent its time (from taking it to the messages
+    ready, posting the sends, their completion), in ms."""
+    if log.isEnabledFor(logging.DEBUG):
+        steps = [(b - a) * 1e3 for a, b in zip(marks, marks[1:])]
+        log.debug(
+            "room %d to decode rank %d: ready +%.3f, %d sends posted +%.3f, completed +%.3f ms",
+            room,
+            d,
+            steps[0],
+            sends,
+            steps[1],
+            steps[2],
+        )
