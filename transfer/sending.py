@@ -242,13 +242,16 @@ def as_ucx_buffer(t: torch.Tensor):
 
 def _log_send_marks(room: int, d: int, sends: int, marks: list[float]) -> None:
     """Debug: where a push to decode rank d spent its time (from taking it to the messages
-    ready, posting the sends, their completion), in ms."""
+    ready, posting the sends, their completion), in ms, from `perf_counter` time `marks[0]`
+    (comparable with the decode's "expect timeline" on one host)."""
     if log.isEnabledFor(logging.DEBUG):
         steps = [(b - a) * 1e3 for a, b in zip(marks, marks[1:])]
         log.debug(
-            "room %d to decode rank %d: ready +%.3f, %d sends posted +%.3f, completed +%.3f ms",
+            "room %d to decode rank %d at %.6f: ready +%.3f, %d sends posted +%.3f, "
+            "completed +%.3f ms",
             room,
             d,
+            marks[0],
             steps[0],
             sends,
             steps[1],
