@@ -56,6 +56,8 @@ def test_models_health_metrics(server: Proc):
 
 BAD = [
     (b"{not json", "not valid JSON"),
+    (b'{"text": "\xff"}', "not valid JSON"),  # not UTF-8
+    (b'{"text": "a", "sampling_params": {"temperature": NaN}}', "not valid JSON"),
     (b"[1, 2]", "JSON object"),
     ({"text": 5}, "text must be a string"),
     ({"text": "a", "input_ids": [1]}, "exactly one"),

@@ -141,6 +141,7 @@ def test_client_errors_do_not_trip_the_breaker_and_metrics_fill(instances):
 
 BAD = [
     (b"{not json", "JSON object"),
+    (b'{"text": "\xff"}', "JSON object"),  # not UTF-8
     ({"text": 5}, "text must be a string"),
     ({"text": "a", "stream": "yes"}, "stream"),
     ({"text": "a", "sampling_params": {"max_new_tokens": "many"}}, "max_new_tokens"),
