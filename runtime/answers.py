@@ -189,7 +189,10 @@ class OpenAIAnswer(Answer):
     def __init__(self, inp, reqs, model, tokenizer):
         super().__init__(inp, reqs, model, tokenizer)
         self.options = inp.openai
-        self.id = self.prefix + uuid.uuid4().hex[:24]
+        shared = inp.shared  # the pair's two instances answer as one
+        self.id = self.prefix + (shared.id if shared else uuid.uuid4().hex[:24])
+        if shared:
+            self.created = shared.created
 
     def _base(self, name: str) -> dict:
         return {"id": self.id, "object": name, "created": self.created, "model": self.model}

@@ -326,9 +326,12 @@ class Server:
             except RuntimeError as e:
                 return _error(str(e), 503)
             answer = instance.answer(inp, [req for req, _ in started])
-            chunks = merge([instance.loop.stream(req, start) for req, start in started])
+            apart = inp.shared is not None
+            streams = [instance.loop.stream(req, start, apart) for req, start in started]
+            chunks = merge(streams)
             if inp.stream:
-                return await self._sse(request, inp, answer, chunks)
+                part = shown_part(instance.config.role, inp)
+                return await self._sse(request, inp, answer, chunks, part)
             return await self._whole(inp, answer, chunks)
 
         return handler
@@ -355,10 +358,12 @@ class Server:
         return web.json_response(answer.whole())
 
     async def _sse(
-        self, request: web.Request, inp: GenerateInput, answer: Answer, chunks
+        self, request: web.Request, inp: GenerateInput, answer: Answer, chunks, part: str = "all"
     ) -> web.StreamResponse:
+        """The answer as events; `part` (`shown_part`): which of them this instance sends."""
         resp = EventStream(headers=EventStream.HEADERS)
         timer, prepared, outcome = _Timer(self.metrics), False, "ok"
+        tokens_seen = False
         try:
             async for index, chunk in chunks:
                 if not prepared:
@@ -370,14 +375,16 @@ class Server:
                     outcome = "error"
                     await _event(resp, error_body(result.meta.get("error") or "aborted", 500))
                     break
-                payloads = answer.event(index, chunk)
-                if chunk.token_ids:  # as they go out: the writes below are sends
+                payloads = answer.event(index, chunk)  # made either way: the answer's state
+                first = bool(chunk.token_ids) and not tokens_seen
+                tokens_seen = tokens_seen or first
+                if part != "all" and (part == "first") != first:
+                    continue  # the pair's other instance sends these
+                if chunk.token_ids:  # as they go out: the write below is a send
                     mark(answer.choices[index].req, "sent")
-                for payload in payloads:
-                    await _event(resp, payload)
-            if outcome == "ok":
-                for payload in answer.closing():
-                    await _event(resp, payload)
+                await _events(resp, payloads)
+            if outcome == "ok" and part != "first":
+                await _events(resp, answer.closing())
             await resp.write(b"data: [DONE]\n\n")
         except ValueError as e:
             self.metrics.request_done(inp.route, "bad_request")
@@ -411,8 +418,24 @@ class _Timer:
         self.metrics.e2e.observe(time.perf_counter() - self.start)
 
 
+def shown_part(role: str, inp: GenerateInput) -> str:
+    """Which events of a streamed answer this instance sends: "all"; with a stream the pair
+    shares (`SharedStream`), "first" (the prefill: the first token's events, then [DONE] once
+    the KV has left, or an error event) or "rest" (the decode: those after them)."""
+    if inp.shared is None:
+        return "all"
+    return "first" if role == "prefill" else "rest"
+
+
 async def _event(resp: web.StreamResponse, payload: dict) -> None:
-    await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+    await _events(resp, [payload])
+
+
+async def _events(resp: web.StreamResponse, payloads: list[dict]) -> None:
+    """The events of one chunk in one write (a chat's first token makes two)."""
+    if payloads:
+        data = b"".join(b"data: " + json.dumps(p).encode() + b"\n\n" for p in payloads)
+        await resp.write(data)
 
 
 def _error(message: str, status: int) -> web.Response:

@@ -59,8 +59,12 @@ class TextTracker:
     @property
     def text(self) -> str:
         """The text so far; once the request ended, with any half character it ended on."""
+        return self.text_so_far(self.req.finished)
+
+    def text_so_far(self, final: bool) -> str:
+        """The text so far, with the half character it ends on only when `final`."""
         if not self.stopped and self.read < len(self.req.output_ids):
-            self._decode_new(complete_only=not self.req.finished)
+            self._decode_new(complete_only=not final)
         return self.decoded
 
     def _decode_new(self, complete_only: bool) -> None:
@@ -91,30 +95,35 @@ class TextTracker:
         self.decoded, self.stopped = self.decoded[:index], True
         return matched
 
-    def _safe_end(self, finished: bool) -> int:
-        end = len(self.text)
-        if finished:
+    def _safe_end(self, final: bool) -> int:
+        text = self.text_so_far(final)
+        end = len(text)
+        if final:
             return end
-        while end > 0 and self.text[end - 1] == "\ufffd":
+        while end > 0 and text[end - 1] == "\ufffd":
             end -= 1
         for stop in self.stops:  # hold back a tail that may grow into a stop string
             for k in range(min(len(stop) - 1, end), 0, -1):
-                if self.text[:end].endswith(stop[:k]):
+                if text[:end].endswith(stop[:k]):
                     end -= k
                     break
         return max(end, self.sent_chars)
 
-    def delta(self) -> tuple[str, list[int]]:
-        end = self._safe_end(self.req.finished)
-        text, self.sent_chars = self.text[self.sent_chars : end], end
+    def delta(self, final: bool | None = None) -> tuple[str, list[int]]:
+        """What is new; held back as while the request runs unless `final` (by default: whether
+        it ended)."""
+        final = self.req.finished if final is None else final
+        end = self._safe_end(final)
+        text, self.sent_chars = self.decoded[self.sent_chars : end], end
         tokens = self.req.output_ids[self.sent_tokens :]
         self.sent_tokens = len(self.req.output_ids)
         return text, tokens
 
-    def chunk(self, result: GenerateResult | None = None) -> StreamChunk:
-        """What is new since the last chunk (the last one carries the result)."""
+    def chunk(self, result: GenerateResult | None = None, final: bool | None = None) -> StreamChunk:
+        """What is new since the last chunk (the last one carries the result). `final=False`:
+        computed as a running request's, though it ended (`EngineLoop`'s first token apart)."""
         start = self.sent_tokens
-        text, tokens = self.delta()
+        text, tokens = self.delta(final)
         chunk = StreamChunk(self.req.rid, text, tokens, result is not None, result)
         if start == 0 and tokens and self.req.params.input_logprobs_from is not None:
             chunk.input_logprobs = list(self.req.input_logprobs)

@@ -6,6 +6,13 @@ prefill) -> joined (`Engine.join`: the first token and the draft tree, then deco
 colocated). Pages of a room that fails or is aborted while receives are posted stay QUARANTINED
 until every rank confirms its receives settled, so no late byte can land in a page another
 request owns.
+
+A client that leaves while its room's KV arrives leaves the room ABANDONED: the receives stay
+posted for `ABANDON_GRACE_S`, so the prefill's sends (most likely under way: with a stream the
+pair shares, the client had the first token just before the prefill pushed) complete, and both
+sides free the pages at once. Cancelling them instead would leave the prefill's sends to wait
+for receives that never come, holding its pages until its transfer timeout. Past the grace the
+receives are cancelled (QUARANTINED).
 """
 
 from __future__ import annotations
@@ -23,11 +30,13 @@ from dserve.transfer.manager import RoomOutcome
 
 log = logging.getLogger("dserve.pd")
 QUARANTINE_S = 30.0  # how long a failed room's receives may take to settle
+ABANDON_GRACE_S = 2.0  # how long an abandoned room's receives stay posted
 
 
 class DecodeState(Enum):
     BOOTSTRAPPING = "bootstrapping"
     TRANSFERRING = "transferring"
+    ABANDONED = "abandoned"
     QUARANTINED = "quarantined"
 
 
@@ -108,26 +117,44 @@ class DecodeConnector(PDConnector):
 
     # ---- the engine thread, between steps -------------------------------------------------------
     def abort(self, rid: str) -> bool:
-        if rid not in self.rooms:
+        room = self.rooms.get(rid)
+        if room is None:
             return False
-        self.fail(rid, "aborted by the client")
+        if room.state is DecodeState.TRANSFERRING:
+            self._abandon(room)
+        else:
+            self.fail(rid, "aborted by the client")
         return True
+
+    def _abandon(self, room: DecodeRoom) -> None:
+        """The client left while the room's KV arrives (module docstring)."""
+        room.link.cancel(room.id)  # a prefill that has not pushed yet gives the room up
+        room.key = self.engine.hold(room.req.rid, "recv")
+        room.state = DecodeState.ABANDONED
+        room.deadline = time.perf_counter() + ABANDON_GRACE_S
+        room.req.finish("abort", error="aborted by the client")
 
     def fail(self, rid: str, error: str) -> None:
         room = self.rooms.get(rid)
         if room is None or room.state is DecodeState.QUARANTINED:
             return
         room.link.cancel(room.id)
-        if room.state is DecodeState.BOOTSTRAPPING:
+        if room.state is DecodeState.ABANDONED:  # the pages are held already
+            self._quarantine(room)
+        elif room.state is DecodeState.BOOTSTRAPPING:
             self._drop(room)
         else:  # receives are posted: settle them before the pages go back
-            self.manager.cancel(room.id, room.group)
             room.key = self.engine.hold(rid, "recv")
-            room.state = DecodeState.QUARANTINED
-            room.deadline = time.perf_counter() + QUARANTINE_S
+            self._quarantine(room)
         if not room.req.finished:
             log.warning("room %d: %s", room.id, error)
             room.req.finish("abort", error=error)
+
+    def _quarantine(self, room: DecodeRoom) -> None:
+        """Cancel the room's receives; its (held) pages go back once they settled."""
+        self.manager.cancel(room.id, room.group)
+        room.state = DecodeState.QUARANTINED
+        room.deadline = time.perf_counter() + QUARANTINE_S
 
     def _tick(self, now: float) -> None:
         for room in list(self.rooms.values()):
@@ -144,13 +171,15 @@ class DecodeConnector(PDConnector):
             waited = self.config.transfer_timeout_s
             error = f"the KV of bootstrap_room {room.id} did not arrive within {waited:.0f}s"
             self.fail(room.req.rid, error)
+        elif room.state is DecodeState.ABANDONED:
+            self._quarantine(room)
         else:
             log.error("room %d: receives never settled; its pages stay out of use", room.id)
             self._drop(room)
 
     def _on_outcome(self, room: DecodeRoom, outcome: RoomOutcome) -> None:
         req = room.req
-        if room.state is not DecodeState.QUARANTINED:
+        if room.state is DecodeState.TRANSFERRING:
             self._record(req, outcome)
             if outcome.ok and outcome.payload:
                 self._drop(room)
@@ -159,7 +188,7 @@ class DecodeConnector(PDConnector):
             missing = outcome.error or "no first token from the prefill"
             req.finish("abort", error=f"KV transfer failed: {missing}")
             room.key = self.engine.hold(req.rid, "recv")
-        # quarantined or failed: the pages go back only once no receive can land
+        # abandoned, quarantined or failed: the pages go back only once no receive can land
         if outcome.settled:
             self.engine.release(room.key)
         else:

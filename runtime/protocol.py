@@ -6,6 +6,10 @@ raises `BadRequest` with a message the client sees (HTTP 400; an unknown model i
 adds `bootstrap_host`, `bootstrap_port` and `bootstrap_room`. One HTTP request may start several
 engine requests (a list of prompts, `n` choices each): `GenerateInput.parts` lists them, choice
 `j` of prompt `i` at index `i * n + j`, each with its own rid and bootstrap room.
+
+A streamed request of one part may come with `shared_stream` too (`SharedStream`): the pair
+then shares the client's stream, the prefill sending the first token's events and the decode
+the rest, under one id.
 """
 
 from __future__ import annotations
@@ -24,10 +28,20 @@ class BadRequest(ValueError):
 
 
 @dataclass
+class SharedStream:
+    """A stream the router makes of two: the prefill's events of the first token (as soon as it
+    is computed), then the decode's of the rest. Both answer under this id and creation time."""
+
+    id: str
+    created: int
+
+
+@dataclass
 class Bootstrap:
     host: str
     port: int
     room: int
+    shared: SharedStream | None = None
 
     def room_of(self, index: int) -> int:
         """The room of the request at `index` (prefill and decode derive the same)."""
@@ -73,6 +87,18 @@ class GenerateInput:
     openai: object | None = None
     """`OpenAIOptions` of an OpenAI route."""
 
+    def __post_init__(self) -> None:
+        if self.bootstrap is None or self.bootstrap.shared is None:
+            return
+        expect(self.stream, "shared_stream needs stream: true")
+        one = len(self.prompts) * self.n == 1
+        expect(one, "shared_stream needs a single request (one prompt, n = 1)")
+
+    @property
+    def shared(self) -> SharedStream | None:
+        """The stream this request shares with its pair's other instance, if any."""
+        return self.bootstrap.shared if self.bootstrap else None
+
     def parts(self) -> list[Part]:
         parts = []
         for i, prompt in enumerate(self.prompts):
@@ -82,12 +108,16 @@ class GenerateInput:
                 if j and sampling.get("seed") is not None:  # each choice its own draws
                     sampling["seed"] += j
                 rid = self.rids[index] if self.rids else None
+                if rid is None and self.shared:  # the same on both instances
+                    rid = self.shared.id
                 room = self.bootstrap.room_of(index) if self.bootstrap else None
                 parts.append(Part(index, prompt, sampling, rid, room))
         return parts
 
 
 BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+ROUTER_FIELDS = (*BOOTSTRAP_FIELDS, "shared_stream")
+"""The fields the router sets (a client's are its to replace)."""
 
 
 def expect(ok: bool, message: str) -> None:
@@ -102,17 +132,30 @@ def is_int(value) -> bool:
 def bootstrap(body: dict) -> Bootstrap | None:
     present = [k for k in BOOTSTRAP_FIELDS if body.get(k) is not None]
     if not present:
+        expect(body.get("shared_stream") is None, "shared_stream needs the bootstrap fields")
         return None
     expect(len(present) == 3, f"give all of {', '.join(BOOTSTRAP_FIELDS)} or none")
     host, port, room = (body[k] for k in BOOTSTRAP_FIELDS)
     expect(isinstance(host, str) and 0 < len(host) < 256, "bootstrap_host must be a host name")
     expect(is_int(port) and 0 < port < 65536, "bootstrap_port must be a TCP port")
     expect(is_int(room) and 0 <= room < 2**63, "bootstrap_room must be an integer in [0, 2^63)")
-    return Bootstrap(host, port, room)
+    return Bootstrap(host, port, room, shared_stream(body.get("shared_stream")))
+
+
+def shared_stream(value) -> SharedStream | None:
+    if value is None:
+        return None
+    ok = isinstance(value, dict) and set(value) == {"id", "created"}
+    expect(ok, "shared_stream must be an object of id and created")
+    ident, created = value["id"], value["created"]
+    ok_id = isinstance(ident, str) and 0 < len(ident) <= 64 and ident.isalnum()
+    expect(ok_id, "shared_stream.id must be a short alphanumeric string")
+    expect(is_int(created) and created >= 0, "shared_stream.created must be a Unix time")
+    return SharedStream(ident, created)
 
 
 def refuse_unknown(body: dict, known: set[str], where: str = "") -> None:
-    extra = sorted(set(body) - known - set(BOOTSTRAP_FIELDS))
+    extra = sorted(set(body) - known - set(ROUTER_FIELDS))
     expect(not extra, f"unknown field(s){where}: {', '.join(extra)} (not supported)")
 
 

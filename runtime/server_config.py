@@ -102,6 +102,12 @@ class RouterConfig:
     retry_max_retries: int = 3
     """Tries on other instances for a request whose instance failed before any token was sent
     to the client (refused connection, dead instance, failed KV transfer); 0: none."""
+    shared_streams: bool = True
+    """A stream of one request gets its first token's events from the prefill as soon as it
+    computed it, the rest from the decode (`SharedStream`): its time to first token waits for
+    neither the KV transfer nor the decode, and a KV transfer that fails after that first
+    token ends the stream with an error event. Off (`--no-shared-streams`): every stream
+    comes whole from the decode, as with SGLang's and vLLM's routers."""
     cb_failure_threshold: int = 5
     """Failures in a row (5xx answers, lost connections; 4xx answers do not count) that open
     an instance's circuit: it leaves rotation for `cb_timeout_s`."""

@@ -71,3 +71,39 @@ def test_run_here_fails_at_once_when_the_engine_thread_has_ended(tiny_dir, make_
 
 def _fail(message: str) -> None:
     raise ValueError(message)
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 5])
+def test_first_token_apart_comes_alone_as_a_running_requests(tiny_dir, make_engine, max_new_tokens):
+    """`first_apart` (the chunks of a stream a disaggregated pair shares): the first chunk holds
+    the first token alone, its text held back as while the request runs (`final=False`), even
+    when the request ended at that token; then come the others. The chunks add up to the
+    stream's without it, token for token and character for character."""
+    engine = make_engine(tiny_dir("deepseek_v3"))
+    loop = EngineLoop(engine)
+    prompt = [10, 11, 12, 13]
+    # the first token's text as a stop string's start: the first chunk holds it back
+    probe = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 1})
+    assert probe.text  # (the tiny tokenizer's token texts are not empty)
+    stop = probe.text + "\uffff"
+    params = SamplingParams(
+        max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True, stop=stop
+    )
+
+    async def chunks(apart: bool) -> list:
+        req = engine.make_request(input_ids=prompt, sampling_params=params)
+        return [c async for c in loop.stream(req, engine.submit, first_apart=apart)]
+
+    try:
+        whole = asyncio.run(chunks(False))
+        apart = asyncio.run(chunks(True))
+    finally:
+        loop.stop()
+    first = apart[0]
+    assert len(first.token_ids) == 1 and not first.finished
+    assert first.text == ""  # could still grow into the stop string
+    assert apart[-1].finished and apart[-1].result.finish_reason == "length"
+    if max_new_tokens == 1:
+        assert len(apart) == 2 and apart[1].token_ids == [] and len(whole) == 1
+    assert "".join(c.text for c in apart) == "".join(c.text for c in whole)
+    assert [t for c in apart for t in c.token_ids] == [t for c in whole for t in c.token_ids]

@@ -54,6 +54,7 @@ def test_models_health_metrics(server: Proc):
         assert name in text
 
 
+BOOT = {"text": "a", "bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": 1}
 BAD = [
     (b"{not json", "not valid JSON"),
     (b'{"text": "\xff"}', "not valid JSON"),  # not UTF-8
@@ -73,6 +74,14 @@ BAD = [
     (
         {"text": "a", "bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": 1},
         "serves alone",
+    ),
+    ({"text": "a", "shared_stream": {"id": "x", "created": 1}}, "needs the bootstrap fields"),
+    ({**BOOT, "shared_stream": {"id": "x", "created": 1}}, "needs stream: true"),
+    ({**BOOT, "stream": True, "shared_stream": {"id": "x y", "created": 1}}, "alphanumeric"),
+    ({**BOOT, "stream": True, "shared_stream": {"id": "x"}}, "object of id and created"),
+    (
+        {**BOOT, "stream": True, "text": ["a", "b"], "shared_stream": {"id": "x", "created": 1}},
+        "single request",
     ),
 ]
 

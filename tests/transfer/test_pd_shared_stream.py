@@ -1,0 +1,184 @@
+"""A stream the pair shares (`SharedStream`): through the router, the prefill sends the client the
+first token's events and the decode the rest. What the client reads adds up to a colocated
+instance's stream on every route (text held back at a stop string's start, logprobs, echo,
+usage, a request that ends at its first token), under one id; a KV transfer that fails after
+the first token went out ends the stream with an error event (no retry); a client that leaves
+at its first token (while its KV may be on its way) leaves no page held past a few seconds."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tests.conftest import random_prompts
+from tests.servers import (
+    assert_all_pages_free,
+    get,
+    metric_value,
+    post,
+    start_cluster,
+    start_instance,
+    stop_all,
+    stream,
+)
+
+pytestmark = pytest.mark.slow
+CHAT = [{"role": "user", "content": "Say hello."}]
+GREEDY = {"temperature": 0, "ignore_eos": True}
+RETRIES = "dserve_router_retries_total"
+CASES = {
+    "completions-logprobs-echo": (
+        "/v1/completions",
+        {
+            "prompt": "The capital of France is",
+            "max_tokens": 8,
+            "logprobs": 2,
+            "echo": True,
+            "stream_options": {"include_usage": True},
+            **GREEDY,
+        },
+    ),
+    "completions-one-token": ("/v1/completions", {"prompt": [5, 6, 7, 8], "max_tokens": 1}),
+    "chat-logprobs": (
+        "/v1/chat/completions",
+        {
+            "messages": CHAT,
+            "max_tokens": 8,
+            "logprobs": True,
+            "top_logprobs": 2,
+            "stream_options": {"include_usage": True},
+            **GREEDY,
+        },
+    ),
+    "chat-one-token": ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 1, **GREEDY}),
+    "generate-stop-logprobs": (
+        "/generate",
+        {
+            "input_ids": [9, 8, 7, 6, 5, 4, 3],
+            "sampling_params": {"max_new_tokens": 10, **GREEDY},
+            "return_logprob": True,
+        },
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_dir, tmp_path_factory):
+    proc = start_instance("serve", tiny_dir("deepseek_v3"), tmp_path_factory.mktemp("serve"))
+    yield proc.wait_ready()
+    stop_all([proc])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_shared_stream_adds_up_to_the_colocated_one(case, default_pair, colocated):
+    pair = default_pair("deepseek_v3")
+    path, body = CASES[case]
+    if "stop" in case:  # two characters from the middle of the answer: held back, then cut
+        status, whole = post(colocated.url + path, body)
+        assert status == 200 and len(whole["text"]) >= 6, whole
+        body = {**body, "sampling_params": {**body["sampling_params"], "stop": whole["text"][3:5]}}
+    shared = stream(pair.url + path, body)
+    alone = stream(colocated.url + path, body)
+    assert client_view(path, shared) == client_view(path, alone)
+    if path != "/generate":  # one answer: one id and creation time on every event
+        assert len({e["id"] for e in shared}) == 1 and len({e["created"] for e in shared}) == 1
+    assert_all_pages_free(pair.prefill, pair.decode)
+
+
+def client_view(path: str, events: list[dict]) -> dict:
+    """What a client makes of a stream: the text, tokens, logprobs, finish reason and usage."""
+    assert events and not any("error" in e for e in events), events
+    if path == "/generate":  # each event holds the whole output so far
+        last = events[-1]
+        meta = last["meta_info"]
+        lps = [[round(lp, 4), t] for lp, t, _ in meta["output_token_logprobs"]]
+        return {"text": last["text"], "ids": last["output_ids"], "lps": lps, **_finish(meta)}
+    choices = [c for e in events for c in e["choices"]]
+    usage = [e["usage"] for e in events if e.get("usage")]
+    for u in usage:
+        u.pop("prompt_tokens_details", None)  # cached tokens: the instance's own prefix cache
+    view = {"finish": [c["finish_reason"] for c in choices if c["finish_reason"]], "usage": usage}
+    if path == "/v1/completions":
+        view["text"] = "".join(c["text"] for c in choices)
+        lps = [c["logprobs"] for c in choices if c["logprobs"]]
+        view["tokens"] = [t for lp in lps for t in lp["tokens"]]
+        view["lps"] = [_round(x) for lp in lps for x in lp["token_logprobs"]]
+        view["top"] = [_round(x) for lp in lps for x in lp["top_logprobs"]]
+        return view
+    deltas = [c["delta"] for c in choices]
+    view["role"] = [d["role"] for d in deltas if "role" in d]
+    view["text"] = "".join(d.get("content") or "" for d in deltas)
+    entries = [x for c in choices if c["logprobs"] for x in c["logprobs"]["content"]]
+    view["lps"] = [(x["token"], _round(x["logprob"]), _round(x["top_logprobs"])) for x in entries]
+    return view
+
+
+def _finish(meta: dict) -> dict:
+    return {"finish": meta["finish_reason"], "matched": meta.get("matched_stop")}
+
+
+def _round(value):
+    if isinstance(value, float):
+        return round(value, 4)
+    if isinstance(value, dict):
+        return {k: _round(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_round(v) for v in value]
+    return value
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "whole"])
+def test_a_transfer_that_fails_after_the_first_token_ends_the_stream(shared, tiny_dir, tmp_path):
+    """Every KV transfer fails (on purpose, at the prefill). A shared stream still gets its
+    first token (it came from the prefill), then an error event naming the failure; the router
+    does not try it again (the client has a token). With `--no-shared-streams` the stream
+    waits for the decode: no token, the router tries again, and the client gets the failure as
+    an HTTP error. A whole answer is tried again and fails as a whole. Neither instance holds
+    a page afterwards."""
+    cluster = start_cluster(
+        tiny_dir("deepseek_v3"),
+        tmp_path,
+        ["--transfer-fail-rate", "1", "--log-level", "error"],
+        router_args=[] if shared else ["--no-shared-streams"],
+    )
+    try:
+        body = {"prompt": [5, 6, 7, 8, 9], "max_tokens": 6, "logprobs": 0, **GREEDY}
+        retries = lambda: metric_value(get(cluster.url + "/metrics")[1], RETRIES)  # noqa: E731
+        if shared:
+            events = stream(cluster.url + "/v1/completions", body)
+            assert len(events) == 2, events
+            assert len(events[0]["choices"][0]["logprobs"]["tokens"]) == 1  # the first token
+            assert "injected" in events[-1]["error"]["message"], events[-1]
+            assert retries() == 0
+        else:
+            with pytest.raises(urllib.error.HTTPError) as failed:
+                stream(cluster.url + "/v1/completions", body)
+            assert failed.value.code >= 500 and b"injected" in failed.value.read()
+            assert retries() > 0
+        status, answer = post(cluster.url + "/v1/completions", body)
+        assert status >= 500 and "injected" in answer["error"]["message"], answer
+        assert retries() > 0
+        assert_all_pages_free(cluster.prefill, cluster.decode)
+    finally:
+        cluster.stop()
+
+
+def test_clients_that_leave_at_the_first_token_leave_no_page_held(default_pair):
+    """Each client hangs up at its first event, which the prefill sent just before it pushed
+    the KV: the decode keeps its receives posted a moment (ABANDONED), so the prefill's sends
+    complete and both sides free the pages within seconds, far below the transfer timeout
+    (60 s) that a prefill's sends to cancelled receives would wait for."""
+    pair = default_pair("deepseek_v3")
+    for ids in random_prompts(6, 512, [120, 200, 90, 160, 240, 64], seed=5):
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 50, **GREEDY}}
+        req = urllib.request.Request(
+            pair.url + "/generate",
+            data=json.dumps({**body, "stream": True}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert next(line for line in r if line.startswith(b"data: "))
+    assert_all_pages_free(pair.prefill, pair.decode, timeout=8)
