@@ -6,6 +6,13 @@ decode` + `dserve router`) on the same device(s), per prompt length, and their r
                                 [--model-path DIR | --layers 4 --experts 32] [--device cuda]
                                 [--prefill-env CUDA_VISIBLE_DEVICES=0 --decode-env ...=1]
                                 [--server-args '...' --router-args '...']
+                                [--pd-modes shared,whole] [--colocated-runs 2]
+
+`--pd-modes`: the pair with the router's shared streams (`shared`, the default: the first
+token's events come from the prefill) and/or without them (`whole`, `--no-shared-streams`: the
+whole stream from the decode, as SGLang's and vLLM's routers serve it). `--colocated-runs 2`
+runs the colocated instance before and after the pairs; each length's colocated p50 is then the
+lower of the two (a GPU's clocks drift between runs; the lower makes the ratio conservative).
 
 Without `--model-path` the model is DeepSeek-V3-shaped with random weights (`--load-format
 dummy`, `bench.spec_verify.deepseek_v3_config_dir`). The colocated instance runs first, alone,
@@ -103,6 +110,7 @@ def start(mode: str, model: list[str], args, log_dir: str) -> tuple[str, list[Se
             s.wait_ready()
         if mode != "colocated":
             ends = ["--prefill", servers[0].url, "--decode", servers[1].url]
+            ends += ["--shared-streams" if mode == "shared" else "--no-shared-streams"]
             router = Server(["router", *ends, *args.router_args.split()], log_dir)
             servers.append(router)
             router.wait_ready()
@@ -179,14 +187,16 @@ def median_marks(results: list[dict]) -> dict:
     return {k: statistics.median(x[k] for x in lines) for k in keys}
 
 
-def timeline_table(results: dict, lengths: list[int]) -> None:
+def timeline_table(results: dict, lengths: list[int], mode: str) -> None:
     """Where a disaggregated request's time to first token goes: a row per mark, with the
-    step from the mark before."""
+    step from the mark before (with shared streams the client's first token comes before the
+    pages arrive at the decode: it came from the prefill)."""
     print(
-        "disaggregated, ms after the decode instance got the request (median; the step from the mark above):"
+        f"disaggregated ({mode}), ms after the decode instance got the request (median; the "
+        "step from the mark above):"
     )
     print(f"{'mark':>20} " + " ".join(f"{n:>16}" for n in lengths))
-    lines = [results["disaggregated"][n]["timeline_ms"] for n in lengths]
+    lines = [results[mode][n]["timeline_ms"] for n in lengths]
     for i, k in enumerate(MARKS):
         cells = []
         for marks in lines:
@@ -212,30 +222,38 @@ def model_flags(args) -> list[str]:
 
 
 def table(rows: list[dict]) -> None:
-    head = ("len", "TTFT co", "TTFT pd", "ratio", "p99 co", "p99 pd", "ITL co", "ITL pd")
-    print("{:>6} {:>8} {:>8} {:>6} {:>8} {:>8} {:>7} {:>7}   (ms, p50 unless p99)".format(*head))
+    head = ("pd", "len", "TTFT co", "TTFT pd", "ratio", "p99 co", "p99 pd", "ITL co", "ITL pd")
+    print(
+        "{:>6} {:>6} {:>8} {:>8} {:>6} {:>8} {:>8} {:>7} {:>7}   (ms, p50 unless p99)".format(*head)
+    )
     for r in rows:
         print(
-            f"{r['length']:>6} {r['ttft_co_p50']:>8.1f} {r['ttft_pd_p50']:>8.1f} "
+            f"{r['mode']:>6} {r['length']:>6} {r['ttft_co_p50']:>8.1f} {r['ttft_pd_p50']:>8.1f} "
             f"{r['ttft_ratio']:>6.2f} {r['ttft_co_p99']:>8.1f} {r['ttft_pd_p99']:>8.1f} "
             f"{r['itl_co_p50']:>7.2f} {r['itl_pd_p50']:>7.2f}",
             flush=True,
         )
 
 
-def rows_of(results: dict, lengths: list[int]) -> list[dict]:
+def rows_of(results: dict, lengths: list[int], modes: list[str]) -> list[dict]:
+    """A row per pair mode and length; the colocated side is the colocated run of the lower
+    TTFT p50 at that length."""
     rows = []
-    for length in lengths:
-        co, pd = results["colocated"][length], results["disaggregated"][length]
-        row = {"length": length}
-        for name, got in (("co", co), ("pd", pd)):
-            for q in ("p50", "p99"):
-                row[f"ttft_{name}_{q}"] = 1e3 * got["ttft_s"][q]
-                row[f"itl_{name}_{q}"] = 1e3 * got["itl_s"].get(q, 0.0)
-        row["ttft_ratio"] = row["ttft_pd_p50"] / row["ttft_co_p50"]
-        row["itl_ratio"] = row["itl_pd_p50"] / max(row["itl_co_p50"], 1e-9)
-        row["pd_timeline_ms"] = pd["timeline_ms"]
-        rows.append(row)
+    for mode in modes:
+        for length in lengths:
+            runs = [run[length] for run in results["colocated"]]
+            co = min(runs, key=lambda got: got["ttft_s"]["p50"])
+            pd = results[mode][length]
+            row = {"mode": mode, "length": length}
+            for name, got in (("co", co), ("pd", pd)):
+                for q in ("p50", "p99"):
+                    row[f"ttft_{name}_{q}"] = 1e3 * got["ttft_s"][q]
+                    row[f"itl_{name}_{q}"] = 1e3 * got["itl_s"].get(q, 0.0)
+            row["ttft_co_runs_p50"] = [1e3 * got["ttft_s"]["p50"] for got in runs]
+            row["ttft_ratio"] = row["ttft_pd_p50"] / row["ttft_co_p50"]
+            row["itl_ratio"] = row["itl_pd_p50"] / max(row["itl_co_p50"], 1e-9)
+            row["pd_timeline_ms"] = pd["timeline_ms"]
+            rows.append(row)
     return rows
 
 
@@ -248,9 +266,13 @@ def plot(rows: list[dict], out: str) -> None:
     except ImportError:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
-    lengths = [r["length"] for r in rows]
-    ax.plot(lengths, [r["ttft_ratio"] for r in rows], marker="o", label="TTFT p50, pd / co")
-    ax.plot(lengths, [r["itl_ratio"] for r in rows], marker="o", label="ITL p50, pd / co")
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        mine = [r for r in rows if r["mode"] == mode]
+        lengths = [r["length"] for r in mine]
+        ttft = [r["ttft_ratio"] for r in mine]
+        ax.plot(lengths, ttft, marker="o", label=f"TTFT p50, pd ({mode}) / co")
+        itl = [r["itl_ratio"] for r in mine]
+        ax.plot(lengths, itl, marker="o", linestyle=":", label=f"ITL p50, pd ({mode}) / co")
     ax.axhline(1.05, color="gray", linestyle="--", label="goal 1.05")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("prompt tokens")
@@ -264,6 +286,7 @@ def plot(rows: list[dict], out: str) -> None:
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    names = lambda s: [x for x in s.split(",") if x]  # noqa: E731
     parser.add_argument("--lengths", type=ints, default=[1024, 4096, 16384])
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
@@ -283,23 +306,33 @@ def main(argv: list[str] | None = None) -> list[dict]:
         help="keep the instances' logs here (default: a temporary folder, removed); with "
         "--server-args '--log-level debug' each push's agent timeline is in the prefill's",
     )
+    parser.add_argument("--pd-modes", type=names, default=["shared"], help="shared,whole")
+    parser.add_argument("--colocated-runs", type=int, choices=(1, 2), default=1)
     parser.add_argument("--out", default="bench/results/pd_overhead.json")
     args = parser.parse_args(argv)
+    if not args.pd_modes or set(args.pd_modes) - {"shared", "whole"}:
+        parser.error("--pd-modes: shared and/or whole")
     model = model_flags(args)
-    results = {}
+    order = ["colocated", *args.pd_modes] + ["colocated"] * (args.colocated_runs - 1)
+    results = {"colocated": []}
     with contextlib.ExitStack() as stack:
         logs = args.log_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="pd-"))
         os.makedirs(logs, exist_ok=True)
-        for mode in ("colocated", "disaggregated"):
+        for mode in order:
             url, servers = start(mode, model, args, logs)
             try:
-                results[mode] = asyncio.run(measure(url, args))
+                got = asyncio.run(measure(url, args))
             finally:
                 for s in reversed(servers):
                     s.stop()
-    rows = rows_of(results, args.lengths)
+            if mode == "colocated":
+                results[mode].append(got)
+            else:
+                results[mode] = got
+    rows = rows_of(results, args.lengths, args.pd_modes)
     table(rows)
-    timeline_table(results, args.lengths)
+    for mode in args.pd_modes:
+        timeline_table(results, args.lengths, mode)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         meta = {k: v for k, v in vars(args).items() if k != "out"}

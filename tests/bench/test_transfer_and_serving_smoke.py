@@ -68,18 +68,29 @@ def test_serving_benchmark_against_a_server(tiny_dir, tmp_path):
 
 @pytest.mark.slow
 def test_pd_overhead_benchmark(tiny_dir, tmp_path):
-    """`bench.pd_overhead` starts a colocated instance, then a pair with its router, and reports
-    TTFT and ITL per prompt length for both (the numbers mean something on a GPU only)."""
+    """`bench.pd_overhead` starts a colocated instance, then a pair with its router (shared
+    streams, then without), and reports TTFT and ITL per prompt length for each (the numbers
+    mean something on a GPU only)."""
     pytest.importorskip("ucxx")
     from bench.pd_overhead import main
 
     out = tmp_path / "pd.json"
     argv = ["--lengths", "16,40", "--requests", "2", "--warmup", "1", "--output-len", "4"]
     argv += ["--model-path", tiny_dir("deepseek_v3"), "--device", "cpu", "--vocab", "500"]
-    rows = main([*argv, "--out", str(out)])
-    assert [r["length"] for r in rows] == [16, 40]
+    rows = main([*argv, "--pd-modes", "shared,whole", "--out", str(out)])
+    assert [(r["mode"], r["length"]) for r in rows] == [
+        ("shared", 16),
+        ("shared", 40),
+        ("whole", 16),
+        ("whole", 40),
+    ]
     assert all(r["ttft_co_p50"] > 0 and r["ttft_pd_p50"] > 0 and r["itl_pd_p50"] > 0 for r in rows)
-    for r in rows:  # the client's marks on the decode's timeline: it sent first, got the token last
+    for r in rows:  # the client's marks on the decode's timeline
         marks = r["pd_timeline_ms"]
-        assert marks["client_sent"] < 0 < marks["joined"] < marks["sent"] < marks["client_first"]
+        assert marks["client_sent"] < 0 < marks["prefill_computed"] < marks["client_first"]
+        assert marks["joined"] < marks["sent"]
+        if r["mode"] == "whole":  # the decode sent the first token
+            assert marks["sent"] < marks["client_first"]
+        else:  # the prefill did, before the decode had the KV
+            assert marks["client_first"] < marks["sent"]
     assert json.loads(out.read_text())["rows"] == rows
