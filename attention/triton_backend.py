@@ -22,7 +22,7 @@ import torch
 import triton
 
 from dserve.attention.backend import MAX_DECODE_LIKE, AttentionBackend, ForwardBatch, PassShape
-from dserve.attention.index_cache import select_top, stored_rows
+from dserve.attention.index_cache import key_scales, select_top, stored_parts
 from dserve.attention.triton_store import store_tokens
 
 # the DSA top-k's row histograms kept for passes of up to this many tokens (4 KB a token; its
@@ -135,18 +135,20 @@ class TritonBackend(AttentionBackend):
         from dserve.attention.triton_dsa import indexer_scores
 
         b = self.batch
-        keys = self.index_pool.buffers[layer][0]
-        rows = stored_rows(k, keys.dtype == torch.uint8)
-        store_tokens(b.out_slots, [(keys, rows)])
+        buffers = self.index_pool.buffers[layer]  # the keys (FP8: and their scales)
+        parts = stored_parts(k, self.index_pool.layout.scaled)
+        store_tokens(b.out_slots, list(zip(buffers, parts)))
+        scales = key_scales(buffers[1]) if len(buffers) == 2 else None
         scores = indexer_scores(
             q.contiguous(),
             weights.contiguous(),
-            keys,
+            buffers[0],
             b.page_table,
             b.token_seqs,
             b.token_ctx_lens,
             scale,
             self.max_len,
+            key_scales=scales,
         )
         if b.tree_masks is not None:  # draft trees see their ancestors only
             scores = scores.masked_fill(~self._visible(), float("-inf"))

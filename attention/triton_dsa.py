@@ -7,8 +7,8 @@ already holds only what the token may see.
 sum over heads h of w[t, h] x ReLU(scale x q[t, h] . k[j]), float32; -inf past the context. A
 program takes one token and a block of positions: its heads' queries against the block's keys
 (read through the page table) in one dot, then the weighted ReLU sum. FP8 keys (the production
-layout, `indexer_cache_dtype="fp8"`) are widened to the queries' dtype, exactly, and their
-per-token scale applied to the dot's column.
+layout, `indexer_cache_dtype="fp8"`: a page's keys, then their float32 scales) are widened to
+the queries' dtype, exactly, and their per-token scale applied to the dot's column.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ def _scores_kernel(
     Q,
     W,
     Keys,
+    Scales,
     PageTable,
     RowSeqs,
     CtxLens,
@@ -34,6 +35,7 @@ def _scores_kernel(
     s_w_t,
     s_k_page,
     s_k_tok,
+    s_sc_page,
     s_pt_b,
     s_o_t,
     scale,
@@ -52,7 +54,9 @@ def _scores_kernel(
     pos, valid, page, off = _context_block(table, n0, end, page_size, BLOCK_N)
     d, h = tl.arange(0, D), tl.arange(0, H)
     q = tl.load(Q + t64 * s_q_t + h[:, None] * s_q_h + d[None, :])
-    k, k_scale = _key_block(Keys, page, off, valid, s_k_page, s_k_tok, q.dtype, D, FP8)
+    k, k_scale = _key_block(
+        Keys, page, off, valid, s_k_page, s_k_tok, Scales, s_sc_page, q.dtype, D, FP8
+    )
     s = _dot(q, tl.trans(k), IEEE).to(tl.float32) * (k_scale * scale)[None, :]
     s = tl.maximum(s, 0.0)  # [H, BLOCK_N]
     w = tl.load(W + t64 * s_w_t + h)
@@ -63,18 +67,25 @@ def _scores_kernel(
 
 @triton.jit
 def _key_block(
-    Keys, page, off, valid, s_k_page, s_k_tok, dtype, D: tl.constexpr, FP8: tl.constexpr
+    Keys,
+    page,
+    off,
+    valid,
+    s_k_page,
+    s_k_tok,
+    Scales,
+    s_sc_page,
+    dtype,
+    D: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """A block of keys in `dtype` and their scales (1.0 unless FP8)."""
     d = tl.arange(0, D)
     base = page * s_k_page + off * s_k_tok
-    if FP8:  # rows of D + 4 bytes, word-aligned: loads of 4 bytes at once (1 unhinted: 4x slower)
-        base = tl.multiple_of(base, 4)
     k = tl.load(Keys + base[:, None] + d[None, :], mask=valid[:, None], other=0)
-    if FP8:  # e4m3 bytes, then the token's float32 scale
+    if FP8:  # e4m3 bytes; the token's float32 scale from the page's scales
         k = k.to(tl.float8e4nv, bitcast=True).to(dtype)
-        at = (Keys + base + D).to(tl.pointer_type(tl.float32), bitcast=True)
-        k_scale = tl.load(at, mask=valid, other=0.0)
+        k_scale = tl.load(Scales + page * s_sc_page + off, mask=valid, other=0.0)
     else:
         k_scale = tl.full(valid.shape, 1.0, tl.float32)
     return k, k_scale
@@ -89,13 +100,15 @@ def indexer_scores(
     ctx_lens: torch.Tensor,
     scale: float,
     width: int,
+    key_scales: torch.Tensor | None = None,
     block_n: int = 64,
     num_warps: int = 4,
 ) -> torch.Tensor:
     """q [T, H, D], weights [T, H] float32, `keys` one layer's indexer pages [num_pages,
-    page_size, D] (the model's dtype, or uint8 rows of D + 4 bytes: FP8 keys and their scales,
-    `index_cache`), token t's page-table row `row_seqs[t]` and context length `ctx_lens[t]` ->
-    scores [T, width] float32 (-inf past each context). H and D powers of two, at least 16."""
+    page_size, D] (the model's dtype, or uint8: FP8 keys, whose float32 scales are then
+    `key_scales` [num_pages, page_size], `index_cache.key_scales`), token t's page-table row
+    `row_seqs[t]` and context length `ctx_lens[t]` -> scores [T, width] float32 (-inf past
+    each context). H and D powers of two, at least 16."""
     tokens, heads, dim = q.shape
     # rows 16-aligned whatever the width: the stride stays one compiled case (and aligned)
     padded = triton.cdiv(max(width, 1), 16) * 16
@@ -103,11 +116,15 @@ def indexer_scores(
     if not tokens or not width:
         return out
     assert keys.stride(-1) == 1 and q.stride(-1) == 1 and weights.stride(-1) == 1
+    fp8 = keys.dtype == torch.uint8
+    assert fp8 == (key_scales is not None), "FP8 keys come with their scales"
+    scales = key_scales if fp8 else weights  # (not read without FP8)
     grid = (tokens, triton.cdiv(width, block_n))
     _scores_kernel[grid](
         q,
         weights,
         keys,
+        scales,
         page_table,
         row_seqs,
         ctx_lens,
@@ -117,6 +134,7 @@ def indexer_scores(
         weights.stride(0),
         keys.stride(0),
         keys.stride(1),
+        scales.stride(0),
         page_table.stride(0),
         out.stride(0),
         scale,
@@ -126,7 +144,7 @@ def indexer_scores(
         D=dim,
         BLOCK_N=block_n,
         IEEE=q.dtype == torch.float32,
-        FP8=keys.dtype == torch.uint8,
+        FP8=fp8,
         num_warps=num_warps,
     )
     return out

@@ -33,19 +33,19 @@ def dsa_case(
     the largest score (0: it selected a true top-k); the sparse MLA runs both on the
     reference's selection. `fp8_keys`: the indexer pool in the production layout (both read
     the same FP8 keys)."""
-    from dserve.attention.index_cache import read_keys, stored_rows, stored_width
+    from dserve.attention.index_cache import read_keys, write_keys
 
     heads, rank, rope, page, idx_heads, idx_dim, topk = shape
     latent = KVLayout("mla", 1, page, BF16, latent_dim=rank + rope, kv_lora_rank=rank)
     key_dtype = torch.uint8 if fp8_keys else BF16
-    width = stored_width(idx_dim, fp8_keys)
-    index = KVLayout("index", 1, page, key_dtype, latent_dim=width)
+    index = KVLayout("index", 1, page, key_dtype, latent_dim=idx_dim)
     pages = pages_for(spans, page)
     pools = [KVPool(layout, pages, device) for layout in (latent, index)]
     latents, index_keys = pools
     latents.pages.copy_(torch.randn(latents.pages.shape, generator=gen).to(BF16))
     keys = torch.randn(pages * page, idx_dim, generator=gen).to(BF16)  # one layer
-    index_keys.pages.copy_(stored_rows(keys, fp8_keys).view(index_keys.pages.shape))
+    every = torch.arange(pages * page, device=device)
+    write_keys(index_keys, 0, every, keys.to(device))
     batch = random_batch(pools[0], spans, gen, device)
     t = batch.num_tokens
     q, k = (

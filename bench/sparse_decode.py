@@ -40,7 +40,7 @@ def make_case(batch: int, context: int, fp8_keys: bool = False) -> dict:
     table = torch.randperm(num, device=dev).to(torch.int32).view(batch, pages)
     return {
         "cache": torch.randn(num, PAGE, RANK + ROPE, device=dev, dtype=bf16),
-        "keys": index_keys(num, fp8_keys),
+        **index_keys(num, fp8_keys),
         "table": table,
         "lens": torch.full((batch,), context, dtype=torch.int32, device=dev),
         "rows": torch.arange(batch, dtype=torch.int32, device=dev),
@@ -51,12 +51,18 @@ def make_case(batch: int, context: int, fp8_keys: bool = False) -> dict:
     }
 
 
-def index_keys(pages: int, fp8: bool) -> torch.Tensor:
-    """Random indexer pages as the pool holds them: bf16 keys, or FP8 rows with scales."""
-    from dserve.attention.index_cache import stored_rows
+def index_keys(pages: int, fp8: bool) -> dict:
+    """Random indexer pages as the pool holds them: "keys" (bf16, or FP8 bytes with the
+    float32 "key_scales" after each page's keys)."""
+    from dserve.attention.index_cache import key_scales, write_keys
+    from dserve.memory.kv_pool import KVLayout, KVPool
 
+    dtype = torch.uint8 if fp8 else torch.bfloat16
+    pool = KVPool(KVLayout("index", 1, PAGE, dtype, latent_dim=INDEX_DIM), pages, "cuda")
     keys = torch.randn(pages * PAGE, INDEX_DIM, device="cuda", dtype=torch.bfloat16)
-    return stored_rows(keys, fp8).view(pages, PAGE, -1)
+    write_keys(pool, 0, torch.arange(pages * PAGE, device="cuda"), keys)
+    buffers = pool.buffers[0]
+    return {"keys": buffers[0], "key_scales": key_scales(buffers[1]) if fp8 else None}
 
 
 def dense_step(c: dict, context: int) -> torch.Tensor:
@@ -71,7 +77,15 @@ def scores_part(c: dict, context: int) -> torch.Tensor:
     from dserve.attention.triton_dsa import indexer_scores
 
     return indexer_scores(
-        c["q_index"], c["weights"], c["keys"], c["table"], c["rows"], c["lens"], 0.09, context
+        c["q_index"],
+        c["weights"],
+        c["keys"],
+        c["table"],
+        c["rows"],
+        c["lens"],
+        0.09,
+        context,
+        key_scales=c["key_scales"],
     )
 
 
@@ -136,6 +150,7 @@ def row(batch: int, context: int, repeats: int, copy: float, fp8_keys: bool) -> 
     c = make_case(batch, context, fp8_keys)
     c["hist"] = top_hist(batch, "cuda")
     key_bytes = c["keys"][0, 0].numel() * c["keys"].element_size()
+    key_bytes += 4 if c["key_scales"] is not None else 0  # a float32 scale per key
     scores = scores_part(c, context)
     chosen = top_part(scores, c["hist"])
     times = {

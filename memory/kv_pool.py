@@ -4,7 +4,9 @@ Three layouts, described by a `KVLayout` so transfer and sizing read one descrip
 MLA stores one latent vector per token (`kv_lora_rank + qk_rope_head_dim`, replicated over
 attention-TP ranks); MHA/GQA stores K and V per KV head this rank holds; "index" is a sparse
 attention (DSA) model's indexer keys, one vector of `latent_dim` per token and indexer layer,
-replicated like MLA's latent. A pool is page-major in
+replicated like MLA's latent (in FP8, a uint8 pool, a second buffer holds each key's float32
+scale: a page of a layer holds its keys, then their scales, so every key row is as aligned as
+the keys' width allows). A pool is page-major in
 memory: one page holds its slots of every layer and buffer, back to back, so a run of
 consecutive pages is one contiguous block and moves as one copy (one UCX message) for all layers.
 Each layer's buffers are views of that block, [num_pages, page_size, *token_shape] with a page stride
@@ -16,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+SCALE_BYTES = 4  # a float32 scale, as bytes of a uint8 (FP8 indexer) pool
 
 
 @dataclass(frozen=True)
@@ -31,11 +35,18 @@ class KVLayout:
     v_head_dim: int = 0
 
     @property
+    def scaled(self) -> bool:
+        """FP8 indexer keys: each key's bytes, and in a second buffer its float32 scale's."""
+        return self.kind == "index" and self.dtype == torch.uint8
+
+    @property
     def buffers_per_layer(self) -> int:
-        return 2 if self.kind == "mha" else 1
+        return 2 if self.kind == "mha" or self.scaled else 1
 
     def token_shapes(self) -> list[tuple[int, ...]]:
         """Per-token shape of each buffer of a layer."""
+        if self.scaled:
+            return [(self.latent_dim,), (SCALE_BYTES,)]
         if self.kind != "mha":
             return [(self.latent_dim,)]
         return [(self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.v_head_dim)]

@@ -15,7 +15,6 @@ from dataclasses import replace
 import torch
 
 from dserve.attention.backend import ForwardBatch, PassShape, create_backend
-from dserve.attention.index_cache import stored_width
 from dserve.memory.kv_pool import KVLayout, KVPool
 from dserve.models.config import ModelConfig
 from dserve.models.layers.moe import Experts
@@ -74,9 +73,9 @@ def index_layout(model, config: EngineConfig) -> KVLayout | None:
     layers = getattr(model, "index_layers", 0)  # (model may be None: no draft)
     if not layers:
         return None
-    fp8 = config.indexer_cache_dtype == "fp8"
-    width = stored_width(model.cfg.index_head_dim, fp8)
+    fp8 = config.indexer_cache_dtype == "fp8"  # keys and their scales in bytes (`scaled`)
     dtype = torch.uint8 if fp8 else config.torch_dtype
+    width = model.cfg.index_head_dim
     return KVLayout("index", layers, config.page_size, dtype, latent_dim=width)
 
 

@@ -18,9 +18,8 @@ E4M3_TINY = 2**-9  # e4m3's smallest subnormal, over its scale
 
 
 def index_pool(fp8: bool, head_dim: int, pages: int = 8, page_size: int = 16) -> KVPool:
-    width = head_dim + 4 if fp8 else head_dim
     dtype = torch.uint8 if fp8 else torch.float32
-    return KVPool(KVLayout("index", 1, page_size, dtype, latent_dim=width), pages, "cpu")
+    return KVPool(KVLayout("index", 1, page_size, dtype, latent_dim=head_dim), pages, "cpu")
 
 
 def test_fp8_rows_hold_each_key_within_e4m3_rounding():
@@ -34,6 +33,25 @@ def test_fp8_rows_hold_each_key_within_e4m3_rounding():
     scale = keys.abs().amax(-1, keepdim=True) / torch.finfo(torch.float8_e4m3fn).max
     bound = E4M3_STEP * keys.abs() + E4M3_TINY * scale
     assert ((back - keys).abs() <= bound).all()
+
+
+def test_fp8_pages_hold_their_keys_then_their_scales():
+    """The production layout (DeepGEMM's paged MQA logits read it so): in a page of a layer,
+    the FP8 bytes of its keys back to back, then their float32 scales; a key row starts at a
+    multiple of its width, 16-byte aligned at head dim 128."""
+    gen = torch.Generator().manual_seed(2)
+    page_size, dim, layers = 4, 128, 2
+    pool = KVPool(KVLayout("index", layers, page_size, torch.uint8, latent_dim=dim), 3, "cpu")
+    keys = torch.randn(page_size, dim, generator=gen)
+    slots = torch.arange(page_size) + page_size  # page 1
+    write_keys(pool, 1, slots, keys)
+    page = pool.pages[1]
+    layer = page[page.numel() // layers :]  # layer 1 of the page
+    scale = keys.abs().amax(-1) / torch.finfo(torch.float8_e4m3fn).max
+    q = (keys / scale[:, None]).to(torch.float8_e4m3fn).view(torch.uint8)
+    assert torch.equal(layer[: page_size * dim].view(page_size, dim), q)
+    assert torch.equal(layer[page_size * dim :].view(torch.float32), scale)
+    assert pool.buffers[1][0].data_ptr() % 16 == 0 and pool.buffers[1][0].stride(1) == dim
 
 
 def test_fp8_selection_differs_only_between_near_ties():

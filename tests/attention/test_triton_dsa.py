@@ -10,9 +10,10 @@ import torch
 
 pytest.importorskip("triton")  # tests/conftest.py sets TRITON_INTERPRET=1 on a CPU host
 
-from dserve.attention.index_cache import stored_rows, widened_keys  # noqa: E402
+from dserve.attention.index_cache import key_scales, read_keys, write_keys  # noqa: E402
 from dserve.attention.triton_dsa import indexer_scores  # noqa: E402
 from dserve.attention.triton_mla import mla_decode  # noqa: E402
+from dserve.memory.kv_pool import KVLayout, KVPool  # noqa: E402
 from tests.attention.test_triton_mla import case  # noqa: E402
 from tests.conftest import random_prompts  # noqa: E402
 from tests.reference import hf_greedy  # noqa: E402
@@ -22,19 +23,25 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["keys", "fp8-keys"])
 def test_indexer_scores_match_torch(fp8):
+    """Over an indexer pool's pages (FP8: a page's keys, then their scales)."""
     gen = torch.Generator().manual_seed(3)
     heads, dim, page_size, lens = 16, 32, 4, [1, 9, 23, 40]
-    keys = torch.randn(40, page_size, dim, generator=gen)
-    stored = stored_rows(keys.view(-1, dim), fp8).view(40, page_size, -1)
-    if fp8:  # what the pool holds, widened: the reference's keys
-        keys = widened_keys(stored.view(-1, stored.shape[-1]), fp8).view(40, page_size, dim)
+    dtype = torch.uint8 if fp8 else torch.float32
+    pool = KVPool(KVLayout("index", 1, page_size, dtype, latent_dim=dim), 40, DEVICE)
+    every = torch.arange(40 * page_size, device=DEVICE)
+    write_keys(pool, 0, every, torch.randn(40 * page_size, dim, generator=gen).to(DEVICE))
+    keys = read_keys(pool, 0, every).cpu().view(40, page_size, dim)  # FP8: widened, exactly
+    buffers = pool.buffers[0]
+    scales = key_scales(buffers[1]) if fp8 else None
     table = torch.randperm(40, generator=gen).view(4, 10).to(torch.int32)
     q = torch.randn(4, heads, dim, generator=gen)
     w = torch.randn(4, heads, generator=gen)
     to = lambda t: t.to(DEVICE)  # noqa: E731
     ctx = torch.tensor(lens, dtype=torch.int32)
     rows = torch.arange(4, dtype=torch.int32)
-    got = indexer_scores(to(q), to(w), to(stored), to(table), to(rows), to(ctx), 0.2, 40).cpu()
+    got = indexer_scores(
+        to(q), to(w), buffers[0], to(table), to(rows), to(ctx), 0.2, 40, key_scales=scales
+    ).cpu()
     for t, n in enumerate(lens):
         pos = torch.arange(n)
         k = keys[table[t, pos // page_size].long(), pos % page_size]

@@ -88,6 +88,7 @@ def test_dense_attention_on_the_same_weights_gives_other_tokens(tiny_dir, make_e
     assert sum(differ) >= 2, "the selection of 6 of up to 40 positions changes the tokens"
 
 
+FP8_KEYS = ["--indexer-cache-dtype", "fp8"]
 PAIRS = {  # id: (arch, prefill flags, decode flags)
     "v32-p-tp2-d-dp2": ("deepseek_v32", ["--tp", "2"], ["--tp", "2", "--dp", "2"]),
     "glm5-shared-p-pp2-d-tp2": (
@@ -95,15 +96,22 @@ PAIRS = {  # id: (arch, prefill flags, decode flags)
         ["--pp-size", "2", "--pp-layer-partition", "2,1"],
         ["--tp", "2"],
     ),
+    # FP8 keys: two buffers a layer (a page's keys, then their scales), across stages and TP
+    "glm5-fp8-keys-p-pp2-d-tp2": (
+        "glm_moe_dsa",
+        ["--pp-size", "2", "--pp-layer-partition", "2,1", *FP8_KEYS],
+        ["--tp", "2", *FP8_KEYS],
+    ),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("pair", list(PAIRS))
-def test_disaggregated_pair_moves_the_indexer_keys(pair, tiny_dir, tmp_path):
+def test_disaggregated_pair_moves_the_indexer_keys(pair, tiny_dir, tmp_path, make_engine):
     """The indexer pool travels with the latents (replicated over attention TP: one sender per
     decode rank), across TP, DP attention and pipeline stages (its layers numbered over the
-    model's indexer layers): the decode's selections, hence its tokens, are the reference's."""
+    model's indexer layers): the decode's selections, hence its tokens, are the reference's
+    (with FP8 keys: a colocated engine's with FP8 keys)."""
     pytest.importorskip("ucxx")
     from tests.servers import check_and_stop, start_cluster
 
@@ -112,7 +120,15 @@ def test_disaggregated_pair_moves_the_indexer_keys(pair, tiny_dir, tmp_path):
     flags = ["--dtype", "float32"]
     cluster = start_cluster(path, tmp_path, flags + prefill, flags + decode)
     prompts = random_prompts(3, 512, LENGTHS, seed=24)
-    check_and_stop(cluster, prompts, lambda ids: hf_greedy(path, ids, NEW_TOKENS), GREEDY)
+    expected = lambda ids: hf_greedy(path, ids, NEW_TOKENS)  # noqa: E731
+    if FP8_KEYS[-1] in decode:
+        engine = make_engine(path, dtype="float32", indexer_cache_dtype="fp8")
+        expected = lambda ids: (
+            engine.generate(  # noqa: E731
+                input_ids=ids, sampling_params=GREEDY
+            ).output_ids
+        )
+    check_and_stop(cluster, prompts, expected, GREEDY)
 
 
 @pytest.mark.parametrize(

@@ -137,15 +137,20 @@ def extend_launches(gen: torch.Generator) -> None:
 
 def dsa_and_norm_launches(gen: torch.Generator) -> None:
     """The DSA indexer's scores and top-k, and the RMSNorm that quantizes for FP8 GEMMs."""
+    from dserve.attention.index_cache import key_scales
     from dserve.attention.triton_dsa import indexer_scores
     from dserve.attention.triton_topk import select_top_triton
     from dserve.kernels.triton_norm import rms_norm
+    from dserve.memory.kv_pool import KVLayout, KVPool
 
     keys = torch.randn(8, 64, 128, generator=gen).to(torch.bfloat16)
     table = torch.arange(8, dtype=torch.int32).view(1, -1)
     q = torch.randn(2, 32, 128).to(torch.bfloat16)
     rows, lens = torch.zeros(2, dtype=torch.int32), torch.tensor([300, 512], dtype=torch.int32)
     indexer_scores(q, torch.randn(2, 32), keys, table, rows, lens, 0.1, 512)
+    fp8 = KVPool(KVLayout("index", 1, 64, torch.uint8, latent_dim=128), 8, "cpu").buffers[0]
+    scales = key_scales(fp8[1])  # FP8 keys: a page's keys, then their scales
+    indexer_scores(q, torch.randn(2, 32), fp8[0], table, rows, lens, 0.1, 512, key_scales=scales)
     select_top_triton(torch.randn(2, 4096), 2048)
     x = torch.randn(3, 7168).to(torch.bfloat16)
     rms_norm(x, torch.ones(7168).to(torch.bfloat16), 1e-6, x.clone(), quant_group=128)
