@@ -3,7 +3,9 @@
     python -m bench.router_overhead [--lengths 1024,4096,16384] [--requests 200]
 
 One process serves two stub instances that answer at once: a "prefill" that reads the body and
-answers 200, a "decode" that reads it and streams one event and `[DONE]`. Another runs the real
+answers 200 (for a stream the pair shares, `shared_stream`: streams the first event and
+`[DONE]`), a "decode" that reads it and streams one event (shared: the next one) and `[DONE]`.
+Another runs the real
 router (`dserve.runtime.router`) in front of them. The client, in this process, sends streamed
 `/generate` requests of N token ids to the decode stub directly, then through the router, one at
 a time, and times the first byte of the answer (median and p99, ms). The difference is what the
@@ -30,16 +32,30 @@ from bench.pd_overhead import free_port
 FIRST_EVENT = b'data: {"text": "a"}\n\n'
 
 
-async def _prefill(request: web.Request) -> web.Response:
-    await request.read()
-    return web.json_response({"text": "a"})
+NEXT_EVENT = b'data: {"text": "b"}\n\n'
+
+
+async def _prefill(request: web.Request) -> web.StreamResponse:
+    if not _shared(await request.read()):
+        return web.json_response({"text": "a"})
+    return await _events(request, FIRST_EVENT)
 
 
 async def _decode(request: web.Request) -> web.StreamResponse:
-    await request.read()
+    shared = _shared(await request.read())
+    return await _events(request, NEXT_EVENT if shared else FIRST_EVENT)
+
+
+def _shared(body: bytes) -> bool:
+    """Whether the router shares the stream (the stubs do not parse bodies: that is the
+    instances' cost, not the router's)."""
+    return b'"shared_stream"' in body
+
+
+async def _events(request: web.Request, event: bytes) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
-    await resp.write(FIRST_EVENT)
+    await resp.write(event)
     await resp.write(b"data: [DONE]\n\n")
     return resp
 
@@ -71,12 +87,12 @@ def serve_stubs(prefill_port: int, decode_port: int) -> None:
     asyncio.run(serve())
 
 
-def serve_router(prefill_port: int, decode_port: int, port: int) -> None:
+def serve_router(prefill_port: int, decode_port: int, port: int, shared: bool = True) -> None:
     from dserve.runtime.router import run_router
     from dserve.runtime.server_config import RouterConfig
 
     urls = (f"http://127.0.0.1:{prefill_port}", f"http://127.0.0.1:{decode_port}")
-    run_router([urls[0]], [urls[1]], RouterConfig(port=port))
+    run_router([urls[0]], [urls[1]], RouterConfig(port=port, shared_streams=shared))
 
 
 async def first_byte(session: aiohttp.ClientSession, url: str, body: bytes) -> float:
@@ -138,13 +154,19 @@ def main(argv: list[str] | None = None) -> None:
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     parser.add_argument("--lengths", type=ints, default=[1024, 4096, 16384])
     parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument(
+        "--no-shared-streams",
+        dest="shared",
+        action="store_false",
+        help="the router without shared streams (the whole stream from the decode)",
+    )
     parser.add_argument("--out", default="bench/results/router_overhead.json")
     args = parser.parse_args(argv)
     prefill, decode, router = free_port(), free_port(), free_port()
     ctx = mp.get_context("spawn")
     procs = [
         ctx.Process(target=serve_stubs, args=(prefill, decode), daemon=True),
-        ctx.Process(target=serve_router, args=(prefill, decode, router), daemon=True),
+        ctx.Process(target=serve_router, args=(prefill, decode, router, args.shared), daemon=True),
     ]
     for proc in procs:
         proc.start()

@@ -115,6 +115,9 @@ class PairTries:
             if isinstance(opened, Failure):
                 self._blame(opened)
                 return opened
+            if not opened.streamed and opened.upstream.status == 200:
+                message = f"prefill {prefill.url} answered a shared stream whole"
+                return Failure(502, message, False, prefill)
             if not opened.streamed:  # a 4xx answer
                 return await self._relay(request, endpoint, opened, prefill, start)
             resp = EventStream(status=200, headers=EventStream.HEADERS)
