@@ -86,11 +86,13 @@ def scores_part(c: dict, context: int) -> torch.Tensor:
         0.09,
         context,
         key_scales=c["key_scales"],
+        **SCORES_LAUNCH,
     )
 
 
 TOP_LAUNCH = {"chunk": None, "block": 1024, "num_warps": 4}  # `--topk-*`
 MLA_LAUNCH: dict = {}  # `--mla-launch`: mla_decode's keyword arguments (else its defaults)
+SCORES_LAUNCH: dict = {}  # `--scores-launch`: indexer_scores' block_n, num_warps
 
 
 def top_part(scores: torch.Tensor, hist: torch.Tensor) -> torch.Tensor:
@@ -206,10 +208,14 @@ def main() -> None:
     parser.add_argument(
         "--mla-launch", type=json.loads, default={}, help="the sparse MLA's launch, as JSON"
     )
+    parser.add_argument(
+        "--scores-launch", type=json.loads, default={}, help="the indexer scores', as JSON"
+    )
     parser.add_argument("--out", default="bench/results/sparse_decode.json")
     args = parser.parse_args()
     TOP_LAUNCH.update(chunk=args.topk_chunk, block=args.topk_block, num_warps=args.topk_warps)
     MLA_LAUNCH.update(args.mla_launch)
+    SCORES_LAUNCH.update(args.scores_launch)
     copy = copy_bandwidth()
     rows = []
     print(f"copy bandwidth {copy / 1e9:.0f} GB/s; ms per layer; the sparse step's parts after it")
@@ -223,6 +229,7 @@ def main() -> None:
     with open(args.out, "w") as f:
         meta = {"device": torch.cuda.get_device_name(), "copy_gb_s": copy / 1e9}
         meta.update(fp8_keys=args.fp8_keys, topk_launch=TOP_LAUNCH, mla_launch=MLA_LAUNCH)
+        meta.update(scores_launch=SCORES_LAUNCH)
         json.dump({**meta, "rows": rows}, f, indent=2)
     print(f"wrote {args.out}")
 
