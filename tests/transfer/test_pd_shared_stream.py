@@ -8,6 +8,7 @@ at its first token (while its KV may be on its way) leaves no page held past a f
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -23,6 +24,7 @@ from tests.servers import (
     start_instance,
     stop_all,
     stream,
+    wait_for,
 )
 
 pytestmark = pytest.mark.slow
@@ -182,3 +184,37 @@ def test_clients_that_leave_at_the_first_token_leave_no_page_held(default_pair):
         with urllib.request.urlopen(req, timeout=60) as r:
             assert next(line for line in r if line.startswith(b"data: "))
     assert_all_pages_free(pair.prefill, pair.decode, timeout=8)
+
+
+def test_a_decode_killed_after_the_first_token_ends_the_stream_at_once(tiny_dir, tmp_path):
+    """The client has its first token (from the prefill) when its decode dies: the stream ends
+    with an error event naming the decode within seconds, the prefill frees the room's pages,
+    and the router takes the decode out of rotation."""
+    cluster = start_cluster(
+        tiny_dir("deepseek_v3"), tmp_path, ["--transfer-timeout-s", "5", "--log-level", "error"]
+    )
+    try:
+        body = {"input_ids": [7] * 40, "sampling_params": {"max_new_tokens": 100000, **GREEDY}}
+        req = urllib.request.Request(
+            cluster.url + "/generate",
+            data=json.dumps({**body, "stream": True}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        events = []
+        with urllib.request.urlopen(req, timeout=60) as r:
+            lines = (line for line in r if line.startswith(b"data: "))
+            events.append(json.loads(next(lines)[6:]))  # the first token
+            cluster.decode.kill()
+            killed = time.monotonic()
+            for line in lines:
+                if line.strip() == b"data: [DONE]":
+                    break
+                events.append(json.loads(line[6:]))
+        assert time.monotonic() - killed < 10
+        assert len(events[0]["output_ids"]) == 1
+        assert "decode" in events[-1]["error"]["message"], events[-1]
+        assert_all_pages_free(cluster.prefill, timeout=20)
+        health = lambda: get(cluster.url + "/health")[0] == 503  # noqa: E731
+        wait_for(health, 15, "the router takes the dead decode out of rotation")
+    finally:
+        cluster.stop()
