@@ -363,7 +363,7 @@ class Server:
         """The answer as events; `part` (`shown_part`): which of them this instance sends."""
         resp = EventStream(headers=EventStream.HEADERS)
         timer, prepared, outcome = _Timer(self.metrics), False, "ok"
-        tokens_seen = False
+        started: set[int] = set()  # choices whose first token came
         try:
             async for index, chunk in chunks:
                 if not prepared:
@@ -376,8 +376,9 @@ class Server:
                     await _event(resp, error_body(result.meta.get("error") or "aborted", 500))
                     break
                 payloads = answer.event(index, chunk)  # made either way: the answer's state
-                first = bool(chunk.token_ids) and not tokens_seen
-                tokens_seen = tokens_seen or first
+                first = bool(chunk.token_ids) and index not in started
+                if first:
+                    started.add(index)
                 if part != "all" and (part == "first") != first:
                     continue  # the pair's other instance sends these
                 if chunk.token_ids:  # as they go out: the write below is a send
@@ -420,8 +421,9 @@ class _Timer:
 
 def shown_part(role: str, inp: GenerateInput) -> str:
     """Which events of a streamed answer this instance sends: "all"; with a stream the pair
-    shares (`SharedStream`), "first" (the prefill: the first token's events, then [DONE] once
-    the KV has left, or an error event) or "rest" (the decode: those after them)."""
+    shares (`SharedStream`), "first" (the prefill: each choice's first token's events, then
+    [DONE] once the KV has left, or an error event) or "rest" (the decode: those after
+    them)."""
     if inp.shared is None:
         return "all"
     return "first" if role == "prefill" else "rest"

@@ -7,9 +7,9 @@ adds `bootstrap_host`, `bootstrap_port` and `bootstrap_room`. One HTTP request m
 engine requests (a list of prompts, `n` choices each): `GenerateInput.parts` lists them, choice
 `j` of prompt `i` at index `i * n + j`, each with its own rid and bootstrap room.
 
-A streamed request of one part may come with `shared_stream` too (`SharedStream`): the pair
-then shares the client's stream, the prefill sending the first token's events and the decode
-the rest, under one id.
+A streamed request may come with `shared_stream` too (`SharedStream`): the pair then shares
+the client's stream, the prefill sending each part's first token's events and the decode the
+rest, under one id.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ class BadRequest(ValueError):
 
 @dataclass
 class SharedStream:
-    """A stream the router makes of two: the prefill's events of the first token (as soon as it
-    is computed), then the decode's of the rest. Both answer under this id and creation time."""
+    """A stream the router makes of two: the prefill's events of each request's first token
+    (as soon as it is computed), then the decode's of the rest. Both answer under this id and
+    creation time (the requests' rids: the id, or the id and the part's index)."""
 
     id: str
     created: int
@@ -88,11 +89,13 @@ class GenerateInput:
     """`OpenAIOptions` of an OpenAI route."""
 
     def __post_init__(self) -> None:
-        if self.bootstrap is None or self.bootstrap.shared is None:
-            return
-        expect(self.stream, "shared_stream needs stream: true")
-        one = len(self.prompts) * self.n == 1
-        expect(one, "shared_stream needs a single request (one prompt, n = 1)")
+        if self.bootstrap is not None and self.bootstrap.shared is not None:
+            expect(self.stream, "shared_stream needs stream: true")
+
+    @property
+    def count(self) -> int:
+        """Engine requests: prompts x n."""
+        return len(self.prompts) * self.n
 
     @property
     def shared(self) -> SharedStream | None:
@@ -109,7 +112,7 @@ class GenerateInput:
                     sampling["seed"] += j
                 rid = self.rids[index] if self.rids else None
                 if rid is None and self.shared:  # the same on both instances
-                    rid = self.shared.id
+                    rid = self.shared.id if self.count == 1 else f"{self.shared.id}-{index}"
                 room = self.bootstrap.room_of(index) if self.bootstrap else None
                 parts.append(Part(index, prompt, sampling, rid, room))
         return parts

@@ -4,10 +4,9 @@ A request's body is checked first (JSON, field shapes and types, as an instance 
 bad input is a 400 whether or not any instance is up. Then the router picks a prefill and a
 decode instance (`router_policy.py`), adds `bootstrap_host/port/room` (the bootstrap port learned
 from the prefill's `/server_info`), sends the request to both at once and relays the decode's
-answer, streamed or whole. A stream of one request (one prompt, n = 1) is shared by the pair
-(`SharedStream`): the prefill sends the client the first token's events as soon as it has
-computed it, the decode the rest, so the first token waits neither for the KV transfer nor for
-the decode. A stream of several requests comes whole from the decode.
+answer, streamed or whole. A stream is shared by the pair (`SharedStream`): the prefill sends
+the client each request's first token's events as soon as it has computed it, the decode the
+rest, so the first token waits neither for the KV transfer nor for the decode.
 
 Retries: until the client has received a token, nothing is lost by starting again. A try whose
 prefill or decode fails before that (connection refused or lost, a 5xx answer, a KV transfer that
@@ -213,8 +212,7 @@ class Router(PairTries):
             inp = check_body(endpoint, body)
         except ValueError as e:
             return self._error(endpoint, str(e), 400, start)
-        one = len(inp.prompts) * inp.n == 1
-        shared = self.config.shared_streams and inp.stream and one
+        shared = self.config.shared_streams and inp.stream
         blocks = self.picker.blocks(body)
         rest = _rest_json(body)
         tried: set[Backend] = set()

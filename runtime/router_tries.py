@@ -1,9 +1,9 @@
 """One try of a request on a prefill + decode pair, for `dserve router` (`router.py`).
 
 `PairTries._try` sends the request to both instances at once (the prefill answers whole) and
-relays the decode's answer once it is sure. `PairTries._try_shared` runs a stream of one request
-that the pair shares (`SharedStream`): the prefill's events of the first token go out as soon
-as they come, then the decode's. A try that fails before the client got anything returns a
+relays the decode's answer once it is sure. `PairTries._try_shared` runs a stream that the pair
+shares (`SharedStream`): the prefill's events of each request's first token go out as soon as
+they come, then the decode's (once the prefill's stream ended: every request's KV has left). A try that fails before the client got anything returns a
 `Failure` for the router to try again elsewhere; after that, a stream ends with an error event.
 """
 
@@ -97,9 +97,9 @@ class PairTries:
     async def _try_shared(
         self, request, endpoint, body, rest, pair: tuple[Backend, Backend], start: float
     ) -> web.StreamResponse | Failure:
-        """One try of a stream of one request that the pair shares (`SharedStream`): the
-        prefill's events of the first token go to the client as soon as they come, then the
-        decode's of the rest. A failure before the first event is the caller's to retry; after
+        """One try of a stream that the pair shares (`SharedStream`): the prefill's events of
+        each request's first token go to the client as soon as they come, then the decode's of
+        the rest. A failure before the first event is the caller's to retry; after
         it (the KV transfer's, or either instance's) it ends the stream with an error event."""
         prefill, decode = pair
         share = {"id": uuid.uuid4().hex[:24], "created": int(time.time())}
@@ -164,7 +164,7 @@ class PairTries:
     async def _prefill_events(
         self, resp: EventStream, opened: Opened, prefill: Backend, decode_task
     ) -> Failure | None:
-        """Relay the prefill's events (of the first token) until its stream ends: None when
+        """Relay the prefill's events (of the first tokens) until its stream ends: None when
         it ended well (the KV has left), else the Failure; the decode's failure meanwhile ends
         it at once."""
         reading = asyncio.ensure_future(self._copy_events(resp, opened, prefill))

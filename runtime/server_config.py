@@ -103,7 +103,7 @@ class RouterConfig:
     """Tries on other instances for a request whose instance failed before any token was sent
     to the client (refused connection, dead instance, failed KV transfer); 0: none."""
     shared_streams: bool = True
-    """A stream of one request gets its first token's events from the prefill as soon as it
+    """A stream gets each request's first token's events from the prefill as soon as it
     computed it, the rest from the decode (`SharedStream`): its time to first token waits for
     neither the KV transfer nor the decode, and a KV transfer that fails after that first
     token ends the stream with an error event. Off (`--no-shared-streams`): every stream

@@ -79,10 +79,6 @@ BAD = [
     ({**BOOT, "shared_stream": {"id": "x", "created": 1}}, "needs stream: true"),
     ({**BOOT, "stream": True, "shared_stream": {"id": "x y", "created": 1}}, "alphanumeric"),
     ({**BOOT, "stream": True, "shared_stream": {"id": "x"}}, "object of id and created"),
-    (
-        {**BOOT, "stream": True, "text": ["a", "b"], "shared_stream": {"id": "x", "created": 1}},
-        "single request",
-    ),
 ]
 
 

@@ -1,7 +1,8 @@
 """A stream the pair shares (`SharedStream`): through the router, the prefill sends the client the
-first token's events and the decode the rest. What the client reads adds up to a colocated
-instance's stream on every route (text held back at a stop string's start, logprobs, echo,
-usage, a request that ends at its first token), under one id; a KV transfer that fails after
+first token's events (each request's: a batch, n choices) and the decode the rest. What the
+client reads adds up to a colocated instance's stream on every route (text held back at a stop
+string's start, logprobs, echo, usage, a request that ends at its first token, several
+choices), under one id; a KV transfer that fails after
 the first token went out ends the stream with an error event (no retry); a client that leaves
 at its first token (while its KV may be on its way) leaves no page held past a few seconds."""
 
@@ -56,6 +57,25 @@ CASES = {
         },
     ),
     "chat-one-token": ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 1, **GREEDY}),
+    "completions-n2-usage": (
+        "/v1/completions",
+        {
+            "prompt": [[5, 6, 7, 8], [9, 10, 11]],
+            "n": 2,
+            "max_tokens": 5,
+            "logprobs": 1,
+            "stream_options": {"include_usage": True},
+            **GREEDY,
+        },
+    ),
+    "chat-n2": ("/v1/chat/completions", {"messages": CHAT, "n": 2, "max_tokens": 4, **GREEDY}),
+    "generate-batch": (
+        "/generate",
+        {
+            "input_ids": [[3, 4, 5], [6, 7, 8, 9]],
+            "sampling_params": {"max_new_tokens": 5, **GREEDY},
+        },
+    ),
     "generate-stop-logprobs": (
         "/generate",
         {
@@ -84,52 +104,69 @@ def test_the_shared_stream_adds_up_to_the_colocated_one(case, default_pair, colo
         body = {**body, "sampling_params": {**body["sampling_params"], "stop": whole["text"][3:5]}}
     shared = stream(pair.url + path, body)
     alone = stream(colocated.url + path, body)
-    assert client_view(path, shared) == client_view(path, alone)
+    assert_same(client_view(path, shared), client_view(path, alone))
     if path != "/generate":  # one answer: one id and creation time on every event
         assert len({e["id"] for e in shared}) == 1 and len({e["created"] for e in shared}) == 1
     assert_all_pages_free(pair.prefill, pair.decode)
 
 
 def client_view(path: str, events: list[dict]) -> dict:
-    """What a client makes of a stream: the text, tokens, logprobs, finish reason and usage."""
+    """What a client makes of a stream, per choice (by index): the text, tokens, logprobs and
+    finish reason; and the usage."""
     assert events and not any("error" in e for e in events), events
-    if path == "/generate":  # each event holds the whole output so far
-        last = events[-1]
-        meta = last["meta_info"]
-        lps = [[round(lp, 4), t] for lp, t, _ in meta["output_token_logprobs"]]
-        return {"text": last["text"], "ids": last["output_ids"], "lps": lps, **_finish(meta)}
-    choices = [c for e in events for c in e["choices"]]
+    if path == "/generate":  # each event holds a choice's whole output so far
+        last = {e.get("index", 0): e for e in events}
+        return {i: _generate_view(e) for i, e in sorted(last.items())}
     usage = [e["usage"] for e in events if e.get("usage")]
     for u in usage:
         u.pop("prompt_tokens_details", None)  # cached tokens: the instance's own prefix cache
-    view = {"finish": [c["finish_reason"] for c in choices if c["finish_reason"]], "usage": usage}
+    choices = [c for e in events for c in e["choices"]]
+    indices = sorted({c["index"] for c in choices})
+    mine = lambda i: [c for c in choices if c["index"] == i]  # noqa: E731
+    return {"usage": usage, **{i: _choice_view(path, mine(i)) for i in indices}}
+
+
+def _generate_view(event: dict) -> dict:
+    meta = event["meta_info"]
+    lps = [[lp, t] for lp, t, _ in meta.get("output_token_logprobs", [])]
+    return {"text": event["text"], "ids": event["output_ids"], "lps": lps, **_finish(meta)}
+
+
+def _choice_view(path: str, choices: list[dict]) -> dict:
+    view = {"finish": [c["finish_reason"] for c in choices if c["finish_reason"]]}
     if path == "/v1/completions":
         view["text"] = "".join(c["text"] for c in choices)
         lps = [c["logprobs"] for c in choices if c["logprobs"]]
         view["tokens"] = [t for lp in lps for t in lp["tokens"]]
-        view["lps"] = [_round(x) for lp in lps for x in lp["token_logprobs"]]
-        view["top"] = [_round(x) for lp in lps for x in lp["top_logprobs"]]
+        view["lps"] = [x for lp in lps for x in lp["token_logprobs"]]
+        view["top"] = [x for lp in lps for x in lp["top_logprobs"]]
         return view
     deltas = [c["delta"] for c in choices]
     view["role"] = [d["role"] for d in deltas if "role" in d]
     view["text"] = "".join(d.get("content") or "" for d in deltas)
     entries = [x for c in choices if c["logprobs"] for x in c["logprobs"]["content"]]
-    view["lps"] = [(x["token"], _round(x["logprob"]), _round(x["top_logprobs"])) for x in entries]
+    view["lps"] = [(x["token"], x["logprob"], x["top_logprobs"]) for x in entries]
     return view
+
+
+def assert_same(got, want, where: str = "") -> None:
+    """Equal, floats (logprobs) within 1e-4: a batch of other shape sums in another order."""
+    if isinstance(want, float):
+        assert got == pytest.approx(want, abs=1e-4), where
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), (where, got, want)
+        for key in want:
+            assert_same(got[key], want[key], f"{where}.{key}")
+    elif isinstance(want, (list, tuple)):
+        assert isinstance(got, (list, tuple)) and len(got) == len(want), (where, got, want)
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert_same(a, b, f"{where}[{i}]")
+    else:
+        assert got == want, (where, got, want)
 
 
 def _finish(meta: dict) -> dict:
     return {"finish": meta["finish_reason"], "matched": meta.get("matched_stop")}
-
-
-def _round(value):
-    if isinstance(value, float):
-        return round(value, 4)
-    if isinstance(value, dict):
-        return {k: _round(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_round(v) for v in value]
-    return value
 
 
 @pytest.mark.parametrize("shared", [True, False], ids=["shared", "whole"])
