@@ -144,6 +144,7 @@ async def measure(url: str, args) -> dict:
             out[length] = {
                 "ttft_s": percentiles([r["ttft"] for r in results]),
                 "itl_s": percentiles([x for r in results for x in r["itl"]]),
+                "second_s": percentiles([r["ttft"] + r["itl"][0] for r in results if r["itl"]]),
                 "timeline_ms": median_marks(results),
             }
     return out
@@ -222,15 +223,21 @@ def model_flags(args) -> list[str]:
 
 
 def table(rows: list[dict]) -> None:
+    """TTFT, its p99, ITL, and the time to the second token ("2nd": with shared streams the
+    first token comes from the prefill, the second still waits for the KV transfer)."""
     head = ("pd", "len", "TTFT co", "TTFT pd", "ratio", "p99 co", "p99 pd", "ITL co", "ITL pd")
+    head += ("2nd co", "2nd pd")
     print(
-        "{:>6} {:>6} {:>8} {:>8} {:>6} {:>8} {:>8} {:>7} {:>7}   (ms, p50 unless p99)".format(*head)
+        "{:>6} {:>6} {:>8} {:>8} {:>6} {:>8} {:>8} {:>7} {:>7} {:>7} {:>7}   (ms, p50 unless p99)".format(
+            *head
+        )
     )
     for r in rows:
         print(
             f"{r['mode']:>6} {r['length']:>6} {r['ttft_co_p50']:>8.1f} {r['ttft_pd_p50']:>8.1f} "
             f"{r['ttft_ratio']:>6.2f} {r['ttft_co_p99']:>8.1f} {r['ttft_pd_p99']:>8.1f} "
-            f"{r['itl_co_p50']:>7.2f} {r['itl_pd_p50']:>7.2f}",
+            f"{r['itl_co_p50']:>7.2f} {r['itl_pd_p50']:>7.2f} "
+            f"{r['second_co_p50']:>7.1f} {r['second_pd_p50']:>7.1f}",
             flush=True,
         )
 
@@ -249,6 +256,7 @@ def rows_of(results: dict, lengths: list[int], modes: list[str]) -> list[dict]:
                 for q in ("p50", "p99"):
                     row[f"ttft_{name}_{q}"] = 1e3 * got["ttft_s"][q]
                     row[f"itl_{name}_{q}"] = 1e3 * got["itl_s"].get(q, 0.0)
+                    row[f"second_{name}_{q}"] = 1e3 * got["second_s"].get(q, 0.0)
             row["ttft_co_runs_p50"] = [1e3 * got["ttft_s"]["p50"] for got in runs]
             row["ttft_ratio"] = row["ttft_pd_p50"] / row["ttft_co_p50"]
             row["itl_ratio"] = row["itl_pd_p50"] / max(row["itl_co_p50"], 1e-9)

@@ -85,6 +85,7 @@ def test_pd_overhead_benchmark(tiny_dir, tmp_path):
         ("whole", 40),
     ]
     assert all(r["ttft_co_p50"] > 0 and r["ttft_pd_p50"] > 0 and r["itl_pd_p50"] > 0 for r in rows)
+    assert all(r[f"second_{m}_p50"] > r[f"ttft_{m}_p50"] for r in rows for m in ("co", "pd"))
     for r in rows:  # the client's marks on the decode's timeline
         marks = r["pd_timeline_ms"]
         assert marks["client_sent"] < 0 < marks["prefill_computed"] < marks["client_first"]
