@@ -143,7 +143,7 @@ class PairTries:
             for task in (prefill_task, decode_task):
                 task.cancel()
                 await _closed(task)
-                answer = None if task.cancelled() else task.result()
+                answer = _outcome(task)
                 if isinstance(answer, Opened):  # a client gone: this aborts its request
                     answer.upstream.close()
 
@@ -347,6 +347,13 @@ def _bootstrap(prefill: Backend) -> dict:
 
 def _leave(backend: Backend) -> None:
     backend.in_flight -= 1
+
+
+def _outcome(task: asyncio.Task):
+    """A finished task's result; None when it was cancelled or raised."""
+    if task.cancelled() or task.exception() is not None:
+        return None
+    return task.result()
 
 
 async def _closed(task: asyncio.Task) -> None:
