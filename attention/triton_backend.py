@@ -136,9 +136,9 @@ class TritonBackend(AttentionBackend):
 
         b = self.batch
         buffers = self.index_pool.buffers[layer]  # the keys (FP8: and their scales)
-        parts = stored_parts(k, self.index_pool.layout.scaled)
-        store_tokens(b.out_slots, list(zip(buffers, parts)))
-        scales = key_scales(buffers[1]) if len(buffers) == 2 else None
+        scaled = self.index_pool.layout.scaled
+        store_tokens(b.out_slots, list(zip(buffers, stored_parts(k, scaled))))
+        scales = key_scales(buffers[1]) if scaled else None
         scores = indexer_scores(
             q.contiguous(),
             weights.contiguous(),

@@ -138,10 +138,11 @@ class DecodeConnector(PDConnector):
         room = self.rooms.get(rid)
         if room is None or room.state is DecodeState.QUARANTINED:
             return
-        room.link.cancel(room.id)
-        if room.state is DecodeState.ABANDONED:  # the pages are held already
+        if room.state is DecodeState.ABANDONED:  # the prefill was told, the pages are held
             self._quarantine(room)
-        elif room.state is DecodeState.BOOTSTRAPPING:
+            return
+        room.link.cancel(room.id)
+        if room.state is DecodeState.BOOTSTRAPPING:
             self._drop(room)
         else:  # receives are posted: settle them before the pages go back
             room.key = self.engine.hold(rid, "recv")

@@ -149,17 +149,13 @@ class PairTries:
 
     async def _settle_first(self, prefill_task, decode_task) -> Opened | Failure:
         """The prefill's opened stream (its first event), unless either side failed first
-        (a decode's failure goes to the prefill when it fails too, as in `_settle`)."""
+        (`_blamed`: which one takes the blame)."""
         await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
-        failed = decode_task.done() and isinstance(decode_task.result(), Failure)
-        if not failed:
-            return await prefill_task
-        failure = decode_task.result()
-        if not failure.lost:
-            await asyncio.wait({prefill_task}, timeout=BLAME_GRACE_S)
         if prefill_task.done() and isinstance(prefill_task.result(), Failure):
             return prefill_task.result()
-        return failure
+        if decode_task.done() and isinstance(decode_task.result(), Failure):
+            return await _blamed(decode_task.result(), prefill_task)
+        return await prefill_task
 
     async def _prefill_events(
         self, resp: EventStream, opened: Opened, prefill: Backend, decode_task
@@ -209,17 +205,14 @@ class PairTries:
         return resp
 
     async def _settle(self, prefill_task, decode_task) -> Opened | Failure:
-        """The decode's opened answer, unless either side failed first. A decode that answers
-        with an error first may have failed for its prefill (which it reaches for the KV): the
-        prefill has a moment to say so, and takes the blame if it failed too."""
+        """The decode's opened answer, unless either side failed first (`_blamed`: which one
+        takes the blame)."""
         await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
         if prefill_task.done() and prefill_task.result() is not None:
             return prefill_task.result()
         opened = await decode_task
-        if isinstance(opened, Failure) and not opened.lost:
-            await asyncio.wait({prefill_task}, timeout=BLAME_GRACE_S)
-            if prefill_task.done() and prefill_task.result() is not None:
-                return prefill_task.result()
+        if isinstance(opened, Failure):
+            return await _blamed(opened, prefill_task)
         return opened
 
     def _blame(self, failure: Failure) -> None:
@@ -347,6 +340,18 @@ def _bootstrap(prefill: Backend) -> dict:
 
 def _leave(backend: Backend) -> None:
     backend.in_flight -= 1
+
+
+async def _blamed(failure: Failure, prefill_task: asyncio.Task) -> Failure:
+    """A decode's failure, or its prefill's: a decode that answers with an error may have
+    failed for its prefill (which it reaches for the KV), so the prefill has `BLAME_GRACE_S`
+    to say so and takes the blame if it failed too. A lost connection is the decode's own."""
+    if failure.lost:
+        return failure
+    await asyncio.wait({prefill_task}, timeout=BLAME_GRACE_S)
+    if prefill_task.done() and isinstance(prefill_task.result(), Failure):
+        return prefill_task.result()
+    return failure
 
 
 def _outcome(task: asyncio.Task):
