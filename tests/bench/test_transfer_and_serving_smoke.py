@@ -86,10 +86,11 @@ def test_pd_overhead_benchmark(tiny_dir, tmp_path):
     ]
     assert all(r["ttft_co_p50"] > 0 and r["ttft_pd_p50"] > 0 and r["itl_pd_p50"] > 0 for r in rows)
     assert all(r[f"second_{m}_p50"] > r[f"ttft_{m}_p50"] for r in rows for m in ("co", "pd"))
-    for r in rows:  # the client's marks on the decode's timeline
+    for r in rows:  # the client's marks on the decode's timeline (0: the decode got it)
         marks = r["pd_timeline_ms"]
-        assert marks["client_sent"] < 0 < marks["prefill_computed"] < marks["client_first"]
-        assert marks["joined"] < marks["sent"]
+        assert marks["client_sent"] < 0 < marks["joined"] < marks["sent"]
+        # the prefill may compute a short prompt before the decode has its copy of the request
+        assert marks["client_sent"] < marks["prefill_computed"] < marks["client_first"]
         if r["mode"] == "whole":  # the decode sent the first token
             assert marks["sent"] < marks["client_first"]
         else:  # the prefill did, before the decode had the KV
