@@ -59,6 +59,9 @@ class TritonBackend(AttentionBackend):
             kind: dict(tune) for kind, tune in EXTEND_TUNE.items()
         }  # benches may change it
         self.top_hist = None
+        # Hopper's warp-specialized MLA decode (attention/gluon_mla.py) where it serves the
+        # shapes; benches and kernel checks turn it off to time or check the Triton kernel
+        self.gluon_mla = True
         if index_pool is not None and pool.device.type == "cuda":
             from dserve.attention.triton_topk import top_hist
 
@@ -168,6 +171,16 @@ class TritonBackend(AttentionBackend):
         masks = [b.span_mask(i) for i in range(len(b.q_lens))]
         return torch.cat([pad(m, (0, self.max_len - m.shape[1])) for m in masks])
 
+    def _decode_kernel(self, q_latent, cache, selection):
+        """The MLA decode to run: Gluon's on Hopper where it serves the shapes
+        (dense contexts, heads a multiple of 64: DP attention's 128), else Triton's."""
+        from dserve.attention import gluon_mla, triton_mla
+
+        heads = q_latent.shape[1]
+        if self.gluon_mla and selection is None and gluon_mla.supported(q_latent, cache, heads):
+            return gluon_mla.mla_decode
+        return triton_mla.mla_decode
+
     def forward_mla(self, layer, q_latent, q_rope, latent, scale, selection=None):
         b = self.batch
         cache = self.pool.buffers[layer][0]
@@ -177,9 +190,7 @@ class TritonBackend(AttentionBackend):
             lens, width = None, selection.shape[1]
             selection = selection.contiguous()
         if selection is not None or self.decode:
-            from dserve.attention.triton_mla import mla_decode
-
-            return mla_decode(
+            return self._decode_kernel(q_latent, cache, selection)(
                 _unit_stride(q_latent),
                 _unit_stride(q_rope),
                 cache,

@@ -45,8 +45,17 @@ def named(backend: str):
     return lambda pool: create_backend(backend, pool)
 
 
+def triton_kernel_only(pool):
+    """The triton backend with its Triton MLA decode (not Gluon's on Hopper)."""
+    backend = create_backend("triton", pool)
+    backend.gluon_mla = False
+    return backend
+
+
 def mla_rows(backends: list[str]) -> list[dict]:
-    return [
+    """Decode at 128 heads runs Gluon's kernel on Hopper (the triton
+    backend's default there); the "Triton kernel" row checks the other."""
+    rows = [
         {
             "kernel": f"MLA {kind} ({backend})",
             "shape": f"{heads} heads",
@@ -57,6 +66,19 @@ def mla_rows(backends: list[str]) -> list[dict]:
         for backend in backends
         for kind, spans in SPANS.items()
     ]
+    if "triton" in backends:
+        spans = SPANS["decode"]
+        rows.append(
+            {
+                "kernel": "MLA decode (triton, Triton kernel)",
+                "shape": "128 heads",
+                "tolerance": ATTENTION_TOL,
+                "error": relative_error(
+                    *mla_case(128, 512, 64, 64, BF16, spans, triton_kernel_only)
+                ),
+            }
+        )
+    return rows
 
 
 def mla_expanded_rows() -> list[dict]:

@@ -8,7 +8,8 @@ measured in the same run (a 1 GiB device-to-device copy, read + write bytes per 
 prints a table and writes JSON. Pages are scattered over the pool, as in serving. Each call is timed
 as a CUDA graph replay (the kernels' GPU time, as in a captured decode step). `--tune` takes kernel
 parameters, or a list of them to compare; the table then shows each setting's registers and spills.
-`--backend flashinfer` times FlashInfer's MLA decode (`BatchMLAPagedAttentionWrapper`) on the same
+`--backend gluon` times the warp-specialized Hopper kernel (`dserve.attention.gluon_mla`;
+`--tune '{"num_splits": 2}'`). `--backend flashinfer` times FlashInfer's MLA decode (`BatchMLAPagedAttentionWrapper`) on the same
 cases instead, for the same table.
 """
 
@@ -84,6 +85,15 @@ def run_case(
     q_rope = torch.randn(batch, heads, rope, device="cuda", dtype=torch.bfloat16)
     if backend == "flashinfer":
         seconds = flashinfer_seconds(q_latent, q_rope, cache, table, lens, page_size, repeats)
+    elif backend == "gluon":
+        from dserve.attention import gluon_mla
+
+        seconds = graph_seconds(
+            lambda: gluon_mla.mla_decode(
+                q_latent, q_rope, cache, table, lens, 0.07, max_len=context, **tune
+            ),
+            repeats,
+        )
     else:
         seconds = graph_seconds(
             lambda: mla_decode(q_latent, q_rope, cache, table, lens, 0.07, max_len=context, **tune),
@@ -141,9 +151,10 @@ def main() -> None:
     )
     parser.add_argument(
         "--backend",
-        choices=["triton", "flashinfer"],
+        choices=["triton", "gluon", "flashinfer"],
         default="triton",
-        help="whose MLA decode kernel: ours (triton) or FlashInfer's BatchMLAPagedAttentionWrapper",
+        help="whose MLA decode kernel: ours (triton; gluon: the warp-specialized Hopper kernel, "
+        "attention/gluon_mla.py) or FlashInfer's BatchMLAPagedAttentionWrapper",
     )
     parser.add_argument("--out", default="bench/results/mla_decode.json")
     args = parser.parse_args()

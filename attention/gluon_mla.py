@@ -1,0 +1,364 @@
+"""MLA decode for Hopper in Gluon: warp-specialized, FlashMLA's split of the work.
+
+The Triton kernel (`triton_mla`) runs every step of a block in every warp:
+scores, softmax and the weighted sum one after another, so the tensor
+cores wait while the softmax runs and the loads wait for both. With 128
+heads a rank (DeepSeek-V3 with DP attention) that kept it at about a third
+of the copy bandwidth. Here a program takes 64 heads of one sequence and
+one split of its context, in three partitions:
+
+- a loader warp brings each block of 64 tokens (latents and rope keys)
+  into shared memory by TMA, two blocks in flight;
+- warpgroup 0 computes the scores of a block (64 heads x 64 tokens over
+  the 576 columns), their online softmax, writes the weights to shared
+  memory, and accumulates the left half of the value columns (256);
+- warpgroup 1 takes the weights and accumulates the right half.
+
+The weights take the place of the block's rope keys, which only the scores
+read. Shared memory: queries 72 KB, two blocks 144 KB. The splits are merged
+by `triton_mla.combine_splits`, the same as the Triton kernel's.
+
+Each warpgroup waits for its weighted sum before it hands the stage back:
+with two stages the loader's slack is what matters. Issuing block k's sum
+together with block k + 1's scores (FlashAttention-3's overlap) handed the
+stage back later and was slower: 128 heads, batch 32 at 8k, 0.173 ms
+against 0.150 (H100, bench/notes/session29-h100-2026-11-26.md).
+
+Written for Triton's Gluon (`triton.experimental.gluon`, Triton 3.6 on the
+GPU hosts). Hopper only, bfloat16 or float16 latents, 512 + 64 columns,
+heads a multiple of 64, pages a multiple of 64 tokens. A page's rows past a
+context's end must hold finite values (the KV pool starts zeroed): they
+are read and weighted by zero.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton.language as tl
+
+from dserve.attention.triton_mla import combine_splits
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    HAVE_GLUON = True
+except ImportError:  # an older Triton: the Triton kernel serves
+    HAVE_GLUON = False
+
+BLOCK_H = tl.constexpr(64)  # heads a program: one warpgroup's MMA rows
+BLOCK_N = tl.constexpr(64)  # tokens a block: one TMA box, within a page
+STAGES = tl.constexpr(2)  # blocks in flight
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+def supported(q_latent, cache, heads: int) -> bool:
+    """Whether this kernel serves these shapes on this device."""
+    if not HAVE_GLUON or not q_latent.is_cuda:
+        return False
+    if torch.cuda.get_device_capability(q_latent.device) != (9, 0):
+        return False
+    return (
+        q_latent.dtype in (torch.bfloat16, torch.float16)
+        and cache.dtype == q_latent.dtype
+        and q_latent.shape[-1] == 512
+        and cache.shape[-1] == 576
+        and heads % BLOCK_H.value == 0
+        and cache.shape[1] % BLOCK_N.value == 0
+    )
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _block_range(seq_lens, b, split, min_split, num_splits):
+        """[start, end) of this split's context positions (a whole number of
+        blocks from start), as the Triton kernel splits them."""
+        seq_len = gl.load(seq_lens + b)
+        per = gl.maximum(gl.cdiv(seq_len, num_splits), min_split)
+        per = gl.cdiv(per, BLOCK_N) * BLOCK_N
+        start = split * per
+        end = gl.minimum(start + per, seq_len)
+        return start, end
+
+    @gluon.jit
+    def _load_queries(q_lat, q_rope, q_lat_s, q_rope_s, b, h0, s_ql_b, s_ql_h, s_qr_b, s_qr_h):
+        """The program's 64 heads' queries into shared memory, 64
+        columns at a time."""
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+        rows = h0 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
+        lat = q_lat + b.to(gl.int64) * s_ql_b + rows[:, None] * s_ql_h + cols[None, :]
+        for c in gl.static_range(8):
+            q_lat_s.slice(c * 64, 64, dim=1).store(gl.load(lat + c * 64))
+        rope = q_rope + b.to(gl.int64) * s_qr_b + rows[:, None] * s_qr_h + cols[None, :]
+        q_rope_s.store(gl.load(rope))
+
+    @gluon.jit
+    def _loader(descs, stages, bars, table, span, page_size):
+        """Worker (one warp): each block's latents and rope keys by
+        TMA into the next free stage."""
+        lat_desc, rope_desc = descs
+        kv_s, rope_s, alpha_s, l_s = stages
+        ready, free, p_ready, done = bars
+        h0, start, end = span
+        nbytes: gl.constexpr = lat_desc.block_type.nbytes + rope_desc.block_type.nbytes
+        blocks = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+        for k in range(blocks):
+            s = k % STAGES
+            mbarrier.wait(free.index(s), ((k // STAGES) & 1) ^ 1)
+            n0 = start + k * BLOCK_N
+            page = gl.load(table + n0 // page_size).to(gl.int32)
+            off = n0 % page_size
+            bar = ready.index(s)
+            mbarrier.expect(bar, nbytes)
+            tma.async_copy_global_to_shared(lat_desc, [page, off, 0], bar, kv_s.index(s))
+            tma.async_copy_global_to_shared(rope_desc, [page, off, 512], bar, rope_s.index(s))
+
+    @gluon.jit
+    def _scores_half(queries, stages, bars, out, span, scale_log2):
+        """Default partition (warpgroup 0): scores, online softmax, the
+        weights for warpgroup 1, the left 256 value columns."""
+        q_lat_s, q_rope_s = queries
+        kv_s, rope_s, alpha_s, l_s = stages
+        ready, free, p_ready, done = bars
+        mid_o, mid_lse, o_base, lse_base, s_mo_h, s_ml_h = out
+        h0, start, end = span
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]
+        )
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16]
+        )
+        rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        m = gl.full([64], float("-inf"), gl.float32, rows_s)
+        l = gl.zeros([64], gl.float32, rows_s)
+        # a pending MMA's result from one iteration to the next
+        o = gl.zeros([64, 256], gl.float32, o_layout)
+        zeros = gl.zeros([64, 64], gl.float32, s_layout)
+        blocks = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+        for k in range(blocks):
+            s = k % STAGES
+            mbarrier.wait(ready.index(s), (k // STAGES) & 1)
+            keys = kv_s.index(s).reshape([64, 512])
+            ropes = rope_s.index(s).reshape([64, 64])
+            acc = warpgroup_mma(q_lat_s, keys.permute((1, 0)), zeros, use_acc=False, is_async=True)
+            acc = warpgroup_mma(q_rope_s, ropes.permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            cols = start + k * BLOCK_N + gl.arange(0, 64, layout=gl.SliceLayout(0, s_layout))
+            x = gl.where((cols < end)[None, :], acc * scale_log2, float("-inf"))
+            m_new = gl.maximum(m, gl.max(x, 1))
+            alpha = gl.exp2(m - m_new)
+            p = gl.exp2(x - m_new[:, None])
+            l = l * alpha + gl.sum(p, 1)
+            m = m_new
+            # the weights replace the rope keys, which the scores were the last to read
+            ropes.store(p.to(ropes.dtype))
+            alpha_s.index(s).store(alpha)
+            fence_async_shared()
+            mbarrier.arrive(p_ready.index(s))
+            o = o * gl.convert_layout(alpha, rows_o)[:, None]
+            o = warpgroup_mma(ropes, keys.slice(0, 256, dim=1), o, is_async=True)
+            o = warpgroup_mma_wait(0, deps=(o,))
+            mbarrier.arrive(free.index(s))
+        l_s.store(l)
+        mbarrier.arrive(done)
+        heads = h0 + gl.arange(0, 64, layout=rows_s)
+        filled = l > 0
+        lse = (m + gl.log2(gl.where(filled, l, 1.0))) / LOG2E
+        lse = gl.where(filled, lse, float("-inf"))
+        gl.store(mid_lse + lse_base + heads * s_ml_h, lse)
+        _store_half(mid_o + o_base, o, l, s_mo_h, h0, 0)
+
+    @gluon.jit
+    def _values_half(stages, bars, out, span):
+        """Worker (warpgroup 1): the right 256 value columns, weighted by
+        what warpgroup 0 left in shared memory."""
+        kv_s, rope_s, alpha_s, l_s = stages
+        ready, free, p_ready, done = bars
+        mid_o, mid_lse, o_base, lse_base, s_mo_h, s_ml_h = out
+        h0, start, end = span
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16]
+        )
+        rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        o = gl.zeros([64, 256], gl.float32, o_layout)
+        blocks = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+        for k in range(blocks):
+            s = k % STAGES
+            mbarrier.wait(p_ready.index(s), (k // STAGES) & 1)
+            alpha = alpha_s.index(s).load(rows_o)
+            weights = rope_s.index(s).reshape([64, 64])
+            values = kv_s.index(s).reshape([64, 512]).slice(256, 256, dim=1)
+            o = warpgroup_mma(weights, values, o * alpha[:, None], is_async=True)
+            o = warpgroup_mma_wait(0, deps=(o,))
+            mbarrier.arrive(free.index(s))
+        mbarrier.wait(done, 0)
+        l = l_s.load(rows_o)
+        _store_half(mid_o + o_base, o, l, s_mo_h, h0, 256)
+
+    @gluon.jit
+    def _store_half(out, o, l, s_mo_h, h0, col0: gl.constexpr):
+        """A half's normalised output: rows h0.., columns col0.. (zero
+        where the split saw no token)."""
+        o_layout: gl.constexpr = o.type.layout
+        rows = gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
+        cols = gl.arange(0, 256, layout=gl.SliceLayout(0, o_layout))
+        l = gl.convert_layout(l, gl.SliceLayout(1, o_layout))
+        o = o / gl.where(l > 0, l, 1.0)[:, None]
+        at = (h0 + rows)[:, None] * s_mo_h + (col0 + cols)[None, :]
+        gl.store(out + at, o)
+
+    @gluon.jit
+    def _mla_decode_kernel(
+        q_lat,
+        q_rope,
+        lat_desc,
+        rope_desc,
+        page_table,
+        row_seqs,
+        seq_lens,
+        mid_o,
+        mid_lse,
+        s_ql_b,
+        s_ql_h,
+        s_qr_b,
+        s_qr_h,
+        s_pt_b,
+        s_mo_b,
+        s_mo_h,
+        s_mo_s,
+        s_ml_b,
+        s_ml_h,
+        scale_log2,
+        page_size,
+        min_split,
+        num_splits,
+    ):
+        h0 = gl.program_id(0) * BLOCK_H
+        b, split = gl.program_id(1), gl.program_id(2)
+        start, end = _block_range(seq_lens, b, split, min_split, num_splits)
+        table = page_table + gl.load(row_seqs + b).to(gl.int64) * s_pt_b
+        dtype: gl.constexpr = lat_desc.dtype
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], dtype)
+        q_lat_s = gl.allocate_shared_memory(dtype, [64, 512], q_layout)
+        q_rope_s = gl.allocate_shared_memory(dtype, [64, 64], q_layout)
+        kv_s = gl.allocate_shared_memory(
+            dtype, [STAGES] + lat_desc.block_type.shape, lat_desc.layout
+        )
+        rope_s = gl.allocate_shared_memory(
+            dtype, [STAGES] + rope_desc.block_type.shape, rope_desc.layout
+        )
+        vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        alpha_s = gl.allocate_shared_memory(gl.float32, [STAGES, 64], vec)
+        l_s = gl.allocate_shared_memory(gl.float32, [64], vec)
+        bar: gl.constexpr = mbarrier.MBarrierLayout()
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
+        free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
+        p_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
+        done = gl.allocate_shared_memory(gl.int64, [1], bar)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(free.index(i), count=2)
+            mbarrier.init(p_ready.index(i), count=1)
+        mbarrier.init(done, count=1)
+        _load_queries(q_lat, q_rope, q_lat_s, q_rope_s, b, h0, s_ql_b, s_ql_h, s_qr_b, s_qr_h)
+        fence_async_shared()
+        o_base = b.to(gl.int64) * s_mo_b + split * s_mo_s
+        lse_base = b.to(gl.int64) * s_ml_b + split
+        stages = (kv_s, rope_s, alpha_s, l_s)
+        bars = (ready, free, p_ready, done)
+        out = (mid_o, mid_lse, o_base, lse_base, s_mo_h, s_ml_h)
+        span = (h0, start, end)
+        gl.warp_specialize(
+            [
+                (_scores_half, ((q_lat_s, q_rope_s), stages, bars, out, span, scale_log2)),
+                (_values_half, (stages, bars, out, span)),
+                (_loader, ((lat_desc, rope_desc), stages, bars, table, span, page_size)),
+            ],
+            [4, 1],
+            [240, 24],
+        )
+
+
+def default_splits(batch: int, heads: int, max_len: int, device) -> int:
+    """Splits of each context: about one program per SM in all (a program
+    holds a whole SM: 216 KB of shared memory), no split under four
+    blocks; a power of two (the merge compiles one variant per count)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    programs = batch * (heads // BLOCK_H.value)
+    want = max(1, min(256, round(sms / programs), max_len // (4 * BLOCK_N.value)))
+    return 1 << (want.bit_length() - 1)
+
+
+def mla_decode(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    max_len: int | None = None,
+    row_seqs: torch.Tensor | None = None,
+    min_split: int | None = None,
+    selected: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`triton_mla.mla_decode`'s contract for dense contexts (`selected`
+    must be None) on this kernel: q_latent [B, H, 512], q_rope [B, H, 64],
+    one layer's `cache` [num_pages, page_size, 576]; returns [B, H, 512]."""
+    assert selected is None, "sparse attention's gathered positions: triton_mla"
+    batch, heads, rank = q_latent.shape
+    if num_splits is None:
+        num_splits = default_splits(batch, heads, max_len or 1 << 16, q_latent.device)
+    if row_seqs is None:
+        row_seqs = torch.arange(batch, device=q_latent.device)
+    assert q_latent.stride(-1) == 1 and q_rope.stride(-1) == 1
+    assert cache.stride(-1) == 1 and page_table.stride(-1) == 1
+    f32 = dict(dtype=torch.float32, device=q_latent.device)
+    mid_out = torch.empty(batch, heads, num_splits, rank, **f32)
+    mid_lse = torch.empty(batch, heads, num_splits, **f32)
+    kind = gl.bfloat16 if cache.dtype == torch.bfloat16 else gl.float16
+    shape, strides = list(cache.shape), list(cache.stride())
+    descs = []
+    for cols in (512, 64):
+        block = [1, BLOCK_N.value, cols]
+        layout = gl.NVMMASharedLayout.get_default_for(block, kind)
+        descs.append(TensorDescriptor(cache, shape, strides, block, layout))
+    grid = (heads // BLOCK_H.value, batch, num_splits)
+    _mla_decode_kernel[grid](
+        q_latent,
+        q_rope,
+        *descs,
+        page_table,
+        row_seqs,
+        seq_lens,
+        mid_out,
+        mid_lse,
+        q_latent.stride(0),
+        q_latent.stride(1),
+        q_rope.stride(0),
+        q_rope.stride(1),
+        page_table.stride(0),
+        mid_out.stride(0),
+        mid_out.stride(1),
+        mid_out.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        scale * LOG2E.value,
+        cache.shape[1],
+        2 * BLOCK_N.value if min_split is None else min_split,
+        num_splits,
+        num_warps=4,
+        maxnreg=168,
+    )
+    return combine_splits(mid_out, mid_lse, torch.empty_like(q_latent))

@@ -1,0 +1,114 @@
+"""The Gluon MLA decode (Hopper, warp-specialized) against the torch
+reference over a real paged pool: a layer's strided view, pages scattered,
+contexts that end mid-block, splits with no token, rows that share a
+sequence. It runs on an H100/H200 only; on other hosts its dispatch rule is
+checked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from dserve.attention import gluon_mla  # noqa: E402
+from dserve.attention.triton_mla import mla_decode as triton_decode  # noqa: E402
+from tests.attention.test_triton_mla import case, reference  # noqa: E402
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def test_it_serves_hopper_shapes_only():
+    """CPU tensors, 16 heads or float32 go to the Triton kernel."""
+    q = torch.zeros(2, 128, 512, dtype=torch.bfloat16)
+    cache = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
+    assert not gluon_mla.supported(q, cache, 128)
+    if HOPPER:
+        on = dict(device="cuda")
+        q, cache = q.to(**on), cache.to(**on)
+        assert gluon_mla.supported(q, cache, 128)
+        assert not gluon_mla.supported(q[:, :16], cache, 16)
+        assert not gluon_mla.supported(q.float(), cache.float(), 128)
+        assert not gluon_mla.supported(q, cache[:, :32], 128)
+
+
+LENS = [1, 700, 4096, 1025, 64, 65, 3000, 2, 8191, 129, 500, 63]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="a Hopper GPU")
+@pytest.mark.parametrize(
+    "heads,page_size,splits,dtype",
+    [
+        (128, 64, None, torch.bfloat16),
+        (128, 64, 8, torch.bfloat16),
+        (64, 128, 2, torch.bfloat16),
+        (128, 64, 64, torch.float16),
+    ],
+)
+def test_matches_the_reference(heads, page_size, splits, dtype):
+    """Within bf16 tolerance of the reference and no further from it than
+    the Triton kernel; 64 splits leave the short contexts' later splits
+    empty."""
+    q_latent, q_rope, cache, table, lens = case(
+        heads=heads,
+        rank=512,
+        rope=64,
+        page_size=page_size,
+        seq_lens=LENS,
+        dtype=dtype,
+        device="cuda",
+    )
+    scale = 192**-0.5
+    ours = gluon_mla.mla_decode(
+        q_latent, q_rope, cache, table.long(), lens, scale, num_splits=splits
+    ).float()
+    theirs = triton_decode(q_latent, q_rope, cache, table, lens, scale).float()
+    ref = reference(q_latent, q_rope, cache, table, lens, scale).float()
+    error = (ours - ref).abs().max() / ref.abs().max()
+    assert error < 2e-2
+    assert error <= 1.5 * (theirs - ref).abs().max() / ref.abs().max() + 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="a Hopper GPU")
+def test_rows_that_share_a_sequence():
+    """Speculative verification's rows: several query rows read one
+    sequence's pages up to their own lengths."""
+    q_latent, q_rope, cache, table, lens = case(
+        heads=128,
+        rank=512,
+        rope=64,
+        page_size=64,
+        seq_lens=[300, 1000],
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
+    row_seqs = torch.tensor([0, 0, 1, 1, 1], device="cuda")
+    row_lens = torch.tensor([299, 300, 998, 999, 1000], device="cuda", dtype=torch.int32)
+    q_l, q_r = q_latent[row_seqs].contiguous(), q_rope[row_seqs].contiguous()
+    ours = gluon_mla.mla_decode(q_l, q_r, cache, table, row_lens, 0.07, row_seqs=row_seqs).float()
+    ref = reference(q_l, q_r, cache, table[row_seqs], row_lens, 0.07).float()
+    assert (ours - ref).abs().max() / ref.abs().max() < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="a Hopper GPU")
+def test_the_triton_backend_decodes_with_it():
+    """128 heads go to this kernel, 16 heads, sparse selections and a
+    backend told otherwise to the Triton one."""
+    from dserve.attention import triton_mla
+    from dserve.attention.backend import create_backend
+    from dserve.memory.kv_pool import KVLayout, KVPool
+
+    layout = KVLayout("mla", 1, 64, torch.bfloat16, latent_dim=576, kv_lora_rank=512)
+    pool = KVPool(layout, 4, "cuda")
+    backend = create_backend("triton", pool)
+    q = torch.zeros(1, 128, 512, dtype=torch.bfloat16, device="cuda")
+    cache = pool.buffers[0][0]
+    selection = torch.zeros(1, 8, dtype=torch.int32, device="cuda")
+    assert backend._decode_kernel(q, cache, None) is gluon_mla.mla_decode
+    assert backend._decode_kernel(q[:, :16], cache, None) is triton_mla.mla_decode
+    assert backend._decode_kernel(q, cache, selection) is triton_mla.mla_decode
+    backend.gluon_mla = False
+    assert backend._decode_kernel(q, cache, None) is triton_mla.mla_decode
