@@ -82,7 +82,7 @@ if HAVE_GLUON:
     def _block_range(seq_lens, b, split, min_split, num_splits):
         """[start, end) of this split's context positions (a whole number of
         blocks from start), as the Triton kernel splits them."""
-        seq_len = gl.load(seq_lens + b)
+        seq_len = gl.load(seq_lens + b).to(gl.int32)  # the engine's are int64
         per = gl.maximum(gl.cdiv(seq_len, num_splits), min_split)
         per = gl.cdiv(per, BLOCK_N) * BLOCK_N
         start = split * per

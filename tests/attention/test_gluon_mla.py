@@ -60,8 +60,9 @@ def test_matches_the_reference(heads, page_size, splits, dtype):
         device="cuda",
     )
     scale = 192**-0.5
+    # the engine's page tables and lengths are int64
     ours = gluon_mla.mla_decode(
-        q_latent, q_rope, cache, table.long(), lens, scale, num_splits=splits
+        q_latent, q_rope, cache, table.long(), lens.long(), scale, num_splits=splits
     ).float()
     theirs = triton_decode(q_latent, q_rope, cache, table, lens, scale).float()
     ref = reference(q_latent, q_rope, cache, table, lens, scale).float()
