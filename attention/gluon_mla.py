@@ -55,8 +55,8 @@ except ImportError:  # an older Triton: the Triton kernel serves
     HAVE_GLUON = False
 
 BLOCK_H = tl.constexpr(64)  # heads a program: one warpgroup's MMA rows
-BLOCK_N = tl.constexpr(64)  # tokens a block: one TMA box, within a page
-STAGES = tl.constexpr(2)  # blocks in flight
+BLOCK_N = 64  # tokens a block by default: one TMA box, within a page
+STAGES = 2  # blocks in flight by default (with 64 tokens, what fits)
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -72,14 +72,14 @@ def supported(q_latent, cache, heads: int) -> bool:
         and q_latent.shape[-1] == 512
         and cache.shape[-1] == 576
         and heads % BLOCK_H.value == 0
-        and cache.shape[1] % BLOCK_N.value == 0
+        and cache.shape[1] % 64 == 0
     )
 
 
 if HAVE_GLUON:
 
     @gluon.jit
-    def _block_range(seq_lens, b, split, min_split, num_splits):
+    def _block_range(seq_lens, b, split, min_split, num_splits, BLOCK_N: gl.constexpr):
         """[start, end) of this split's context positions (a whole number of
         blocks from start), as the Triton kernel splits them."""
         seq_len = gl.load(seq_lens + b).to(gl.int32)  # the engine's are int64
@@ -110,6 +110,8 @@ if HAVE_GLUON:
         kv_s, rope_s, alpha_s, l_s = stages
         ready, free, p_ready, done = bars
         h0, start, end = span
+        STAGES: gl.constexpr = kv_s.shape[0]
+        BLOCK_N: gl.constexpr = kv_s.shape[2]
         nbytes: gl.constexpr = lat_desc.block_type.nbytes + rope_desc.block_type.nbytes
         blocks = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
         for k in range(blocks):
@@ -132,8 +134,10 @@ if HAVE_GLUON:
         ready, free, p_ready, done = bars
         mid_o, mid_lse, o_base, lse_base, s_mo_h, s_ml_h = out
         h0, start, end = span
+        STAGES: gl.constexpr = kv_s.shape[0]
+        BLOCK_N: gl.constexpr = kv_s.shape[2]
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
         )
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16]
@@ -144,17 +148,18 @@ if HAVE_GLUON:
         l = gl.zeros([64], gl.float32, rows_s)
         # a pending MMA's result from one iteration to the next
         o = gl.zeros([64, 256], gl.float32, o_layout)
-        zeros = gl.zeros([64, 64], gl.float32, s_layout)
+        zeros = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
         blocks = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
         for k in range(blocks):
             s = k % STAGES
             mbarrier.wait(ready.index(s), (k // STAGES) & 1)
-            keys = kv_s.index(s).reshape([64, 512])
-            ropes = rope_s.index(s).reshape([64, 64])
+            keys = kv_s.index(s).reshape([BLOCK_N, 512])
+            ropes = rope_s.index(s).reshape([BLOCK_N, 64])
             acc = warpgroup_mma(q_lat_s, keys.permute((1, 0)), zeros, use_acc=False, is_async=True)
             acc = warpgroup_mma(q_rope_s, ropes.permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
-            cols = start + k * BLOCK_N + gl.arange(0, 64, layout=gl.SliceLayout(0, s_layout))
+            cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            cols += start + k * BLOCK_N
             x = gl.where((cols < end)[None, :], acc * scale_log2, float("-inf"))
             m_new = gl.maximum(m, gl.max(x, 1))
             alpha = gl.exp2(m - m_new)
@@ -162,12 +167,13 @@ if HAVE_GLUON:
             l = l * alpha + gl.sum(p, 1)
             m = m_new
             # the weights replace the rope keys, which the scores were the last to read
-            ropes.store(p.to(ropes.dtype))
+            weights = _weights(rope_s, s)
+            weights.store(p.to(weights.dtype))
             alpha_s.index(s).store(alpha)
             fence_async_shared()
             mbarrier.arrive(p_ready.index(s))
             o = o * gl.convert_layout(alpha, rows_o)[:, None]
-            o = warpgroup_mma(ropes, keys.slice(0, 256, dim=1), o, is_async=True)
+            o = warpgroup_mma(weights, keys.slice(0, 256, dim=1), o, is_async=True)
             o = warpgroup_mma_wait(0, deps=(o,))
             mbarrier.arrive(free.index(s))
         l_s.store(l)
@@ -176,7 +182,9 @@ if HAVE_GLUON:
         filled = l > 0
         lse = (m + gl.log2(gl.where(filled, l, 1.0))) / LOG2E
         lse = gl.where(filled, lse, float("-inf"))
-        gl.store(mid_lse + lse_base + heads * s_ml_h, lse)
+        # one split: the output itself, no log-sum-exp to merge by
+        if mid_o.dtype.element_ty == gl.float32:
+            gl.store(mid_lse + lse_base + heads * s_ml_h, lse)
         _store_half(mid_o + o_base, o, l, s_mo_h, h0, 0)
 
     @gluon.jit
@@ -187,6 +195,8 @@ if HAVE_GLUON:
         ready, free, p_ready, done = bars
         mid_o, mid_lse, o_base, lse_base, s_mo_h, s_ml_h = out
         h0, start, end = span
+        STAGES: gl.constexpr = kv_s.shape[0]
+        BLOCK_N: gl.constexpr = kv_s.shape[2]
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16]
         )
@@ -197,14 +207,23 @@ if HAVE_GLUON:
             s = k % STAGES
             mbarrier.wait(p_ready.index(s), (k // STAGES) & 1)
             alpha = alpha_s.index(s).load(rows_o)
-            weights = rope_s.index(s).reshape([64, 64])
-            values = kv_s.index(s).reshape([64, 512]).slice(256, 256, dim=1)
+            weights = _weights(rope_s, s)
+            values = kv_s.index(s).reshape([BLOCK_N, 512]).slice(256, 256, dim=1)
             o = warpgroup_mma(weights, values, o * alpha[:, None], is_async=True)
             o = warpgroup_mma_wait(0, deps=(o,))
             mbarrier.arrive(free.index(s))
         mbarrier.wait(done, 0)
         l = l_s.load(rows_o)
         _store_half(mid_o + o_base, o, l, s_mo_h, h0, 256)
+
+    @gluon.jit
+    def _weights(rope_s, s):
+        """Stage s's softmax weights [64 heads, its tokens], in the place of
+        its rope keys [tokens, 64] (the same bytes)."""
+        BLOCK_N: gl.constexpr = rope_s.shape[2]
+        dtype: gl.constexpr = rope_s.dtype
+        layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], dtype)
+        return rope_s.index(s)._reinterpret(dtype, [64, BLOCK_N], layout)
 
     @gluon.jit
     def _store_half(out, o, l, s_mo_h, h0, col0: gl.constexpr):
@@ -216,7 +235,7 @@ if HAVE_GLUON:
         l = gl.convert_layout(l, gl.SliceLayout(1, o_layout))
         o = o / gl.where(l > 0, l, 1.0)[:, None]
         at = (h0 + rows)[:, None] * s_mo_h + (col0 + cols)[None, :]
-        gl.store(out + at, o)
+        gl.store(out + at, o.to(out.dtype.element_ty))
 
     @gluon.jit
     def _mla_decode_kernel(
@@ -243,10 +262,12 @@ if HAVE_GLUON:
         page_size,
         min_split,
         num_splits,
+        STAGES: gl.constexpr,
     ):
         h0 = gl.program_id(0) * BLOCK_H
         b, split = gl.program_id(1), gl.program_id(2)
-        start, end = _block_range(seq_lens, b, split, min_split, num_splits)
+        BLOCK_N: gl.constexpr = lat_desc.block_type.shape[1]
+        start, end = _block_range(seq_lens, b, split, min_split, num_splits, BLOCK_N)
         table = page_table + gl.load(row_seqs + b).to(gl.int64) * s_pt_b
         dtype: gl.constexpr = lat_desc.dtype
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], dtype)
@@ -296,7 +317,7 @@ def default_splits(batch: int, heads: int, max_len: int, device) -> int:
     blocks; a power of two (the merge compiles one variant per count)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     programs = batch * (heads // BLOCK_H.value)
-    want = max(1, min(256, round(sms / programs), max_len // (4 * BLOCK_N.value)))
+    want = max(1, min(256, round(sms / programs), max_len // (4 * BLOCK_N)))
     return 1 << (want.bit_length() - 1)
 
 
@@ -312,6 +333,8 @@ def mla_decode(
     row_seqs: torch.Tensor | None = None,
     min_split: int | None = None,
     selected: torch.Tensor | None = None,
+    block_n: int = BLOCK_N,
+    stages: int = STAGES,
 ) -> torch.Tensor:
     """`triton_mla.mla_decode`'s contract for dense contexts (`selected`
     must be None) on this kernel: q_latent [B, H, 512], q_rope [B, H, 64],
@@ -325,13 +348,17 @@ def mla_decode(
     assert q_latent.stride(-1) == 1 and q_rope.stride(-1) == 1
     assert cache.stride(-1) == 1 and page_table.stride(-1) == 1
     f32 = dict(dtype=torch.float32, device=q_latent.device)
-    mid_out = torch.empty(batch, heads, num_splits, rank, **f32)
-    mid_lse = torch.empty(batch, heads, num_splits, **f32)
+    out = torch.empty_like(q_latent)
+    if num_splits == 1:  # the kernel writes the output: nothing to merge
+        mid_out, mid_lse = out.unsqueeze(2), out[:, :, :1]
+    else:
+        mid_out = torch.empty(batch, heads, num_splits, rank, **f32)
+        mid_lse = torch.empty(batch, heads, num_splits, **f32)
     kind = gl.bfloat16 if cache.dtype == torch.bfloat16 else gl.float16
     shape, strides = list(cache.shape), list(cache.stride())
     descs = []
     for cols in (512, 64):
-        block = [1, BLOCK_N.value, cols]
+        block = [1, block_n, cols]
         layout = gl.NVMMASharedLayout.get_default_for(block, kind)
         descs.append(TensorDescriptor(cache, shape, strides, block, layout))
     grid = (heads // BLOCK_H.value, batch, num_splits)
@@ -356,9 +383,12 @@ def mla_decode(
         mid_lse.stride(1),
         scale * LOG2E.value,
         cache.shape[1],
-        2 * BLOCK_N.value if min_split is None else min_split,
+        2 * block_n if min_split is None else min_split,
         num_splits,
+        stages,
         num_warps=4,
         maxnreg=168,
     )
-    return combine_splits(mid_out, mid_lse, torch.empty_like(q_latent))
+    if num_splits == 1:
+        return out
+    return combine_splits(mid_out, mid_lse, out)
