@@ -14,6 +14,10 @@ one split of its context, in three partitions:
   memory, and accumulates the left half of the value columns (256);
 - warpgroup 1 takes the weights and accumulates the right half.
 
+Sparse attention (GLM-5's 64 heads over 2048 selected positions) takes
+the same partitions with a gathering loader: four warps copy the selected
+rows by cp.async (Hopper's TMA has no gather).
+
 The weights take the place of the block's rope keys, which only the scores
 read. Shared memory: queries 72 KB, two blocks 144 KB. The splits are merged
 by `triton_mla.combine_splits`, the same as the Triton kernel's.
@@ -41,6 +45,7 @@ from dserve.attention.triton_mla import combine_splits
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
@@ -79,10 +84,22 @@ def supported(q_latent, cache, heads: int) -> bool:
 if HAVE_GLUON:
 
     @gluon.jit
-    def _block_range(seq_lens, b, split, min_split, num_splits, BLOCK_N: gl.constexpr):
+    def _block_range(
+        seq_lens,
+        b,
+        split,
+        min_split,
+        num_splits,
+        BLOCK_N: gl.constexpr,
+        width,
+        SPARSE: gl.constexpr,
+    ):
         """[start, end) of this split's context positions (a whole number of
         blocks from start), as the Triton kernel splits them."""
-        seq_len = gl.load(seq_lens + b).to(gl.int32)  # the engine's are int64
+        if SPARSE:  # the row's selection, -1 where it has no position
+            seq_len = width
+        else:
+            seq_len = gl.load(seq_lens + b).to(gl.int32)  # the engine's are int64
         per = gl.maximum(gl.cdiv(seq_len, num_splits), min_split)
         per = gl.cdiv(per, BLOCK_N) * BLOCK_N
         start = split * per
@@ -109,7 +126,7 @@ if HAVE_GLUON:
         lat_desc, rope_desc = descs
         kv_s, rope_s, alpha_s, l_s = stages
         ready, free, p_ready, done = bars
-        h0, start, end = span
+        h0, start, end, sel_row = span
         STAGES: gl.constexpr = kv_s.shape[0]
         BLOCK_N: gl.constexpr = kv_s.shape[2]
         nbytes: gl.constexpr = lat_desc.block_type.nbytes + rope_desc.block_type.nbytes
@@ -126,14 +143,47 @@ if HAVE_GLUON:
             tma.async_copy_global_to_shared(rope_desc, [page, off, 512], bar, rope_s.index(s))
 
     @gluon.jit
-    def _scores_half(queries, stages, bars, out, span, scale_log2):
+    def _gather_loader(gather, stages, bars, table, span, page_size):
+        """Worker (four warps) for sparse attention: each block's selected
+        positions' latents and rope keys, row by row (cp.async: Hopper's
+        TMA has no gather), into the next free stage. A position of -1
+        reads zeros."""
+        cache, s_c_page, s_c_tok = gather
+        kv_s, rope_s, alpha_s, l_s = stages
+        ready, free, p_ready, done = bars
+        h0, start, end, sel_row = span
+        STAGES: gl.constexpr = kv_s.shape[0]
+        BLOCK_N: gl.constexpr = kv_s.shape[2]
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
+        blocks = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+        for k in range(blocks):
+            s = k % STAGES
+            idx = start + k * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+            pos = gl.load(sel_row + idx, mask=idx < end, other=-1)
+            valid = pos >= 0
+            pos = gl.maximum(pos, 0)
+            page = gl.load(table + pos // page_size, mask=valid, other=0).to(gl.int64)
+            row = page * s_c_page + (pos % page_size) * s_c_tok
+            at = cache + row[:, None] + cols[None, :]
+            mbarrier.wait(free.index(s), ((k // STAGES) & 1) ^ 1)
+            keys = kv_s.index(s).reshape([BLOCK_N, 512])
+            for c in gl.static_range(8):
+                dst = keys.slice(c * 64, 64, dim=1)
+                async_copy.async_copy_global_to_shared(dst, at + c * 64, valid[:, None])
+            ropes = rope_s.index(s).reshape([BLOCK_N, 64])
+            async_copy.async_copy_global_to_shared(ropes, at + 512, valid[:, None])
+            async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+
+    @gluon.jit
+    def _scores_half(queries, stages, bars, out, span, scale_log2, SPARSE: gl.constexpr):
         """Default partition (warpgroup 0): scores, online softmax, the
         weights for warpgroup 1, the left 256 value columns."""
         q_lat_s, q_rope_s = queries
         kv_s, rope_s, alpha_s, l_s = stages
         ready, free, p_ready, done = bars
         mid_o, mid_lse, o_base, lse_base, s_mo_h, s_ml_h = out
-        h0, start, end = span
+        h0, start, end, sel_row = span
         STAGES: gl.constexpr = kv_s.shape[0]
         BLOCK_N: gl.constexpr = kv_s.shape[2]
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -153,6 +203,8 @@ if HAVE_GLUON:
         for k in range(blocks):
             s = k % STAGES
             mbarrier.wait(ready.index(s), (k // STAGES) & 1)
+            if SPARSE:  # copied by threads (cp.async), read by the tensor cores
+                fence_async_shared()
             keys = kv_s.index(s).reshape([BLOCK_N, 512])
             ropes = rope_s.index(s).reshape([BLOCK_N, 64])
             acc = warpgroup_mma(q_lat_s, keys.permute((1, 0)), zeros, use_acc=False, is_async=True)
@@ -160,7 +212,10 @@ if HAVE_GLUON:
             acc = warpgroup_mma_wait(0, deps=(acc,))
             cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             cols += start + k * BLOCK_N
-            x = gl.where((cols < end)[None, :], acc * scale_log2, float("-inf"))
+            seen = cols < end
+            if SPARSE:
+                seen &= gl.load(sel_row + cols, mask=seen, other=-1) >= 0
+            x = gl.where(seen[None, :], acc * scale_log2, float("-inf"))
             m_new = gl.maximum(m, gl.max(x, 1))
             alpha = gl.exp2(m - m_new)
             p = gl.exp2(x - m_new[:, None])
@@ -188,13 +243,13 @@ if HAVE_GLUON:
         _store_half(mid_o + o_base, o, l, s_mo_h, h0, 0)
 
     @gluon.jit
-    def _values_half(stages, bars, out, span):
+    def _values_half(stages, bars, out, span, SPARSE: gl.constexpr):
         """Worker (warpgroup 1): the right 256 value columns, weighted by
         what warpgroup 0 left in shared memory."""
         kv_s, rope_s, alpha_s, l_s = stages
         ready, free, p_ready, done = bars
         mid_o, mid_lse, o_base, lse_base, s_mo_h, s_ml_h = out
-        h0, start, end = span
+        h0, start, end, sel_row = span
         STAGES: gl.constexpr = kv_s.shape[0]
         BLOCK_N: gl.constexpr = kv_s.shape[2]
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -206,6 +261,8 @@ if HAVE_GLUON:
         for k in range(blocks):
             s = k % STAGES
             mbarrier.wait(p_ready.index(s), (k // STAGES) & 1)
+            if SPARSE:
+                fence_async_shared()
             alpha = alpha_s.index(s).load(rows_o)
             weights = _weights(rope_s, s)
             values = kv_s.index(s).reshape([BLOCK_N, 512]).slice(256, 256, dim=1)
@@ -262,12 +319,25 @@ if HAVE_GLUON:
         page_size,
         min_split,
         num_splits,
+        cache,
+        s_c_page,
+        s_c_tok,
+        selected,
+        s_sel_b,
+        sel_width,
         STAGES: gl.constexpr,
+        SPARSE: gl.constexpr,
     ):
         h0 = gl.program_id(0) * BLOCK_H
         b, split = gl.program_id(1), gl.program_id(2)
         BLOCK_N: gl.constexpr = lat_desc.block_type.shape[1]
-        start, end = _block_range(seq_lens, b, split, min_split, num_splits, BLOCK_N)
+        start, end = _block_range(
+            seq_lens, b, split, min_split, num_splits, BLOCK_N, sel_width, SPARSE
+        )
+        if SPARSE:
+            sel_row = selected + b.to(gl.int64) * s_sel_b
+        else:  # nothing to read
+            sel_row: gl.constexpr = 0
         table = page_table + gl.load(row_seqs + b).to(gl.int64) * s_pt_b
         dtype: gl.constexpr = lat_desc.dtype
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], dtype)
@@ -288,7 +358,8 @@ if HAVE_GLUON:
         p_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
         done = gl.allocate_shared_memory(gl.int64, [1], bar)
         for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
+            # the TMA's bytes, or each of the four gathering warps' threads
+            mbarrier.init(ready.index(i), count=128 if SPARSE else 1)
             mbarrier.init(free.index(i), count=2)
             mbarrier.init(p_ready.index(i), count=1)
         mbarrier.init(done, count=1)
@@ -299,25 +370,41 @@ if HAVE_GLUON:
         stages = (kv_s, rope_s, alpha_s, l_s)
         bars = (ready, free, p_ready, done)
         out = (mid_o, mid_lse, o_base, lse_base, s_mo_h, s_ml_h)
-        span = (h0, start, end)
-        gl.warp_specialize(
-            [
-                (_scores_half, ((q_lat_s, q_rope_s), stages, bars, out, span, scale_log2)),
-                (_values_half, (stages, bars, out, span)),
-                (_loader, ((lat_desc, rope_desc), stages, bars, table, span, page_size)),
-            ],
-            [4, 1],
-            [240, 24],
-        )
+        span = (h0, start, end, sel_row)
+        queries = (q_lat_s, q_rope_s)
+        if SPARSE:
+            gather = (cache, s_c_page, s_c_tok)
+            gl.warp_specialize(
+                [
+                    (_scores_half, (queries, stages, bars, out, span, scale_log2, SPARSE)),
+                    (_values_half, (stages, bars, out, span, SPARSE)),
+                    (_gather_loader, (gather, stages, bars, table, span, page_size)),
+                ],
+                [4, 4],
+                [192, 80],
+            )
+        else:
+            descs = (lat_desc, rope_desc)
+            gl.warp_specialize(
+                [
+                    (_scores_half, (queries, stages, bars, out, span, scale_log2, SPARSE)),
+                    (_values_half, (stages, bars, out, span, SPARSE)),
+                    (_loader, (descs, stages, bars, table, span, page_size)),
+                ],
+                [4, 1],
+                [240, 24],
+            )
 
 
-def default_splits(batch: int, heads: int, max_len: int, device) -> int:
+def default_splits(batch: int, heads: int, max_len: int, device, gathered=False) -> int:
     """Splits of each context: about one program per SM in all (a program
     holds a whole SM: 216 KB of shared memory), no split under four
-    blocks; a power of two (the merge compiles one variant per count)."""
+    blocks (two over sparse attention's gathered positions); a power of
+    two (the merge compiles one variant per count)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     programs = batch * (heads // BLOCK_H.value)
-    want = max(1, min(256, round(sms / programs), max_len // (4 * BLOCK_N)))
+    shortest = (2 if gathered else 4) * BLOCK_N
+    want = max(1, min(256, round(sms / programs), max_len // shortest))
     return 1 << (want.bit_length() - 1)
 
 
@@ -336,13 +423,18 @@ def mla_decode(
     block_n: int = BLOCK_N,
     stages: int = STAGES,
 ) -> torch.Tensor:
-    """`triton_mla.mla_decode`'s contract for dense contexts (`selected`
-    must be None) on this kernel: q_latent [B, H, 512], q_rope [B, H, 64],
-    one layer's `cache` [num_pages, page_size, 576]; returns [B, H, 512]."""
-    assert selected is None, "sparse attention's gathered positions: triton_mla"
+    """`triton_mla.mla_decode`'s contract on this kernel: q_latent [B, H, 512],
+    q_rope [B, H, 64], one layer's `cache` [num_pages, page_size, 576];
+    returns [B, H, 512]. Sparse attention: `selected` [B, K] each row's
+    context positions (-1 for none), `seq_lens` not read."""
     batch, heads, rank = q_latent.shape
+    sparse = selected is not None
+    if sparse:
+        selected = selected.contiguous()
+        max_len = selected.shape[1]
     if num_splits is None:
-        num_splits = default_splits(batch, heads, max_len or 1 << 16, q_latent.device)
+        longest = max_len or 1 << 16
+        num_splits = default_splits(batch, heads, longest, q_latent.device, sparse)
     if row_seqs is None:
         row_seqs = torch.arange(batch, device=q_latent.device)
     assert q_latent.stride(-1) == 1 and q_rope.stride(-1) == 1
@@ -368,7 +460,7 @@ def mla_decode(
         *descs,
         page_table,
         row_seqs,
-        seq_lens,
+        seq_lens if seq_lens is not None else selected,
         mid_out,
         mid_lse,
         q_latent.stride(0),
@@ -385,7 +477,14 @@ def mla_decode(
         cache.shape[1],
         2 * block_n if min_split is None else min_split,
         num_splits,
+        cache,
+        cache.stride(0),
+        cache.stride(1),
+        selected if sparse else seq_lens,
+        selected.stride(0) if sparse else 0,
+        selected.shape[1] if sparse else 0,
         stages,
+        sparse,
         num_warps=4,
         maxnreg=168,
     )

@@ -172,14 +172,7 @@ class TritonBackend(AttentionBackend):
         return torch.cat([pad(m, (0, self.max_len - m.shape[1])) for m in masks])
 
     def _decode_kernel(self, q_latent, cache, selection):
-        """The MLA decode to run: Gluon's on Hopper where it serves the shapes
-        (dense contexts, heads a multiple of 64: DP attention's 128), else Triton's."""
-        from dserve.attention import gluon_mla, triton_mla
-
-        heads = q_latent.shape[1]
-        if self.gluon_mla and selection is None and gluon_mla.supported(q_latent, cache, heads):
-            return gluon_mla.mla_decode
-        return triton_mla.mla_decode
+        return mla_decode_kernel(q_latent, cache, selection is not None, self.gluon_mla)
 
     def forward_mla(self, layer, q_latent, q_rope, latent, scale, selection=None):
         b = self.batch
@@ -218,6 +211,17 @@ class TritonBackend(AttentionBackend):
             num_warps=tune["num_warps"],
             num_stages=tune["num_stages"],
         )
+
+
+def mla_decode_kernel(q_latent, cache, sparse: bool, gluon: bool = True):
+    """The MLA decode to run, dense or over `sparse` attention's selected positions:
+    Gluon's on Hopper where it serves the shapes (heads a multiple of 64: DP attention's
+    128, GLM-5's 64), else Triton's. Both take `triton_mla.mla_decode`'s arguments."""
+    from dserve.attention import gluon_mla, triton_mla
+
+    if gluon and gluon_mla.supported(q_latent, cache, q_latent.shape[1]):
+        return gluon_mla.mla_decode
+    return triton_mla.mla_decode
 
 
 def _unit_stride(x):

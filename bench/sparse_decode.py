@@ -14,7 +14,8 @@ scores in a pass, as the backend does), and `mla_decode` over the selected posit
 Each is timed as a CUDA graph replay (median), the sparse step's parts too, with torch's
 top-k beside ours (unsorted: `select_top`, and sorted), and the sparse step against its
 roofline: the bytes it must read (every token's indexer key, the selected latents) over the
-copy bandwidth measured in the same run. `same` says whether our top-k chose torch's set in
+copy bandwidth measured in the same run. Both MLA decodes are the triton backend's
+(Gluon's kernel on Hopper; `--triton-mla`: the Triton kernel's). `same` says whether our top-k chose torch's set in
 every row (random scores: no ties). The issue's goal at 32k: the sparse step <= 0.25x the
 dense one, within 2x of its roofline. Prints a table and writes JSON.
 """
@@ -65,10 +66,17 @@ def index_keys(pages: int, fp8: bool) -> dict:
     return {"keys": buffers[0], "key_scales": key_scales(buffers[1]) if fp8 else None}
 
 
-def dense_step(c: dict, context: int) -> torch.Tensor:
-    from dserve.attention.triton_mla import mla_decode
+def decode_kernel(c: dict, sparse: bool):
+    """The MLA decode the triton backend runs here (Gluon's on Hopper),
+    or the Triton kernel where `--mla-launch` tunes it."""
+    from dserve.attention.triton_backend import mla_decode_kernel
 
-    return mla_decode(
+    gluon = not MLA_LAUNCH and not TRITON_MLA
+    return mla_decode_kernel(c["q_latent"], c["cache"], sparse, gluon=gluon)
+
+
+def dense_step(c: dict, context: int) -> torch.Tensor:
+    return decode_kernel(c, False)(
         c["q_latent"], c["q_rope"], c["cache"], c["table"], c["lens"], 0.07, max_len=context
     )
 
@@ -92,6 +100,7 @@ def scores_part(c: dict, context: int) -> torch.Tensor:
 
 TOP_LAUNCH = {"chunk": None, "block": 1024, "num_warps": 4}  # `--topk-*`
 MLA_LAUNCH: dict = {}  # `--mla-launch`: mla_decode's keyword arguments (else its defaults)
+TRITON_MLA = False  # `--triton-mla`: the Triton MLA kernels, not Gluon's on Hopper
 SCORES_LAUNCH: dict = {}  # `--scores-launch`: indexer_scores' block_n, num_warps
 
 
@@ -114,9 +123,7 @@ def sorted_top(scores: torch.Tensor) -> torch.Tensor:
 
 
 def sparse_mla_part(c: dict, chosen: torch.Tensor) -> torch.Tensor:
-    from dserve.attention.triton_mla import mla_decode
-
-    return mla_decode(
+    return decode_kernel(c, True)(
         c["q_latent"],
         c["q_rope"],
         c["cache"],
@@ -209,12 +216,20 @@ def main() -> None:
         "--mla-launch", type=json.loads, default={}, help="the sparse MLA's launch, as JSON"
     )
     parser.add_argument(
+        "--triton-mla",
+        action="store_true",
+        help="dense and sparse MLA by the Triton kernel (default: the backend's choice, "
+        "Gluon's on Hopper; `--mla-launch` implies it)",
+    )
+    parser.add_argument(
         "--scores-launch", type=json.loads, default={}, help="the indexer scores', as JSON"
     )
     parser.add_argument("--out", default="bench/results/sparse_decode.json")
     args = parser.parse_args()
     TOP_LAUNCH.update(chunk=args.topk_chunk, block=args.topk_block, num_warps=args.topk_warps)
     MLA_LAUNCH.update(args.mla_launch)
+    global TRITON_MLA
+    TRITON_MLA = args.triton_mla
     SCORES_LAUNCH.update(args.scores_launch)
     copy = copy_bandwidth()
     rows = []
@@ -229,7 +244,7 @@ def main() -> None:
     with open(args.out, "w") as f:
         meta = {"device": torch.cuda.get_device_name(), "copy_gb_s": copy / 1e9}
         meta.update(fp8_keys=args.fp8_keys, topk_launch=TOP_LAUNCH, mla_launch=MLA_LAUNCH)
-        meta.update(scores_launch=SCORES_LAUNCH)
+        meta.update(scores_launch=SCORES_LAUNCH, triton_mla=TRITON_MLA or bool(MLA_LAUNCH))
         json.dump({**meta, "rows": rows}, f, indent=2)
     print(f"wrote {args.out}")
 

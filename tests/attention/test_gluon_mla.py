@@ -97,8 +97,8 @@ def test_rows_that_share_a_sequence():
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="a Hopper GPU")
 def test_the_triton_backend_decodes_with_it():
-    """128 heads go to this kernel, 16 heads, sparse selections and a
-    backend told otherwise to the Triton one."""
+    """128 heads go to this kernel, and 64 over sparse selections; 16
+    heads and a backend told otherwise to the Triton one."""
     from dserve.attention import triton_mla
     from dserve.attention.backend import create_backend
     from dserve.memory.kv_pool import KVLayout, KVPool
@@ -111,6 +111,52 @@ def test_the_triton_backend_decodes_with_it():
     selection = torch.zeros(1, 8, dtype=torch.int32, device="cuda")
     assert backend._decode_kernel(q, cache, None) is gluon_mla.mla_decode
     assert backend._decode_kernel(q[:, :16], cache, None) is triton_mla.mla_decode
-    assert backend._decode_kernel(q, cache, selection) is triton_mla.mla_decode
+    assert backend._decode_kernel(q[:, :64], cache, selection) is gluon_mla.mla_decode
     backend.gluon_mla = False
     assert backend._decode_kernel(q, cache, None) is triton_mla.mla_decode
+
+
+def selected_reference(q_latent, q_rope, cache, table, selected, scale):
+    """Absorbed MLA over each row's selected positions (-1: none)."""
+    out, page_size = [], cache.shape[1]
+    for b in range(q_latent.shape[0]):
+        pos = selected[b][selected[b] >= 0].long()
+        ctx = cache[table[b, pos // page_size].long(), pos % page_size].float()
+        scores = q_latent[b].float() @ ctx[:, :512].T + q_rope[b].float() @ ctx[:, 512:].T
+        out.append((scores * scale).softmax(-1) @ ctx[:, :512])
+    return torch.stack(out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="a Hopper GPU")
+@pytest.mark.parametrize("top,splits", [(2048, None), (256, 8)])
+def test_selected_positions_match_the_reference(top, splits):
+    """GLM-5's sparse attention: 64 heads over each row's selected
+    positions, scattered over an 8k context, with -1 holes anywhere and
+    at the end (fewer positions than the top-k)."""
+    gen = torch.Generator().manual_seed(3)
+    rows, context, page_size = 5, 8192, 64
+    q_latent, q_rope, cache, table, _ = case(
+        heads=64,
+        rank=512,
+        rope=64,
+        page_size=page_size,
+        seq_lens=[context] * rows,
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
+    picks = [torch.randperm(context, generator=gen)[:top] for _ in range(rows)]
+    selected = torch.stack(picks).cuda()
+    selected[0, :7] = -1
+    selected[1, -100:] = -1
+    scale = 192**-0.5
+    ours = gluon_mla.mla_decode(
+        q_latent, q_rope, cache, table.long(), None, scale, num_splits=splits, selected=selected
+    ).float()
+    theirs = triton_decode(
+        q_latent, q_rope, cache, table, None, scale, max_len=top, selected=selected
+    ).float()
+    ref = selected_reference(q_latent, q_rope, cache, table, selected, scale)
+    error = (ours - ref).abs().max() / ref.abs().max()
+    assert error < 2e-2
+    assert error <= 1.5 * (theirs - ref).abs().max() / ref.abs().max() + 1e-3
