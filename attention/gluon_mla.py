@@ -217,8 +217,11 @@ if HAVE_GLUON:
                 seen &= gl.load(sel_row + cols, mask=seen, other=-1) >= 0
             x = gl.where(seen[None, :], acc * scale_log2, float("-inf"))
             m_new = gl.maximum(m, gl.max(x, 1))
-            alpha = gl.exp2(m - m_new)
-            p = gl.exp2(x - m_new[:, None])
+            # rows that have seen no position yet (a sparse split can start
+            # with blocks of -1) stay at zero instead of NaN
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m - m_safe)
+            p = gl.exp2(x - m_safe[:, None])
             l = l * alpha + gl.sum(p, 1)
             m = m_new
             # the weights replace the rope keys, which the scores were the last to read

@@ -129,11 +129,11 @@ def selected_reference(q_latent, q_rope, cache, table, selected, scale):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="a Hopper GPU")
-@pytest.mark.parametrize("top,splits", [(2048, None), (256, 8)])
+@pytest.mark.parametrize("top,splits", [(2048, None), (256, 8), (2048, 8)])
 def test_selected_positions_match_the_reference(top, splits):
     """GLM-5's sparse attention: 64 heads over each row's selected
     positions, scattered over an 8k context, with -1 holes anywhere and
-    at the end (fewer positions than the top-k)."""
+    at the end (fewer positions than the top-k), whole splits of them."""
     gen = torch.Generator().manual_seed(3)
     rows, context, page_size = 5, 8192, 64
     q_latent, q_rope, cache, table, _ = case(
@@ -149,6 +149,9 @@ def test_selected_positions_match_the_reference(top, splits):
     selected = torch.stack(picks).cuda()
     selected[0, :7] = -1
     selected[1, -100:] = -1
+    # a context shorter than the top-k: whole splits of -1 (they must
+    # merge as nothing, not NaN)
+    selected[2, top * 3 // 4 :] = -1
     scale = 192**-0.5
     ours = gluon_mla.mla_decode(
         q_latent, q_rope, cache, table.long(), None, scale, num_splits=splits, selected=selected
