@@ -8,6 +8,8 @@ decode` + `dserve router`) on the same device(s), per prompt length, and their r
                                 [--server-args '...' --router-args '...']
                                 [--pd-modes shared,whole] [--colocated-runs 2]
 
+`--interleave` starts them all at once and sends each prompt to each in turn (the GPU's drift
+then weighs on every mode alike; all instances must fit the device together).
 `--pd-modes`: the pair with the router's shared streams (`shared`, the default: the first
 token's events come from the prefill) and/or without them (`whole`, `--no-shared-streams`: the
 whole stream from the decode, as SGLang's and vLLM's routers serve it). `--colocated-runs 2`
@@ -121,33 +123,58 @@ def start(mode: str, model: list[str], args, log_dir: str) -> tuple[str, list[Se
     return servers[-1].url, servers
 
 
+def run_round(modes: list[str], model: list[str], args, logs: str) -> dict[str, dict]:
+    """Start the modes' instances (together), measure them, stop them."""
+    urls, started = {}, []
+    try:
+        for mode in modes:
+            urls[mode], servers = start(mode, model, args, logs)
+            started += servers
+        return asyncio.run(measure(urls, args))
+    finally:
+        for s in reversed(started):
+            s.stop()
+
+
 def env_of(pairs: list[str]) -> dict:
     return dict(p.split("=", 1) for p in pairs)
 
 
-async def measure(url: str, args) -> dict:
-    """Per length: the TTFT and ITL percentiles of `--requests` requests, one at a time."""
+async def measure(urls: dict[str, str], args) -> dict[str, dict]:
+    """Per served mode (its URL) and length: the TTFT and ITL percentiles of `--requests`
+    requests, one at a time. Several modes take turns, request by request, with the same
+    prompt (`--interleave`: a GPU's drift then weighs on all of them alike)."""
     rng = random.Random(args.seed)
-    client = argparse.Namespace(url=url, endpoint="/generate", model=None)
-    out = {}
+    clients = {
+        mode: argparse.Namespace(url=url, endpoint="/generate", model=None)
+        for mode, url in urls.items()
+    }
+    out: dict[str, dict] = {mode: {} for mode in urls}
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         for length in args.lengths:
-            results = []
+            results: dict[str, list] = {mode: [] for mode in urls}
             for i in range(args.warmup + args.requests):
                 ids = [rng.randrange(10, args.vocab) for _ in range(length)]
-                result = await one(session, client, ids, args.output_len)
-                if result["error"]:
-                    raise RuntimeError(f"{length}-token request failed: {result['error']}")
-                if i >= args.warmup:
-                    results.append(result)
-            out[length] = {
-                "ttft_s": percentiles([r["ttft"] for r in results]),
-                "itl_s": percentiles([x for r in results for x in r["itl"]]),
-                "second_s": percentiles([r["ttft"] + r["itl"][0] for r in results if r["itl"]]),
-                "timeline_ms": median_marks(results),
-            }
+                for mode, client in clients.items():
+                    result = await one(session, client, ids, args.output_len)
+                    if result["error"]:
+                        error = result["error"]
+                        raise RuntimeError(f"{mode}, {length}-token request failed: {error}")
+                    if i >= args.warmup:
+                        results[mode].append(result)
+            for mode, got in results.items():
+                out[mode][length] = summary(got)
     return out
+
+
+def summary(results: list[dict]) -> dict:
+    return {
+        "ttft_s": percentiles([r["ttft"] for r in results]),
+        "itl_s": percentiles([x for r in results for x in r["itl"]]),
+        "second_s": percentiles([r["ttft"] + r["itl"][0] for r in results if r["itl"]]),
+        "timeline_ms": median_marks(results),
+    }
 
 
 MARKS = (  # pd_timeline_ms (and the client's own) in the order a request meets them
@@ -316,27 +343,30 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     parser.add_argument("--pd-modes", type=names, default=["shared"], help="shared,whole")
     parser.add_argument("--colocated-runs", type=int, choices=(1, 2), default=1)
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="start the colocated instance and the pairs together and send each prompt to "
+        "each in turn (every instance on the device at once; --colocated-runs is then 1)",
+    )
     parser.add_argument("--out", default="bench/results/pd_overhead.json")
     args = parser.parse_args(argv)
     if not args.pd_modes or set(args.pd_modes) - {"shared", "whole"}:
         parser.error("--pd-modes: shared and/or whole")
     model = model_flags(args)
-    order = ["colocated", *args.pd_modes] + ["colocated"] * (args.colocated_runs - 1)
+    again = 0 if args.interleave else args.colocated_runs - 1
+    order = ["colocated", *args.pd_modes] + ["colocated"] * again
+    rounds = [order] if args.interleave else [[mode] for mode in order]
     results = {"colocated": []}
     with contextlib.ExitStack() as stack:
         logs = args.log_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="pd-"))
         os.makedirs(logs, exist_ok=True)
-        for mode in order:
-            url, servers = start(mode, model, args, logs)
-            try:
-                got = asyncio.run(measure(url, args))
-            finally:
-                for s in reversed(servers):
-                    s.stop()
-            if mode == "colocated":
-                results[mode].append(got)
-            else:
-                results[mode] = got
+        for modes in rounds:
+            for mode, got in run_round(modes, model, args, logs).items():
+                if mode == "colocated":
+                    results[mode].append(got)
+                else:
+                    results[mode] = got
     rows = rows_of(results, args.lengths, args.pd_modes)
     table(rows)
     for mode in args.pd_modes:
