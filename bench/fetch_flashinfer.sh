@@ -4,7 +4,7 @@
 # `import flashinfer`), install them into a folder, drop the kernel sources of features the
 # flashinfer backend never builds (MoE, Blackwell, sampling, ...: its MLA and prefill modules
 # compile from csrc's top level, csrc/generated, csrc/nv_internal, include, cutlass and cccl),
-# and pack the folder as .fi/fisite.tgz (.fi/ is in .gitignore), with .whl/'s pyzmq, msgpack and orjson
+# and pack the folder as .fi/fisite.tgz (.fi/ is in .gitignore), with .whl/'s pyzmq, msgpack, orjson, uvloop
 # wheels beside it when there (the engine's own imports on the GPU image).
 #
 # On the GPU machine, one `run` carrying [".fi"]:
@@ -34,6 +34,6 @@ rm -f "$csrc"/alphamoe_* "$csrc"/cake_* "$csrc"/blackwell_* "$csrc"/kda* "$csrc"
 find "$site" -name __pycache__ -type d -prune -exec rm -rf {} +
 rm -rf "$site/bin" "$dest" && mkdir -p "$dest"
 tar czf "$dest/fisite.tgz" -C "$raw" fi-site
-cp .whl/pyzmq-*.whl .whl/msgpack-*.whl .whl/orjson-*.whl "$dest/" 2>/dev/null || true
+cp .whl/pyzmq-*.whl .whl/msgpack-*.whl .whl/orjson-*.whl .whl/uvloop-*.whl "$dest/" 2>/dev/null || true
 rm -rf "$raw"
 du -sh "$dest"/*

@@ -169,8 +169,10 @@ async def measure(urls: dict[str, str], args) -> dict[str, dict]:
 
 
 def summary(results: list[dict]) -> dict:
+    outside = [x for x in map(outside_s, results) if x is not None]
     return {
         "ttft_s": percentiles([r["ttft"] for r in results]),
+        "outside_s": percentiles(outside) if outside else {},
         "itl_s": percentiles([x for r in results for x in r["itl"]]),
         "second_s": percentiles([r["ttft"] + r["itl"][0] for r in results if r["itl"]]),
         "timeline_ms": median_marks(results),
@@ -206,6 +208,20 @@ def timeline_of(result: dict) -> dict | None:
         line["client_sent"] = (result["start"] - arrival) * 1e3
         line["client_first"] = (result["start"] + result["ttft"] - arrival) * 1e3
     return line
+
+
+def outside_s(result: dict) -> float | None:
+    """The part of a request's TTFT outside the instance that computed its first token (the
+    client's and the router's HTTP hops, the instance's parsing): the client's TTFT less that
+    instance's time from the request's creation (`Request.arrival_time`) to its first token:
+    colocated, the answer's `ttft`; a pair, the prefill's arrival to its computed first
+    token (`pd_timeline_ms`)."""
+    meta, ttft = result["meta"] or {}, result["ttft"]
+    marks = meta.get("pd_timeline_ms")
+    if marks:
+        inside = marks.get("prefill_computed", 0) - marks.get("prefill_arrival", 0)
+        return ttft - inside / 1e3 if "prefill_computed" in marks else None
+    return ttft - meta["ttft"] if meta.get("ttft") is not None else None
 
 
 def median_marks(results: list[dict]) -> dict:
@@ -250,21 +266,21 @@ def model_flags(args) -> list[str]:
 
 
 def table(rows: list[dict]) -> None:
-    """TTFT, its p99, ITL, and the time to the second token ("2nd": with shared streams the
-    first token comes from the prefill, the second still waits for the KV transfer)."""
+    """TTFT, its p99, ITL, the time to the second token ("2nd": with shared streams the
+    first token comes from the prefill, the second still waits for the KV transfer) and the
+    part of the TTFT outside the instance that computed the first token ("out", `outside_s`)."""
     head = ("pd", "len", "TTFT co", "TTFT pd", "ratio", "p99 co", "p99 pd", "ITL co", "ITL pd")
-    head += ("2nd co", "2nd pd")
-    print(
-        "{:>6} {:>6} {:>8} {:>8} {:>6} {:>8} {:>8} {:>7} {:>7} {:>7} {:>7}   (ms, p50 unless p99)".format(
-            *head
-        )
-    )
+    head += ("2nd co", "2nd pd", "out co", "out pd")
+    widths = (6, 6, 8, 8, 6, 8, 8, 7, 7, 7, 7, 6, 6)
+    line = " ".join(f"{{:>{w}}}" for w in widths)
+    print(line.format(*head) + "   (ms, p50 unless p99; out: TTFT outside the instance)")
     for r in rows:
         print(
             f"{r['mode']:>6} {r['length']:>6} {r['ttft_co_p50']:>8.1f} {r['ttft_pd_p50']:>8.1f} "
             f"{r['ttft_ratio']:>6.2f} {r['ttft_co_p99']:>8.1f} {r['ttft_pd_p99']:>8.1f} "
             f"{r['itl_co_p50']:>7.2f} {r['itl_pd_p50']:>7.2f} "
-            f"{r['second_co_p50']:>7.1f} {r['second_pd_p50']:>7.1f}",
+            f"{r['second_co_p50']:>7.1f} {r['second_pd_p50']:>7.1f} "
+            f"{r['outside_co_p50']:>6.2f} {r['outside_pd_p50']:>6.2f}",
             flush=True,
         )
 
@@ -284,6 +300,7 @@ def rows_of(results: dict, lengths: list[int], modes: list[str]) -> list[dict]:
                     row[f"ttft_{name}_{q}"] = 1e3 * got["ttft_s"][q]
                     row[f"itl_{name}_{q}"] = 1e3 * got["itl_s"].get(q, 0.0)
                     row[f"second_{name}_{q}"] = 1e3 * got["second_s"].get(q, 0.0)
+                    row[f"outside_{name}_{q}"] = 1e3 * got["outside_s"].get(q, float("nan"))
             row["ttft_co_runs_p50"] = [1e3 * got["ttft_s"]["p50"] for got in runs]
             row["ttft_ratio"] = row["ttft_pd_p50"] / row["ttft_co_p50"]
             row["itl_ratio"] = row["itl_pd_p50"] / max(row["itl_co_p50"], 1e-9)

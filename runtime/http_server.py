@@ -47,7 +47,7 @@ from dserve.runtime.protocol import (
 )
 from dserve.runtime.server_config import ServerConfig
 from dserve.runtime.sglang_compat import drop_no_op_fields, quiet_h2_probes
-from dserve.runtime.startup import listening_socket, start_site, stop_signals
+from dserve.runtime.startup import listening_socket, run_loop, start_site, stop_signals
 from dserve.runtime.stats import Stats
 from dserve.scheduler.request import SamplingParams
 from dserve.transfer.descriptor import IncompatiblePeer
@@ -467,7 +467,7 @@ def serve(model_path: str, config: ServerConfig, **engine_kwargs) -> None:
     metrics = InstanceMetrics()
     server = Server(config, metrics)
     quiet_h2_probes()
-    asyncio.run(_serve(server, sockets, model_path, config, metrics, engine_kwargs))
+    run_loop(_serve(server, sockets, model_path, config, metrics, engine_kwargs))
 
 
 async def _serve(server: Server, sockets, model_path, config, metrics, engine_kwargs) -> None:

@@ -253,7 +253,7 @@ def _rest_json(body: dict) -> str:
 
 
 def run_router(prefill_urls: list[str], decode_urls: list[str], config: RouterConfig) -> None:
-    from dserve.runtime.startup import run_apps
+    from dserve.runtime.startup import run_apps, run_loop
 
     router = Router(prefill_urls, decode_urls, config)
-    asyncio.run(run_apps([(router.app, config.host, config.port)]))
+    run_loop(run_apps([(router.app, config.host, config.port)]))

@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Coroutine
 
 from aiohttp import web
 
@@ -103,6 +104,15 @@ def stop_signals() -> asyncio.Event:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     return stop
+
+
+def run_loop(main: Coroutine) -> None:
+    """Run a server's asyncio side (the HTTP API, the router) to the end on uvloop: libuv's
+    loop makes every HTTP hop of a request cheaper than asyncio's own (`bench.router_overhead`,
+    the router's hop at 1k tokens: 1.1-1.2 ms against 1.4-1.5 on a 2-core host)."""
+    import uvloop
+
+    uvloop.run(main)
 
 
 async def run_apps(apps: list[tuple[web.Application, str, int]], on_stop=None) -> None:
