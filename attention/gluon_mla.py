@@ -26,7 +26,9 @@ Each warpgroup waits for its weighted sum before it hands the stage back:
 with two stages the loader's slack is what matters. Issuing block k's sum
 together with block k + 1's scores (FlashAttention-3's overlap) handed the
 stage back later and was slower: 128 heads, batch 32 at 8k, 0.173 ms
-against 0.150 (H100, bench/notes/session29-h100-2026-11-26.md).
+against 0.150. So were blocks of 32 tokens in four stages (0.175 ms): the
+scores read the queries from shared memory twice as often, and that
+bandwidth is the limit (H100, bench/notes/session29-h100-2026-11-26.md).
 
 Written for Triton's Gluon (`triton.experimental.gluon`, Triton 3.6 on the
 GPU hosts). Hopper only, bfloat16 or float16 latents, 512 + 64 columns,
@@ -55,13 +57,17 @@ try:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    # TMA and cp.async loads: `async_load` in later Tritons (3.9), the older names in 3.6
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
     HAVE_GLUON = True
 except ImportError:  # an older Triton: the Triton kernel serves
     HAVE_GLUON = False
 
 BLOCK_H = tl.constexpr(64)  # heads a program: one warpgroup's MMA rows
-BLOCK_N = 64  # tokens a block by default: one TMA box, within a page
-STAGES = 2  # blocks in flight by default (with 64 tokens, what fits)
+BLOCK_N = 64  # tokens a block: one TMA box, within a page
+STAGES = 2  # blocks in flight (with 64 tokens, what fits)
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -139,8 +145,8 @@ if HAVE_GLUON:
             off = n0 % page_size
             bar = ready.index(s)
             mbarrier.expect(bar, nbytes)
-            tma.async_copy_global_to_shared(lat_desc, [page, off, 0], bar, kv_s.index(s))
-            tma.async_copy_global_to_shared(rope_desc, [page, off, 512], bar, rope_s.index(s))
+            tma_load(lat_desc, [page, off, 0], bar, kv_s.index(s))
+            tma_load(rope_desc, [page, off, 512], bar, rope_s.index(s))
 
     @gluon.jit
     def _gather_loader(gather, stages, bars, table, span, page_size):
@@ -170,9 +176,9 @@ if HAVE_GLUON:
             keys = kv_s.index(s).reshape([BLOCK_N, 512])
             for c in gl.static_range(8):
                 dst = keys.slice(c * 64, 64, dim=1)
-                async_copy.async_copy_global_to_shared(dst, at + c * 64, valid[:, None])
+                cp_async(dst, at + c * 64, valid[:, None])
             ropes = rope_s.index(s).reshape([BLOCK_N, 64])
-            async_copy.async_copy_global_to_shared(ropes, at + 512, valid[:, None])
+            cp_async(ropes, at + 512, valid[:, None])
             async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
 
     @gluon.jit
@@ -278,12 +284,9 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _weights(rope_s, s):
-        """Stage s's softmax weights [64 heads, its tokens], in the place of
-        its rope keys [tokens, 64] (the same bytes)."""
-        BLOCK_N: gl.constexpr = rope_s.shape[2]
-        dtype: gl.constexpr = rope_s.dtype
-        layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], dtype)
-        return rope_s.index(s)._reinterpret(dtype, [64, BLOCK_N], layout)
+        """Stage s's softmax weights [64 heads, 64 tokens], in the place of
+        its rope keys [64 tokens, 64] (the same bytes and layout)."""
+        return rope_s.index(s).reshape([64, 64])
 
     @gluon.jit
     def _store_half(out, o, l, s_mo_h, h0, col0: gl.constexpr):
@@ -423,8 +426,6 @@ def mla_decode(
     row_seqs: torch.Tensor | None = None,
     min_split: int | None = None,
     selected: torch.Tensor | None = None,
-    block_n: int = BLOCK_N,
-    stages: int = STAGES,
 ) -> torch.Tensor:
     """`triton_mla.mla_decode`'s contract on this kernel: q_latent [B, H, 512],
     q_rope [B, H, 64], one layer's `cache` [num_pages, page_size, 576];
@@ -453,7 +454,7 @@ def mla_decode(
     shape, strides = list(cache.shape), list(cache.stride())
     descs = []
     for cols in (512, 64):
-        block = [1, block_n, cols]
+        block = [1, BLOCK_N, cols]
         layout = gl.NVMMASharedLayout.get_default_for(block, kind)
         descs.append(TensorDescriptor(cache, shape, strides, block, layout))
     grid = (heads // BLOCK_H.value, batch, num_splits)
@@ -478,7 +479,7 @@ def mla_decode(
         mid_lse.stride(1),
         scale * LOG2E.value,
         cache.shape[1],
-        2 * block_n if min_split is None else min_split,
+        2 * BLOCK_N if min_split is None else min_split,
         num_splits,
         cache,
         cache.stride(0),
@@ -486,7 +487,7 @@ def mla_decode(
         selected if sparse else seq_lens,
         selected.stride(0) if sparse else 0,
         selected.shape[1] if sparse else 0,
-        stages,
+        STAGES,
         sparse,
         num_warps=4,
         maxnreg=168,

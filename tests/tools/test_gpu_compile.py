@@ -1,6 +1,8 @@
 """The Triton kernels the CPU tests run in the interpreter also pass a GPU's front end
 (`tests/tools/gpu_compile.py`): the interpreter accepts code an sm_90 compile refuses, such
-as a function returning two shapes (session 23's extend kernels) or a dot narrower than 16."""
+as a function returning two shapes (session 23's extend kernels) or a dot narrower than 16.
+The Gluon kernels, which no CPU test can run, compile whole for sm_90 (session 29: an int64
+length the engine passes broke the MLA decode's compile on the GPU only)."""
 
 from __future__ import annotations
 
