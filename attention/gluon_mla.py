@@ -202,7 +202,6 @@ if HAVE_GLUON:
         rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         m = gl.full([64], float("-inf"), gl.float32, rows_s)
         l = gl.zeros([64], gl.float32, rows_s)
-        # a pending MMA's result from one iteration to the next
         o = gl.zeros([64, 256], gl.float32, o_layout)
         zeros = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
         blocks = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
