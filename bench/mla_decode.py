@@ -85,18 +85,12 @@ def run_case(
     q_rope = torch.randn(batch, heads, rope, device="cuda", dtype=torch.bfloat16)
     if backend == "flashinfer":
         seconds = flashinfer_seconds(q_latent, q_rope, cache, table, lens, page_size, repeats)
-    elif backend == "gluon":
+    else:
         from dserve.attention import gluon_mla
 
+        decode = gluon_mla.mla_decode if backend == "gluon" else mla_decode
         seconds = graph_seconds(
-            lambda: gluon_mla.mla_decode(
-                q_latent, q_rope, cache, table, lens, 0.07, max_len=context, **tune
-            ),
-            repeats,
-        )
-    else:
-        seconds = graph_seconds(
-            lambda: mla_decode(q_latent, q_rope, cache, table, lens, 0.07, max_len=context, **tune),
+            lambda: decode(q_latent, q_rope, cache, table, lens, 0.07, max_len=context, **tune),
             repeats,
         )
     nbytes = batch * context * (rank + rope) * 2

@@ -219,8 +219,9 @@ def outside_s(result: dict) -> float | None:
     meta, ttft = result["meta"] or {}, result["ttft"]
     marks = meta.get("pd_timeline_ms")
     if marks:
-        inside = marks.get("prefill_computed", 0) - marks.get("prefill_arrival", 0)
-        return ttft - inside / 1e3 if "prefill_computed" in marks else None
+        if "prefill_computed" not in marks:
+            return None
+        return ttft - (marks["prefill_computed"] - marks.get("prefill_arrival", 0)) / 1e3
     return ttft - meta["ttft"] if meta.get("ttft") is not None else None
 
 

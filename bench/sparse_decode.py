@@ -71,8 +71,7 @@ def decode_kernel(c: dict, sparse: bool):
     or the Triton kernel where `--mla-launch` tunes it."""
     from dserve.attention.triton_backend import mla_decode_kernel
 
-    gluon = not MLA_LAUNCH and not TRITON_MLA
-    return mla_decode_kernel(c["q_latent"], c["cache"], sparse, gluon=gluon)
+    return mla_decode_kernel(c["q_latent"], c["cache"], sparse, gluon=not TRITON_MLA)
 
 
 def dense_step(c: dict, context: int) -> torch.Tensor:
@@ -100,7 +99,7 @@ def scores_part(c: dict, context: int) -> torch.Tensor:
 
 TOP_LAUNCH = {"chunk": None, "block": 1024, "num_warps": 4}  # `--topk-*`
 MLA_LAUNCH: dict = {}  # `--mla-launch`: mla_decode's keyword arguments (else its defaults)
-TRITON_MLA = False  # `--triton-mla`: the Triton MLA kernels, not Gluon's on Hopper
+TRITON_MLA = False  # `--triton-mla` (or `--mla-launch`): the Triton MLA kernels, not Gluon's
 SCORES_LAUNCH: dict = {}  # `--scores-launch`: indexer_scores' block_n, num_warps
 
 
@@ -229,7 +228,7 @@ def main() -> None:
     TOP_LAUNCH.update(chunk=args.topk_chunk, block=args.topk_block, num_warps=args.topk_warps)
     MLA_LAUNCH.update(args.mla_launch)
     global TRITON_MLA
-    TRITON_MLA = args.triton_mla
+    TRITON_MLA = args.triton_mla or bool(MLA_LAUNCH)
     SCORES_LAUNCH.update(args.scores_launch)
     copy = copy_bandwidth()
     rows = []
@@ -244,7 +243,7 @@ def main() -> None:
     with open(args.out, "w") as f:
         meta = {"device": torch.cuda.get_device_name(), "copy_gb_s": copy / 1e9}
         meta.update(fp8_keys=args.fp8_keys, topk_launch=TOP_LAUNCH, mla_launch=MLA_LAUNCH)
-        meta.update(scores_launch=SCORES_LAUNCH, triton_mla=TRITON_MLA or bool(MLA_LAUNCH))
+        meta.update(scores_launch=SCORES_LAUNCH, triton_mla=TRITON_MLA)
         json.dump({**meta, "rows": rows}, f, indent=2)
     print(f"wrote {args.out}")
 
