@@ -32,6 +32,13 @@ TOP_HIST_ROWS = 1024
 # took 23-27 us against 53-62 at batch 1 (32k/128k), 48 against 69 at 32 x 32k, but 129-183
 # against 110 at 128 x 32k and 175 against 100 at 32 x 128k (bench/notes/session23-h100-2026-11-24.md)
 TRITON_TOP_MAX = 1 << 21
+# ... and one program per row (`triton_topk_rows`, bounded by each row's context) from this
+# many rows of scores up to this wide: at 32k it took 92-103 us at 1 to 128 rows, where the
+# select above took 22 / 47 / 95 / 183 us at 1 / 32 / 64 / 128 rows and torch's 48 / 69 / 79 /
+# 110; at 128 rows of 128k, 359 against torch's 273. It follows the longest context, not the
+# width: 128 rows of 128k-wide scores with 32k contexts took it 105 us (H100,
+# bench/notes/session30-h100-2026-11-26.md)
+TOP_ROWS_MIN, TOP_ROWS_WIDTH = 128, 1 << 16
 # Extend launches: `rows` (token, head) rows per program, keys per block, warps, pipelining depth
 # (None: Triton's default); MLA programs take `block_h` heads of a token. MLA: 64 heads of one token,
 # 64 keys a block, 3 stages ran 1.4x faster than 16 heads of 4 tokens with 32 keys on an H100
@@ -45,6 +52,20 @@ EXTEND_TUNE = {
     "mha": {"rows": 128, "block_n": 64, "num_warps": 8, "num_stages": 3, "block_g": 1},
     "expanded": {"rows": 128, "block_n": 64, "num_warps": 8, "num_stages": 3},
 }
+
+
+def select_top_gpu(scores, topk, lens, hist=None) -> torch.Tensor:
+    """The indexer's top-k on a GPU by the measured rules above: scores [T, width] float32,
+    row t's context `lens[t]` -> [T, topk] int64 (`index_cache.select_top`'s contract).
+    `hist`: kept row histograms (`triton_topk.top_hist`) of at least T rows, or None."""
+    from dserve.attention import triton_topk, triton_topk_rows
+
+    rows, width = scores.shape
+    if rows >= TOP_ROWS_MIN and width <= TOP_ROWS_WIDTH:
+        return triton_topk_rows.select_top_rows(scores, topk, lens=lens)
+    if scores.numel() > TRITON_TOP_MAX:
+        return select_top(scores, topk)
+    return triton_topk.select_top_triton(scores, topk, hist=hist)
 
 
 class TritonBackend(AttentionBackend):
@@ -155,15 +176,16 @@ class TritonBackend(AttentionBackend):
         )
         if b.tree_masks is not None:  # draft trees see their ancestors only
             scores = scores.masked_fill(~self._visible(), float("-inf"))
-        if not scores.is_cuda or scores.numel() > TRITON_TOP_MAX:
+        if not scores.is_cuda:
             return select_top(scores, topk)
-        from dserve.attention import triton_topk
+        from dserve.attention import triton_topk, triton_topk_rows
 
         if not torch.cuda.is_current_stream_capturing():  # the warm-up's first pass
             triton_topk.compile_every_chunk(topk, str(scores.device))
+            triton_topk_rows.compile_for(topk, scores.shape[1], str(scores.device))
         kept = scores.shape[0] <= TOP_HIST_ROWS
         hist = self.top_hist if kept else None
-        return triton_topk.select_top_triton(scores, topk, hist=hist)
+        return select_top_gpu(scores, topk, b.token_ctx_lens, hist)
 
     def _visible(self) -> torch.Tensor:
         """[T, max_len]: which context positions each token sees (causal, or its tree)."""

@@ -91,6 +91,13 @@ def _key_block(
     return k, k_scale
 
 
+def scores_out(tokens: int, width: int, device) -> torch.Tensor:
+    """The scores' tensor [tokens, width] float32: rows 16-aligned whatever the width, so
+    that the stride stays one compiled case (and aligned)."""
+    padded = triton.cdiv(max(width, 1), 16) * 16
+    return torch.empty(tokens, padded, dtype=torch.float32, device=device)[:, :width]
+
+
 def indexer_scores(
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -110,9 +117,7 @@ def indexer_scores(
     `row_seqs[t]` and context length `ctx_lens[t]` -> scores [T, width] float32 (-inf past
     each context). H and D powers of two, at least 16."""
     tokens, heads, dim = q.shape
-    # rows 16-aligned whatever the width: the stride stays one compiled case (and aligned)
-    padded = triton.cdiv(max(width, 1), 16) * 16
-    out = torch.empty(tokens, padded, dtype=torch.float32, device=q.device)[:, :width]
+    out = scores_out(tokens, width, q.device)
     if not tokens or not width:
         return out
     assert keys.stride(-1) == 1 and q.stride(-1) == 1 and weights.stride(-1) == 1

@@ -41,10 +41,15 @@ def _keys(scores, pos, width):
     """Keys of the scores at `pos` (unsigned order = the scores'), and which are above -inf
     (NaN is not)."""
     x = tl.load(scores + pos, mask=pos < width, other=float("-inf"))
-    finite = x > float("-inf")
+    return _key_of(x), x > float("-inf")
+
+
+@triton.jit
+def _key_of(x):
+    """`_keys` of scores in registers."""
     bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
     key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    return key ^ -2147483648, finite
+    return key ^ -2147483648
 
 
 @triton.jit
@@ -68,8 +73,13 @@ def _threshold(hist, left, FIRST: tl.constexpr):
     """From a histogram of 256 digits: the slots for its keys (`left`, at the first level
     at most the keys there are), the digit at which the count from the top reaches them,
     and the slots left for the keys at it once those above have theirs."""
+    return _cut(tl.load(hist + tl.arange(0, 256)), left, FIRST)
+
+
+@triton.jit
+def _cut(h, left, FIRST: tl.constexpr):
+    """`_threshold` of a histogram `h` [256] in registers."""
     bins = tl.arange(0, 256)
-    h = tl.load(hist + bins)
     total = tl.sum(h, 0)
     if FIRST:
         left = tl.minimum(total, left)

@@ -7,16 +7,19 @@ GPU, at GLM-5's shapes per rank (64 heads, latent 512 + 64, indexer 32 heads x 1
 Per (batch, context) one decode token per request over a paged bf16 cache (pages of 64,
 scattered; `--fp8-keys`: the indexer keys in FP8, the production layout): the dense step is
 `mla_decode` over every position; the sparse step is what the triton backend runs, the
-indexer's scores over every position's key (`indexer_scores`), the top-k (`triton_topk`,
-its row histograms kept as the backend keeps them; `--topk-*`: its launch, default
-`default_chunk`, blocks of 1024, 4 warps; torch's above the backend's `TRITON_TOP_MAX`
-scores in a pass, as the backend does), and `mla_decode` over the selected positions.
-Each is timed as a CUDA graph replay (median), the sparse step's parts too, with torch's
-top-k beside ours (unsorted: `select_top`, and sorted), and the sparse step against its
-roofline: the bytes it must read (every token's indexer key, the selected latents) over the
-copy bandwidth measured in the same run. Both MLA decodes are the triton backend's
-(Gluon's kernel on Hopper; `--triton-mla`: the Triton kernel's). `same` says whether our top-k chose torch's set in
-every row (random scores: no ties). The issue's goal at 32k: the sparse step <= 0.25x the
+indexer's scores over every position's key (`indexer_scores`), the top-k
+(`triton_backend.select_top_gpu`: by the row count, the many-programs select of
+`triton_topk`, its row histograms kept as the backend keeps them, torch's, or one program
+per row, `triton_topk_rows`), and `mla_decode` over the selected positions. Each is timed
+as a CUDA graph replay (median), the sparse step's parts too, with each top-k beside the
+backend's (ours of both kinds, `--topk-*`: the many-programs' launch, default
+`default_chunk`, blocks of 1024, 4 warps; torch's unsorted, `select_top`, and sorted), and
+the sparse step against its roofline: the bytes it must read (every token's indexer key,
+the selected latents) over the copy bandwidth measured in the same run. Both MLA decodes
+are the triton backend's (Gluon's kernel on Hopper; `--triton-mla`: the Triton kernel's);
+with FP8 keys on Hopper, the Gluon scores kernel (`gluon_indexer`, not the backend's)
+beside the backend's.
+`same` says whether each of our top-ks chose torch's set in every row (random scores: no ties). The issue's goal at 32k: the sparse step <= 0.25x the
 dense one, within 2x of its roofline. Prints a table and writes JSON.
 """
 
@@ -80,10 +83,14 @@ def dense_step(c: dict, context: int) -> torch.Tensor:
     )
 
 
-def scores_part(c: dict, context: int) -> torch.Tensor:
+def scores_part(c: dict, context: int, gluon: bool = False) -> torch.Tensor:
+    """The backend's indexer scores (the Triton kernel), or (`gluon`) the
+    Gluon kernel over FP8 keys on Hopper, not the backend's: slower."""
+    from dserve.attention import gluon_indexer
     from dserve.attention.triton_dsa import indexer_scores
 
-    return indexer_scores(
+    kernel = gluon_indexer.indexer_scores if gluon else indexer_scores
+    return kernel(
         c["q_index"],
         c["weights"],
         c["keys"],
@@ -93,20 +100,36 @@ def scores_part(c: dict, context: int) -> torch.Tensor:
         0.09,
         context,
         key_scales=c["key_scales"],
-        **SCORES_LAUNCH,
+        **({} if gluon else SCORES_LAUNCH),
     )
 
 
+NAN = float("nan")  # a column this case has not (Gluon's scores: FP8 keys, Hopper)
 TOP_LAUNCH = {"chunk": None, "block": 1024, "num_warps": 4}  # `--topk-*`
 MLA_LAUNCH: dict = {}  # `--mla-launch`: mla_decode's keyword arguments (else its defaults)
 TRITON_MLA = False  # `--triton-mla` (or `--mla-launch`): the Triton MLA kernels, not Gluon's
 SCORES_LAUNCH: dict = {}  # `--scores-launch`: indexer_scores' block_n, num_warps
 
 
-def top_part(scores: torch.Tensor, hist: torch.Tensor) -> torch.Tensor:
+def top_part(c: dict, scores: torch.Tensor) -> torch.Tensor:
+    """The backend's top-k (`select_top_gpu`: by the rows, ours or torch's)."""
+    from dserve.attention.triton_backend import select_top_gpu
+
+    return select_top_gpu(scores, TOPK, c["lens"], c["hist"])
+
+
+def chunks_top(c: dict, scores: torch.Tensor) -> torch.Tensor:
+    """The many-programs select (`--topk-*`: its launch)."""
     from dserve.attention.triton_topk import select_top_triton
 
-    return select_top_triton(scores, TOPK, hist=hist, **TOP_LAUNCH)
+    return select_top_triton(scores, TOPK, hist=c["hist"], **TOP_LAUNCH)
+
+
+def rows_top(c: dict, scores: torch.Tensor) -> torch.Tensor:
+    """The one-program-per-row select."""
+    from dserve.attention.triton_topk_rows import select_top_rows
+
+    return select_top_rows(scores, TOPK, lens=c["lens"])
 
 
 def torch_top(scores: torch.Tensor) -> torch.Tensor:
@@ -137,14 +160,8 @@ def sparse_mla_part(c: dict, chosen: torch.Tensor) -> torch.Tensor:
 
 
 def sparse_step(c: dict, context: int) -> torch.Tensor:
-    """What the triton backend runs for one DSA layer's decode: its top-k is ours up to
-    `TRITON_TOP_MAX` scores in a pass, torch's beyond."""
-    from dserve.attention.triton_backend import TRITON_TOP_MAX
-
-    scores = scores_part(c, context)
-    if scores.numel() > TRITON_TOP_MAX:
-        return sparse_mla_part(c, torch_top(scores))
-    return sparse_mla_part(c, top_part(scores, c["hist"]))
+    """What the triton backend runs for one DSA layer's decode."""
+    return sparse_mla_part(c, top_part(c, scores_part(c, context)))
 
 
 def same_sets(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -153,6 +170,7 @@ def same_sets(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def row(batch: int, context: int, repeats: int, copy: float, fp8_keys: bool) -> dict:
+    from dserve.attention import gluon_indexer
     from dserve.attention.triton_topk import top_hist
 
     c = make_case(batch, context, fp8_keys)
@@ -160,17 +178,24 @@ def row(batch: int, context: int, repeats: int, copy: float, fp8_keys: bool) -> 
     key_bytes = c["keys"][0, 0].numel() * c["keys"].element_size()
     key_bytes += 4 if c["key_scales"] is not None else 0  # a float32 scale per key
     scores = scores_part(c, context)
-    chosen = top_part(scores, c["hist"])
+    chosen = top_part(c, scores)
     times = {
         "dense_ms": lambda: dense_step(c, context),
         "sparse_ms": lambda: sparse_step(c, context),
         "scores_ms": lambda: scores_part(c, context),
-        "top_ms": lambda: top_part(scores, c["hist"]),
+        "top_ms": lambda: top_part(c, scores),
+        "chunks_top_ms": lambda: chunks_top(c, scores),
+        "rows_top_ms": lambda: rows_top(c, scores),
         "torch_top_ms": lambda: torch_top(scores),
         "sorted_top_ms": lambda: sorted_top(scores),
         "mla_ms": lambda: sparse_mla_part(c, chosen),
     }
-    r = {"batch": batch, "context": context, "same": same_sets(chosen, torch_top(scores))}
+    torch_chosen = torch_top(scores)
+    r = {"batch": batch, "context": context, "same": same_sets(chosen, torch_chosen)}
+    r["same"] &= same_sets(rows_top(c, scores), torch_chosen)
+    r["same"] &= same_sets(chunks_top(c, scores), torch_chosen)
+    if gluon_indexer.supported(c["q_index"], c["keys"], c["key_scales"]):
+        times["gluon_scores_ms"] = lambda: scores_part(c, context, gluon=True)
     for name, fn in times.items():
         r[name] = graph_seconds(fn, repeats) * 1e3
     nbytes = batch * (context * key_bytes + min(TOPK, context) * (RANK + ROPE) * 2)
@@ -191,7 +216,10 @@ COLUMNS = [
     ("roofline_ms", "roof", "{:>8.3f}"),
     ("sparse_over_roofline", "s/roof", "{:>7.2f}"),
     ("scores_ms", "scores", "{:>8.3f}"),
+    ("gluon_scores_ms", "gluon", "{:>8.3f}"),
     ("top_ms", "top-k", "{:>8.3f}"),
+    ("chunks_top_ms", "chunks", "{:>8.3f}"),
+    ("rows_top_ms", "rows", "{:>8.3f}"),
     ("torch_top_ms", "torch", "{:>8.3f}"),
     ("sorted_top_ms", "sorted", "{:>8.3f}"),
     ("mla_ms", "mla", "{:>8.3f}"),
@@ -238,7 +266,7 @@ def main() -> None:
         for batch in args.batches:
             r = row(batch, context, args.repeats, copy, args.fp8_keys)
             rows.append(r)
-            print(" ".join(fmt.format(r[key]) for key, _, fmt in COLUMNS), flush=True)
+            print(" ".join(fmt.format(r.get(key, NAN)) for key, _, fmt in COLUMNS), flush=True)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         meta = {"device": torch.cuda.get_device_name(), "copy_gb_s": copy / 1e9}

@@ -46,6 +46,14 @@ def packed(selection: torch.Tensor) -> bool:
     return True
 
 
+def distinct_rows(width: int, topk: int) -> torch.Tensor:
+    """Four rows without ties: all negative, all positive, mixed; shorter than k, empty."""
+    gen = torch.Generator().manual_seed(width + topk)
+    scores = torch.randn(4, width, generator=gen) * torch.tensor([[1.0], [50.0], [1e-3], [7.0]])
+    scores += torch.tensor([[0.0], [-100.0], [0.5], [3.0]])
+    return ragged(scores, [width, width // 2, min(width, topk - 1), 0])
+
+
 def check(scores: torch.Tensor, topk: int, again: bool = False, **launch) -> torch.Tensor:
     """The kernel's sets are the stable sort's (`again`: the same on a second run, order
     too); returns them."""
@@ -60,27 +68,30 @@ def check(scores: torch.Tensor, topk: int, again: bool = False, **launch) -> tor
     "width,topk,chunk", [(1, 4, None), (7, 4, None), (64, 16, None), (300, 64, None), (200, 8, 32)]
 )
 def test_distinct_scores_select_as_torch(width, topk, chunk):
-    gen = torch.Generator().manual_seed(width + topk)
-    scores = torch.randn(4, width, generator=gen) * torch.tensor([[1.0], [50.0], [1e-3], [7.0]])
-    scores += torch.tensor([[0.0], [-100.0], [0.5], [3.0]])  # all negative, all positive, mixed
-    lens = [width, width // 2, min(width, topk - 1), 0]  # shorter than k, and empty
-    scores = ragged(scores, lens)
+    scores = distinct_rows(width, topk)
     launch = {"chunk": chunk, "block": 16} if chunk else {}
     got = check(scores, topk, **launch)
     assert chosen(got) == chosen(select_top(scores, topk))
 
 
-def test_ties_take_the_lowest_positions():
+def tied_rows() -> torch.Tensor:
+    """Rows of 300 scores with ties: few values, one value, zeros of both signs, values that
+    differ in the last byte only, +inf; contexts of every length."""
     gen = torch.Generator().manual_seed(1)
     few = torch.randint(-3, 4, (2, 300), generator=gen).float()  # 7 values
     same = torch.full((2, 300), 2.5)
     zeros = torch.zeros(2, 300)
     zeros[:, ::3] = -0.0  # one key with +0: ties, not an order
     zeros[1, 250:] = 1.0
+    close = 1.0 + torch.randint(0, 4, (1, 300), generator=gen) * 2**-20
     top = torch.randn(1, 300, generator=gen)
     top[0, [5, 77, 299]] = float("inf")
-    scores = ragged(torch.cat([few, same, zeros, top]), [300, 200, 300, 9, 300, 280, 300])
-    check(scores, 64, again=True)
+    rows = torch.cat([few, same, zeros, close, top])
+    return ragged(rows, [300, 200, 300, 9, 300, 280, 300, 300])
+
+
+def test_ties_take_the_lowest_positions():
+    check(tied_rows(), 64, again=True)
 
 
 def test_many_chunks_place_ties_by_the_chunks_before():

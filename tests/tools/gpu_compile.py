@@ -180,6 +180,7 @@ def dsa_and_norm_launches(gen: torch.Generator) -> None:
     from dserve.attention.index_cache import key_scales
     from dserve.attention.triton_dsa import indexer_scores
     from dserve.attention.triton_topk import select_top_triton
+    from dserve.attention.triton_topk_rows import select_top_rows
     from dserve.kernels.triton_norm import rms_norm
     from dserve.memory.kv_pool import KVLayout, KVPool
 
@@ -192,6 +193,7 @@ def dsa_and_norm_launches(gen: torch.Generator) -> None:
     scales = key_scales(fp8[1])  # FP8 keys: a page's keys, then their scales
     indexer_scores(q, torch.randn(2, 32), fp8[0], table, rows, lens, 0.1, 512, key_scales=scales)
     select_top_triton(torch.randn(2, 4096), 2048)
+    select_top_rows(torch.randn(2, 4096), 2048, lens=torch.tensor([4096, 100]))
     x = torch.randn(3, 7168).to(torch.bfloat16)
     rms_norm(x, torch.ones(7168).to(torch.bfloat16), 1e-6, x.clone(), quant_group=128)
 
@@ -259,6 +261,20 @@ def gluon_launches(gen: torch.Generator) -> None:
     chosen = torch.randint(0, 256, (2, 128), generator=gen)
     sparse = dict(num_splits=2, selected=chosen)
     gluon_mla.mla_decode(q[:, :64], qr[:, :64], cache, table, None, 0.1, **sparse)
+    indexer_launch(gen, table, lens)
+
+
+def indexer_launch(gen: torch.Generator, table: torch.Tensor, lens: torch.Tensor) -> None:
+    """The Gluon indexer scores over FP8 keys (the pool's layout)."""
+    from dserve.attention import gluon_indexer
+    from dserve.attention.index_cache import key_scales
+    from dserve.memory.kv_pool import KVLayout, KVPool
+
+    fp8 = KVPool(KVLayout("index", 1, 64, torch.uint8, latent_dim=128), 8, "cpu").buffers[0]
+    q = torch.randn(2, 32, 128, generator=gen).to(torch.bfloat16)
+    rows = torch.arange(2, dtype=torch.int64)
+    args = (q, torch.randn(2, 32), fp8[0], table, rows, lens, 0.1, 256)
+    gluon_indexer.indexer_scores(*args, key_scales=key_scales(fp8[1]), per_program=128)
 
 
 def _tree(n: int) -> torch.Tensor:

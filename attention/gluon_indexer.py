@@ -1,0 +1,272 @@
+"""The lightning indexer's scores over FP8 keys for Hopper, in Gluon: a TMA ring of key pages.
+
+`triton_dsa.indexer_scores` reads FP8 keys at 57-64% of the copy bandwidth
+(bf16 keys at 89%): a program takes one token and one block of 64 keys,
+so it reads the token's queries (8 KB, as much as the block's keys) for
+every block, and nothing overlaps a block's loads with its arithmetic.
+Here a program takes one token and a run of blocks, in two partitions:
+
+- a loader warp brings each block's keys (64 x 128 bytes) by TMA into a
+  ring of stages;
+- a warpgroup reads a block's keys into registers as bfloat16 (exactly:
+  e4m3 widens without rounding), multiplies them by the queries (kept in
+  shared memory for the whole run) on the tensor cores, and reduces the
+  [64 keys x 32 heads] products to the block's scores with the keys'
+  float32 scales (256 bytes a block, read directly).
+
+Per token t and position j below its context: sum over heads h of
+w[t, h] x ReLU(q[t, h] . k[j]), times k[j]'s scale and `scale` (both
+positive, so they pass the ReLU), float32; -inf from the context's end to
+`width`. The same function as the Triton kernel's, summed in another
+order: equal within float32 rounding.
+
+Hopper only; FP8 keys in the pool's layout (`index_cache`), head dim 128,
+pages a multiple of 64 tokens, bfloat16 or float16 queries, 16 to 64 heads.
+
+Not the backend's yet: it is slower than the Triton kernel (H100, FP8 keys,
+32 heads, batch 32 / 128 at 32k: 0.124 / 0.436 ms, 38-43% of the copy
+bandwidth, against 0.080 / 0.303), bound by the warpgroup's chain per 8 KB
+block (keys from shared memory into registers, a small MMA, the sum over
+heads, the store), one block at a time. `bench.sparse_decode --fp8-keys`
+times it beside the backend's (bench/notes/session30-h100-2026-11-26.md).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from dserve.attention.gluon_mla import HAVE_GLUON
+from dserve.attention.triton_dsa import scores_out
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from dserve.attention.gluon_mla import tma_load
+
+BLOCK_N = 64  # keys a block: one TMA box, within a page
+DIM = 128  # the indexer's head dim
+STAGES = 6  # blocks in flight: 8 KB each
+
+
+def supported(q, keys, key_scales) -> bool:
+    """Whether this kernel serves these shapes on this device."""
+    if not HAVE_GLUON or not q.is_cuda or key_scales is None:
+        return False
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    heads = q.shape[1]
+    return (
+        q.dtype in (torch.bfloat16, torch.float16)
+        and keys.dtype == torch.uint8
+        and q.shape[-1] == DIM
+        and keys.shape[-1] == DIM
+        and heads in (16, 32, 64)
+        and keys.shape[1] % BLOCK_N == 0
+    )
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _loader(key_desc, keys_s, bars, table, span, page_size):
+        """Worker (one warp): each block's keys by TMA into the next free
+        stage."""
+        ready, free = bars
+        n0, loaded = span
+        STAGES: gl.constexpr = keys_s.shape[0]
+        BLOCK_N: gl.constexpr = keys_s.shape[2]
+        nbytes: gl.constexpr = key_desc.block_type.nbytes
+        page = gl.load(table + n0 // page_size).to(gl.int32)
+        for k in range(loaded):
+            s = k % STAGES
+            pos = n0 + k * BLOCK_N
+            # the next block's page, read while this one waits for its stage
+            last = gl.minimum(pos + BLOCK_N, n0 + (loaded - 1) * BLOCK_N)
+            page_next = gl.load(table + last // page_size).to(gl.int32)
+            mbarrier.wait(free.index(s), ((k // STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, nbytes)
+            tma_load(key_desc, [page, pos % page_size, 0], bar, keys_s.index(s))
+            page = page_next
+
+    @gluon.jit
+    def _scorer(q_s, keys_s, bars, out, span, w_row, scale, end, width, paged):
+        """Default partition (one warpgroup): each block's scores."""
+        table, page_size, scales, s_sc_page = paged
+        ready, free = bars
+        n0, loaded = span
+        STAGES: gl.constexpr = keys_s.shape[0]
+        BLOCK_N: gl.constexpr = keys_s.shape[2]
+        H: gl.constexpr = q_s.shape[0]
+        D: gl.constexpr = q_s.shape[1]
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, H, 16]
+        )
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        rows: gl.constexpr = gl.SliceLayout(1, acc_layout)
+        heads = gl.arange(0, H, layout=gl.SliceLayout(0, acc_layout))
+        w = gl.load(w_row + heads)
+        zeros = gl.zeros([BLOCK_N, H], gl.float32, acc_layout)
+        dtype: gl.constexpr = q_s.dtype
+        pos = n0 + gl.arange(0, BLOCK_N, layout=rows)
+        k_scale = _scales(table, page_size, scales, s_sc_page, pos, end)
+        for k in range(loaded):
+            s = k % STAGES
+            # the next block's scales, read while this one computes
+            scale_next = _scales(table, page_size, scales, s_sc_page, pos + BLOCK_N, end)
+            mbarrier.wait(ready.index(s), (k // STAGES) & 1)
+            raw = keys_s.index(s).reshape([BLOCK_N, D]).load(a_layout)
+            mbarrier.arrive(free.index(s))
+            keys = raw.to(gl.float8e4nv, bitcast=True).to(dtype)
+            acc = warpgroup_mma(keys, q_s.permute((1, 0)), zeros, use_acc=False, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            dots = gl.sum(gl.maximum(acc, 0.0) * w[None, :], 1)
+            x = gl.where(pos < end, dots * (k_scale * scale), float("-inf"))
+            gl.store(out + pos, x, mask=pos < width)
+            pos += BLOCK_N
+            k_scale = scale_next
+
+    @gluon.jit
+    def _scales(table, page_size, scales, s_sc_page, pos, end):
+        """The float32 scales of the keys at `pos` (0 from `end` on)."""
+        seen = pos < end
+        page = gl.load(table + pos // page_size, mask=seen, other=0).to(gl.int64)
+        at = page * s_sc_page + pos % page_size
+        return gl.load(scales + at, mask=seen, other=0.0)
+
+    @gluon.jit
+    def _scores_kernel(
+        q,
+        weights,
+        key_desc,
+        scales,
+        page_table,
+        row_seqs,
+        ctx_lens,
+        out,
+        s_q_t,
+        s_q_h,
+        s_w_t,
+        s_sc_page,
+        s_pt_b,
+        s_o_t,
+        scale,
+        page_size,
+        width,
+        per_program,
+        H: gl.constexpr,
+        STAGES: gl.constexpr,
+    ):
+        t, part = gl.program_id(0), gl.program_id(1)
+        t64 = t.to(gl.int64)
+        BLOCK_N: gl.constexpr = key_desc.block_type.shape[1]
+        D: gl.constexpr = key_desc.block_type.shape[2]
+        end = gl.load(ctx_lens + t).to(gl.int32)  # the engine's are int64
+        n0 = part * per_program
+        n1 = gl.minimum(n0 + per_program, width)
+        loaded = gl.cdiv(gl.maximum(gl.minimum(n1, end) - n0, 0), BLOCK_N)
+        table = page_table + gl.load(row_seqs + t).to(gl.int64) * s_pt_b
+        row_out = out + t64 * s_o_t
+        # past the context: -inf, nothing read
+        tail_layout: gl.constexpr = gl.BlockedLayout([4], [32], [gl.num_warps()], [0])
+        for p0 in range(n0 + loaded * BLOCK_N, n1, 512):
+            pos = p0 + gl.arange(0, 512, layout=tail_layout)
+            minus = gl.full([512], float("-inf"), gl.float32, tail_layout)
+            gl.store(row_out + pos, minus, mask=pos < n1)
+        dtype: gl.constexpr = q.dtype.element_ty
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, D], dtype)
+        q_s = gl.allocate_shared_memory(dtype, [H, D], q_layout)
+        q_load: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
+        hs = gl.arange(0, H, layout=gl.SliceLayout(1, q_load))
+        ds = gl.arange(0, D, layout=gl.SliceLayout(0, q_load))
+        q_s.store(gl.load(q + t64 * s_q_t + hs[:, None] * s_q_h + ds[None, :]))
+        fence_async_shared()
+        keys_s = gl.allocate_shared_memory(
+            gl.uint8, [STAGES] + key_desc.block_type.shape, key_desc.layout
+        )
+        bar: gl.constexpr = mbarrier.MBarrierLayout()
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
+        free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(free.index(i), count=1)
+        bars = (ready, free)
+        span = (n0, loaded)
+        w_row = weights + t64 * s_w_t
+        paged = (table, page_size, scales, s_sc_page)
+        gl.warp_specialize(
+            [
+                (_scorer, (q_s, keys_s, bars, row_out, span, w_row, scale, end, width, paged)),
+                (_loader, (key_desc, keys_s, bars, table, span, page_size)),
+            ],
+            [1],
+            [40],
+        )
+
+
+def default_per_program(tokens: int, width: int, device) -> int:
+    """Positions a program takes: about four programs an SM in all, whole blocks."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    parts = max(1, 4 * sms // max(tokens, 1))
+    return triton.cdiv(triton.cdiv(width, parts), BLOCK_N) * BLOCK_N
+
+
+def indexer_scores(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    page_table: torch.Tensor,
+    row_seqs: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    scale: float,
+    width: int,
+    key_scales: torch.Tensor,
+    per_program: int | None = None,
+) -> torch.Tensor:
+    """`triton_dsa.indexer_scores`' contract for FP8 keys (`supported`):
+    q [T, H, 128], weights [T, H] float32, `keys` [num_pages, page_size,
+    128] uint8, `key_scales` [num_pages, page_size] float32 -> scores
+    [T, width] float32."""
+    tokens, heads, dim = q.shape
+    out = scores_out(tokens, width, q.device)
+    if not tokens or not width:
+        return out
+    assert q.stride(-1) == 1 and weights.stride(-1) == 1 and keys.stride(-1) == 1
+    per = per_program or default_per_program(tokens, width, q.device)
+    key_block = [1, BLOCK_N, DIM]
+    key_layout = gl.NVMMASharedLayout.get_default_for(key_block, gl.uint8)
+    key_desc = TensorDescriptor(keys, list(keys.shape), list(keys.stride()), key_block, key_layout)
+    grid = (tokens, triton.cdiv(width, per))
+    _scores_kernel[grid](
+        q,
+        weights,
+        key_desc,
+        key_scales,
+        page_table,
+        row_seqs,
+        ctx_lens,
+        out,
+        q.stride(0),
+        q.stride(1),
+        weights.stride(0),
+        key_scales.stride(0),
+        page_table.stride(0),
+        out.stride(0),
+        scale,
+        keys.shape[1],
+        width,
+        per,
+        heads,
+        STAGES,
+        num_warps=4,
+    )
+    return out
