@@ -4,15 +4,16 @@
 (bf16 keys at 89%): a program takes one token and one block of 64 keys,
 so it reads the token's queries (8 KB, as much as the block's keys) for
 every block, and nothing overlaps a block's loads with its arithmetic.
-Here a program takes one token and a run of blocks, in two partitions:
+Here a program takes one token and a run of blocks, in three partitions:
 
 - a loader warp brings each block's keys (64 x 128 bytes) by TMA into a
   ring of stages;
-- a warpgroup reads a block's keys into registers as bfloat16 (exactly:
-  e4m3 widens without rounding), multiplies them by the queries (kept in
-  shared memory for the whole run) on the tensor cores, and reduces the
-  [64 keys x 32 heads] products to the block's scores with the keys'
-  float32 scales (256 bytes a block, read directly).
+- two warpgroups take the blocks in turn: each reads a block's keys into
+  registers as bfloat16 (exactly: e4m3 widens without rounding),
+  multiplies them by the queries (kept in shared memory for the whole
+  run) on the tensor cores, and reduces the [64 keys x 32 heads]
+  products to the block's scores with the keys' float32 scales (256
+  bytes a block, read directly, a block ahead).
 
 Per token t and position j below its context: sum over heads h of
 w[t, h] x ReLU(q[t, h] . k[j]), times k[j]'s scale and `scale` (both
@@ -23,18 +24,21 @@ order: equal within float32 rounding.
 Hopper only; FP8 keys in the pool's layout (`index_cache`), head dim 128,
 pages a multiple of 64 tokens, bfloat16 or float16 queries, 16 to 64 heads.
 
-Not the backend's yet: it is slower than the Triton kernel (H100, FP8 keys,
-32 heads, batch 32 / 128 at 32k: 0.124 / 0.436 ms, 38-43% of the copy
-bandwidth, against 0.080 / 0.303), bound by the warpgroup's chain per 8 KB
-block (keys from shared memory into registers, a small MMA, the sum over
-heads, the store), one block at a time. `bench.sparse_decode --fp8-keys`
-times it beside the backend's (bench/notes/session30-h100-2026-11-26.md).
+Not the backend's yet: no faster than the Triton kernel where it counts
+(H100, FP8 keys, 32 heads, 4 stages, at 32k: batch 128 0.283 ms, 67% of
+the copy bandwidth, against 0.302; batch 32 0.083 against 0.079). One
+scoring warpgroup took 0.44 / 0.12 ms; widening the keys through shared
+memory for the MMA, slower again. Each warpgroup's chain per 8 KB block
+(the keys from shared memory into registers, a small MMA, the sum over
+heads, the store) is the limit (bench/notes/session30-h100-2026-11-26.md).
+`bench.sparse_decode --fp8-keys` times it beside the backend's.
 """
 
 from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 
 from dserve.attention.gluon_mla import HAVE_GLUON
 from dserve.attention.triton_dsa import scores_out
@@ -54,7 +58,9 @@ if HAVE_GLUON:
 
 BLOCK_N = 64  # keys a block: one TMA box, within a page
 DIM = 128  # the indexer's head dim
-STAGES = 6  # blocks in flight: 8 KB each
+STAGES = 4  # blocks in flight: 8 KB each
+REGS = 128  # registers a thread of the second scoring warpgroup
+_1 = tl.constexpr(1)  # its first block (a constexpr, as a worker partition takes it)
 
 
 def supported(q, keys, key_scales) -> bool:
@@ -99,8 +105,16 @@ if HAVE_GLUON:
             page = page_next
 
     @gluon.jit
-    def _scorer(q_s, keys_s, bars, out, span, w_row, scale, end, width, paged):
-        """Default partition (one warpgroup): each block's scores."""
+    def _scorer(
+        q_s,
+        keys_s,
+        bars,
+        block,
+        FIRST: gl.constexpr,
+        STEP: gl.constexpr,
+    ):
+        """A warpgroup's blocks' scores: blocks FIRST, FIRST + STEP, ..."""
+        out, span, w_row, scale, end, width, paged = block
         table, page_size, scales, s_sc_page = paged
         ready, free = bars
         n0, loaded = span
@@ -111,20 +125,22 @@ if HAVE_GLUON:
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, H, 16]
         )
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        # the keys go to the tensor cores from registers, widened there
+        k_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
         rows: gl.constexpr = gl.SliceLayout(1, acc_layout)
         heads = gl.arange(0, H, layout=gl.SliceLayout(0, acc_layout))
         w = gl.load(w_row + heads)
         zeros = gl.zeros([BLOCK_N, H], gl.float32, acc_layout)
         dtype: gl.constexpr = q_s.dtype
-        pos = n0 + gl.arange(0, BLOCK_N, layout=rows)
+        pos = n0 + FIRST * BLOCK_N + gl.arange(0, BLOCK_N, layout=rows)
         k_scale = _scales(table, page_size, scales, s_sc_page, pos, end)
-        for k in range(loaded):
+        for k in range(FIRST, loaded, STEP):
             s = k % STAGES
             # the next block's scales, read while this one computes
-            scale_next = _scales(table, page_size, scales, s_sc_page, pos + BLOCK_N, end)
+            ahead = pos + STEP * BLOCK_N
+            scale_next = _scales(table, page_size, scales, s_sc_page, ahead, end)
             mbarrier.wait(ready.index(s), (k // STAGES) & 1)
-            raw = keys_s.index(s).reshape([BLOCK_N, D]).load(a_layout)
+            raw = keys_s.index(s).reshape([BLOCK_N, D]).load(k_layout)
             mbarrier.arrive(free.index(s))
             keys = raw.to(gl.float8e4nv, bitcast=True).to(dtype)
             acc = warpgroup_mma(keys, q_s.permute((1, 0)), zeros, use_acc=False, is_async=True)
@@ -132,7 +148,7 @@ if HAVE_GLUON:
             dots = gl.sum(gl.maximum(acc, 0.0) * w[None, :], 1)
             x = gl.where(pos < end, dots * (k_scale * scale), float("-inf"))
             gl.store(out + pos, x, mask=pos < width)
-            pos += BLOCK_N
+            pos = ahead
             k_scale = scale_next
 
     @gluon.jit
@@ -165,6 +181,7 @@ if HAVE_GLUON:
         per_program,
         H: gl.constexpr,
         STAGES: gl.constexpr,
+        REGS: gl.constexpr,
     ):
         t, part = gl.program_id(0), gl.program_id(1)
         t64 = t.to(gl.int64)
@@ -203,13 +220,16 @@ if HAVE_GLUON:
         span = (n0, loaded)
         w_row = weights + t64 * s_w_t
         paged = (table, page_size, scales, s_sc_page)
+        block = (row_out, span, w_row, scale, end, width, paged)
+        load = (key_desc, keys_s, bars, table, span, page_size)
         gl.warp_specialize(
             [
-                (_scorer, (q_s, keys_s, bars, row_out, span, w_row, scale, end, width, paged)),
-                (_loader, (key_desc, keys_s, bars, table, span, page_size)),
+                (_scorer, (q_s, keys_s, bars, block, 0, 2)),
+                (_scorer, (q_s, keys_s, bars, block, _1, 2)),
+                (_loader, load),
             ],
-            [1],
-            [40],
+            [4, 1],
+            [REGS, 40],
         )
 
 
@@ -267,6 +287,8 @@ def indexer_scores(
         per,
         heads,
         STAGES,
+        REGS,
         num_warps=4,
+        maxnreg=REGS,
     )
     return out
