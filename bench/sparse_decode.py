@@ -18,9 +18,9 @@ the sparse step against its roofline: the bytes it must read (every token's inde
 the selected latents) over the copy bandwidth measured in the same run. Both MLA decodes
 are the triton backend's (Gluon's kernel on Hopper; `--triton-mla`: the Triton kernel's);
 with FP8 keys on Hopper, the Gluon scores kernel (`gluon_indexer`, not the backend's)
-beside the backend's.
-`same` says whether each of our top-ks chose torch's set in every row (random scores: no ties). The issue's goal at 32k: the sparse step <= 0.25x the
-dense one, within 2x of its roofline. Prints a table and writes JSON.
+beside the backend's. `same` says whether each of our top-ks chose torch's set in every
+row (random scores: no ties). The issue's goal at 32k: the sparse step <= 0.25x the dense
+one, within 2x of its roofline. Prints a table and writes JSON.
 """
 
 from __future__ import annotations

@@ -25,11 +25,13 @@ from tests.attention.test_triton_topk import (  # noqa: E402
 )
 
 
-def check(scores: torch.Tensor, topk: int, **launch) -> torch.Tensor:
-    """The kernel's sets are the stable sort's and the same on a second run, order too."""
+def check(scores: torch.Tensor, topk: int, again: bool = False, **launch) -> torch.Tensor:
+    """The kernel's sets are the stable sort's (`again`: the same on a second run, order
+    too); returns them."""
     got = select_top_rows(scores.to(DEVICE), topk, **launch)
     assert packed(got.cpu()) and chosen(got.cpu()) == stable_top(scores, topk)
-    assert torch.equal(got, select_top_rows(scores.to(DEVICE), topk, **launch))
+    if again:
+        assert torch.equal(got, select_top_rows(scores.to(DEVICE), topk, **launch))
     return got.cpu()
 
 
@@ -46,9 +48,8 @@ def test_distinct_scores_select_as_torch(width, topk, tile):
 
 def test_ties_take_the_lowest_positions_across_tiles():
     scores = tied_rows()
-    check(scores, 64, tile=64, num_warps=1)
-    check(scores, 24)
-    check(scores, 64, tile=64, num_warps=1, cap=16)  # more candidates than listed: the row
+    check(scores, 64, again=True, tile=64, num_warps=1)
+    check(scores, 24, cap=16)  # more candidates than listed: read from the row
 
 
 def test_candidates_past_the_list_are_read_from_the_row():
