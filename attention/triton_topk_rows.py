@@ -3,17 +3,27 @@ byte digits and contract) where a row's passes run in one program instead of spr
 many, for batches with enough rows to fill the GPU.
 
 Why: the many-programs select pays five launches and, per chunk, the counts of the chunks
-before it; at 128 rows of 32k scores it took 109-183 us on an H100 where torch took 110
-(bench/notes/session23-h100-2026-11-24.md). One program per row needs neither: it keeps
-the row's histogram in registers and reads the scores again from L2 at each level (the
+before it; at 128 rows of 32k scores it took 183 us on an H100 where torch took 110
+(bench/notes/session30-h100-2026-11-26.md). One program per row needs neither: it keeps
+the row's histogram in registers and reads the scores again from L2 at each pass (the
 indexer has just written them).
 
-How: four passes over the row's tiles each count one byte digit of the keys still tied with
-the k-th (the first pass, every finite key), narrowing its prefix until it is the k-th key
-itself. A fifth pass writes the positions above it in position order, then those equal to it,
-lowest positions first, as many as slots are left, then -1 in the slots no finite score
-fills. `lens` bounds each row's positions (the rest read as -inf without being read): the
-engine's scores are as wide as its longest context.
+How, per row:
+- a pass finds the lowest and highest finite scores;
+- a pass counts the scores in 256 linear bins of that range (monotone in the score, +inf
+  in the last) and finds the bin that holds the k-th;
+- a pass writes the positions in the bins above it (in position order) and lists those in
+  it, the candidates (up to `cap`; when more tie, they are read from the whole row);
+- four passes over the candidates count one byte digit each of the keys (`triton_topk`'s)
+  still tied with the k-th, until the prefix is the k-th key itself;
+- a last pass writes the candidates above it, then those equal to it (lowest positions
+  first, as many as slots are left); -1 fills the slots no finite score takes.
+
+The byte levels run over the candidates only: Triton's `tl.histogram` costs about 80
+instructions per 32 values at 256 bins (a ballot per bit of the bin, then per bin a lane
+owns an AND and a popcount), and over whole 32k rows the four levels took 115-200 us.
+`lens` bounds each row's positions (the rest count as -inf, unread): the engine's scores
+are as wide as the pass's longest context, or its CUDA graph's context width.
 """
 
 from __future__ import annotations
