@@ -262,6 +262,7 @@ def indexer_scores(
         return out
     assert q.stride(-1) == 1 and weights.stride(-1) == 1 and keys.stride(-1) == 1
     per = per_program or default_per_program(tokens, width, q.device)
+    assert per % BLOCK_N == 0, "a program's run is whole blocks"
     key_block = [1, BLOCK_N, DIM]
     key_layout = gl.NVMMASharedLayout.get_default_for(key_block, gl.uint8)
     key_desc = TensorDescriptor(keys, list(keys.shape), list(keys.stride()), key_block, key_layout)
