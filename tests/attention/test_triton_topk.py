@@ -54,13 +54,15 @@ def distinct_rows(width: int, topk: int) -> torch.Tensor:
     return ragged(scores, [width, width // 2, min(width, topk - 1), 0])
 
 
-def check(scores: torch.Tensor, topk: int, again: bool = False, **launch) -> torch.Tensor:
-    """The kernel's sets are the stable sort's (`again`: the same on a second run, order
-    too); returns them."""
-    got = select_top_triton(scores.to(DEVICE), topk, **launch)
+def check(
+    scores: torch.Tensor, topk: int, again: bool = False, select=select_top_triton, **launch
+) -> torch.Tensor:
+    """The kernel's (`select`'s) sets are the stable sort's (`again`: the same on a second
+    run, order too); returns them."""
+    got = select(scores.to(DEVICE), topk, **launch)
     assert packed(got.cpu()) and chosen(got.cpu()) == stable_top(scores, topk)
     if again:
-        assert torch.equal(got, select_top_triton(scores.to(DEVICE), topk, **launch))
+        assert torch.equal(got, select(scores.to(DEVICE), topk, **launch))
     return got.cpu()
 
 

@@ -5,6 +5,8 @@ CPU host under TRITON_INTERPRET=1 at small shapes; at GLM-5's on a GPU."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -23,16 +25,9 @@ from tests.attention.test_triton_topk import (  # noqa: E402
     stable_top,
     tied_rows,
 )
+from tests.attention.test_triton_topk import check as topk_check  # noqa: E402
 
-
-def check(scores: torch.Tensor, topk: int, again: bool = False, **launch) -> torch.Tensor:
-    """The kernel's sets are the stable sort's (`again`: the same on a second run, order
-    too); returns them."""
-    got = select_top_rows(scores.to(DEVICE), topk, **launch)
-    assert packed(got.cpu()) and chosen(got.cpu()) == stable_top(scores, topk)
-    if again:
-        assert torch.equal(got, select_top_rows(scores.to(DEVICE), topk, **launch))
-    return got.cpu()
+check = functools.partial(topk_check, select=select_top_rows)  # the same checks, this select
 
 
 @pytest.mark.parametrize(
