@@ -8,30 +8,40 @@ Here a program takes one token and a run of blocks, in three partitions:
 
 - a loader warp brings each block's keys (64 x 128 bytes) by TMA into a
   ring of stages;
-- two warpgroups take the blocks in turn: each reads a block's keys into
-  registers as bfloat16 (exactly: e4m3 widens without rounding),
-  multiplies them by the queries (kept in shared memory for the whole
-  run) on the tensor cores, and reduces the [64 keys x 32 heads]
-  products to the block's scores with the keys' float32 scales (256
-  bytes a block, read directly, a block ahead).
+- two warpgroups take the blocks in turn: each multiplies a block's keys
+  by the queries (kept in shared memory for the whole run) on the tensor
+  cores, and reduces the [64 keys x 32 heads] products to the block's
+  scores with the keys' float32 scales (256 bytes a block, read
+  directly, a block ahead).
+
+Two kinds of queries:
+
+- FP8 (`q_fp8`, the triton backend's with FP8 keys on Hopper: the
+  production indexer's arithmetic, as DeepGEMM's `fp8_mqa_logits`): each
+  head's queries are scaled to e4m3's range and rounded to e4m3 when the
+  program starts, the scale moving into the head's weight; the MMA takes
+  both operands straight from shared memory. Its scores are torch's over
+  the same e4m3 queries (`fp8_queries`) within the MMA's own rounding
+  (Hopper adds FP8 products in about 14 bits: 3-5e-4 of the largest
+  score), a few percent of the largest from the 16-bit queries' (the
+  selection: 98-99% the same positions at GLM-5's shapes). H100, 32
+  heads, at 32k: batch 128 0.24 ms (83% of the copy bandwidth) against
+  the Triton kernel's 0.30, batch 32 0.07 against 0.08.
+- 16-bit: the keys go into registers and widen to bfloat16 there
+  (exactly: e4m3 widens without rounding). Equal to the Triton kernel's
+  within float32 rounding, and no faster (0.28-0.30 ms at batch 128):
+  each warpgroup's chain per 8 KB block (the keys from shared memory into
+  registers, a small MMA, the sum over heads, the store) is the limit
+  (bench/notes/session30-h100-2026-11-26.md).
 
 Per token t and position j below its context: sum over heads h of
 w[t, h] x ReLU(q[t, h] . k[j]), times k[j]'s scale and `scale` (both
 positive, so they pass the ReLU), float32; -inf from the context's end to
-`width`. The same function as the Triton kernel's, summed in another
-order: equal within float32 rounding.
+`width`.
 
 Hopper only; FP8 keys in the pool's layout (`index_cache`), head dim 128,
 pages a multiple of 64 tokens, bfloat16 or float16 queries, 16 to 64 heads.
-
-Not the backend's yet: no faster than the Triton kernel where it counts
-(H100, FP8 keys, 32 heads, 4 stages, at 32k: batch 128 0.283 ms, 67% of
-the copy bandwidth, against 0.302; batch 32 0.083 against 0.079). One
-scoring warpgroup took 0.44 / 0.12 ms; widening the keys through shared
-memory for the MMA, slower again. Each warpgroup's chain per 8 KB block
-(the keys from shared memory into registers, a small MMA, the sum over
-heads, the store) is the limit (bench/notes/session30-h100-2026-11-26.md).
-`bench.sparse_decode --fp8-keys` times it beside the backend's.
+`bench.sparse_decode --fp8-keys` times both kinds beside the Triton kernel.
 """
 
 from __future__ import annotations
@@ -107,6 +117,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _scorer(
         q_s,
+        w_s,
         keys_s,
         bars,
         block,
@@ -114,7 +125,7 @@ if HAVE_GLUON:
         STEP: gl.constexpr,
     ):
         """A warpgroup's blocks' scores: blocks FIRST, FIRST + STEP, ..."""
-        out, span, w_row, scale, end, width, paged = block
+        out, span, scale, end, width, paged = block
         table, page_size, scales, s_sc_page = paged
         ready, free = bars
         n0, loaded = span
@@ -122,16 +133,15 @@ if HAVE_GLUON:
         BLOCK_N: gl.constexpr = keys_s.shape[2]
         H: gl.constexpr = q_s.shape[0]
         D: gl.constexpr = q_s.shape[1]
+        FP8: gl.constexpr = q_s.dtype == gl.float8e4nv
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, H, 16]
+            version=[3, 0],
+            warps_per_cta=[4, 1],
+            instr_shape=[16, H, 32 if FP8 else 16],
         )
-        # the keys go to the tensor cores from registers, widened there
-        k_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
         rows: gl.constexpr = gl.SliceLayout(1, acc_layout)
-        heads = gl.arange(0, H, layout=gl.SliceLayout(0, acc_layout))
-        w = gl.load(w_row + heads)
+        w = w_s.load(gl.SliceLayout(0, acc_layout))
         zeros = gl.zeros([BLOCK_N, H], gl.float32, acc_layout)
-        dtype: gl.constexpr = q_s.dtype
         pos = n0 + FIRST * BLOCK_N + gl.arange(0, BLOCK_N, layout=rows)
         k_scale = _scales(table, page_size, scales, s_sc_page, pos, end)
         for k in range(FIRST, loaded, STEP):
@@ -140,16 +150,30 @@ if HAVE_GLUON:
             ahead = pos + STEP * BLOCK_N
             scale_next = _scales(table, page_size, scales, s_sc_page, ahead, end)
             mbarrier.wait(ready.index(s), (k // STAGES) & 1)
-            raw = keys_s.index(s).reshape([BLOCK_N, D]).load(k_layout)
+            keys = keys_s.index(s).reshape([BLOCK_N, D])
+            acc = _block_dots(keys, q_s, zeros, acc_layout)
             mbarrier.arrive(free.index(s))
-            keys = raw.to(gl.float8e4nv, bitcast=True).to(dtype)
-            acc = warpgroup_mma(keys, q_s.permute((1, 0)), zeros, use_acc=False, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
             dots = gl.sum(gl.maximum(acc, 0.0) * w[None, :], 1)
             x = gl.where(pos < end, dots * (k_scale * scale), float("-inf"))
             gl.store(out + pos, x, mask=pos < width)
             pos = ahead
             k_scale = scale_next
+
+    @gluon.jit
+    def _block_dots(keys, q_s, zeros, acc_layout: gl.constexpr):
+        """[keys x heads] dot products of a block: FP8 queries take the
+        keys straight from shared memory; 16-bit ones, the keys widened
+        in registers (exactly: e4m3 widens without rounding)."""
+        if q_s.dtype == gl.float8e4nv:
+            acc = warpgroup_mma(keys, q_s.permute((1, 0)), zeros, use_acc=False, is_async=True)
+            return warpgroup_mma_wait(0, deps=(acc, keys))[0]
+        else:
+            k_layout: gl.constexpr = gl.DotOperandLayout(
+                operand_index=0, parent=acc_layout, k_width=2
+            )
+            wide = keys.load(k_layout).to(q_s.dtype)
+            acc = warpgroup_mma(wide, q_s.permute((1, 0)), zeros, use_acc=False, is_async=True)
+            return warpgroup_mma_wait(0, deps=(acc,))
 
     @gluon.jit
     def _scales(table, page_size, scales, s_sc_page, pos, end):
@@ -158,6 +182,39 @@ if HAVE_GLUON:
         page = gl.load(table + pos // page_size, mask=seen, other=0).to(gl.int64)
         at = page * s_sc_page + pos % page_size
         return gl.load(scales + at, mask=seen, other=0.0)
+
+    @gluon.jit
+    def _queries(q_row, s_q_h, w_row, H: gl.constexpr, D: gl.constexpr, FP8: gl.constexpr):
+        """A token's queries into shared memory, for the MMA, and its head
+        weights beside them. FP8: each head's queries divided by a scale
+        (its largest magnitude over 448, e4m3's largest) and rounded to
+        e4m3; the scale moves into the head's weight (positive: it passes
+        the ReLU)."""
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
+        hs = gl.arange(0, H, layout=gl.SliceLayout(1, layout))
+        ds = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+        x = gl.load(q_row + hs[:, None] * s_q_h + ds[None, :])
+        w = gl.load(w_row + hs)
+        if FP8:
+            # rounded divisions and conversions, as torch's (`fp8_queries`)
+            wide = x.to(gl.float32)
+            most = gl.maximum(gl.max(gl.abs(wide), 1), 1e-30)
+            w = w * gl.div_rn(most, gl.full_like(most, 448.0))
+            inverse = gl.div_rn(gl.full_like(most, 448.0), most)
+            half = (wide * inverse[:, None]).to(gl.float16)
+            q_s = _mma_operand(half.to(gl.float8e4nv))
+        else:
+            q_s = _mma_operand(x)
+        w_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        w_s = gl.allocate_shared_memory(gl.float32, [H], w_layout, w)
+        fence_async_shared()
+        return q_s, w_s
+
+    @gluon.jit
+    def _mma_operand(x):
+        """`x` in shared memory, laid out for the tensor cores."""
+        layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(x.shape, x.dtype)
+        return gl.allocate_shared_memory(x.dtype, x.shape, layout, x)
 
     @gluon.jit
     def _scores_kernel(
@@ -182,6 +239,7 @@ if HAVE_GLUON:
         H: gl.constexpr,
         STAGES: gl.constexpr,
         REGS: gl.constexpr,
+        Q_FP8: gl.constexpr,
     ):
         t, part = gl.program_id(0), gl.program_id(1)
         t64 = t.to(gl.int64)
@@ -199,16 +257,11 @@ if HAVE_GLUON:
             pos = p0 + gl.arange(0, 512, layout=tail_layout)
             minus = gl.full([512], float("-inf"), gl.float32, tail_layout)
             gl.store(row_out + pos, minus, mask=pos < n1)
-        dtype: gl.constexpr = q.dtype.element_ty
-        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, D], dtype)
-        q_s = gl.allocate_shared_memory(dtype, [H, D], q_layout)
-        q_load: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
-        hs = gl.arange(0, H, layout=gl.SliceLayout(1, q_load))
-        ds = gl.arange(0, D, layout=gl.SliceLayout(0, q_load))
-        q_s.store(gl.load(q + t64 * s_q_t + hs[:, None] * s_q_h + ds[None, :]))
-        fence_async_shared()
+        w_row = weights + t64 * s_w_t
+        q_s, w_s = _queries(q + t64 * s_q_t, s_q_h, w_row, H, D, Q_FP8)
+        key_type = key_desc.block_type
         keys_s = gl.allocate_shared_memory(
-            gl.uint8, [STAGES] + key_desc.block_type.shape, key_desc.layout
+            key_type.element_ty, [STAGES] + key_type.shape, key_desc.layout
         )
         bar: gl.constexpr = mbarrier.MBarrierLayout()
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
@@ -218,19 +271,29 @@ if HAVE_GLUON:
             mbarrier.init(free.index(i), count=1)
         bars = (ready, free)
         span = (n0, loaded)
-        w_row = weights + t64 * s_w_t
         paged = (table, page_size, scales, s_sc_page)
-        block = (row_out, span, w_row, scale, end, width, paged)
+        block = (row_out, span, scale, end, width, paged)
         load = (key_desc, keys_s, bars, table, span, page_size)
         gl.warp_specialize(
             [
-                (_scorer, (q_s, keys_s, bars, block, 0, 2)),
-                (_scorer, (q_s, keys_s, bars, block, _1, 2)),
+                (_scorer, (q_s, w_s, keys_s, bars, block, 0, 2)),
+                (_scorer, (q_s, w_s, keys_s, bars, block, _1, 2)),
                 (_loader, load),
             ],
             [4, 1],
             [REGS, 40],
         )
+
+
+def fp8_queries(q: torch.Tensor, weights: torch.Tensor):
+    """(queries in e4m3 as float32, weights times their scales): what the
+    kernel computes with `q_fp8` (each head's scale its largest magnitude
+    over 448), in torch. Both round to e4m3 through float16: Triton's
+    direct conversion differs from torch's in rare ties (GPU-checked)."""
+    most = q.float().abs().amax(-1).clamp(min=1e-30)
+    scaled = q.float() * (448.0 / most)[..., None]
+    q8 = scaled.to(torch.float16).to(torch.float8_e4m3fn)
+    return q8.float(), weights * (most / 448.0)
 
 
 def default_per_program(tokens: int, width: int, device) -> int:
@@ -251,6 +314,7 @@ def indexer_scores(
     width: int,
     key_scales: torch.Tensor,
     per_program: int | None = None,
+    q_fp8: bool = False,
 ) -> torch.Tensor:
     """`triton_dsa.indexer_scores`' contract for FP8 keys (`supported`):
     q [T, H, 128], weights [T, H] float32, `keys` [num_pages, page_size,
@@ -264,7 +328,8 @@ def indexer_scores(
     per = per_program or default_per_program(tokens, width, q.device)
     assert per % BLOCK_N == 0, "a program's run is whole blocks"
     key_block = [1, BLOCK_N, DIM]
-    key_layout = gl.NVMMASharedLayout.get_default_for(key_block, gl.uint8)
+    key_layout = gl.NVMMASharedLayout.get_default_for(key_block, gl.float8e4nv)
+    keys = keys.view(torch.float8_e4m3fn)
     key_desc = TensorDescriptor(keys, list(keys.shape), list(keys.stride()), key_block, key_layout)
     grid = (tokens, triton.cdiv(width, per))
     _scores_kernel[grid](
@@ -289,6 +354,7 @@ def indexer_scores(
         heads,
         STAGES,
         REGS,
+        q_fp8,
         num_warps=4,
         maxnreg=REGS,
     )

@@ -9,9 +9,10 @@ New tokens' KV goes into the pages through `triton_store`. Select it with `--att
 triton`; on a GPU the choice also puts the model's RMSNorms (fused with the residual add,
 `kernels/triton_norm.py`), rotary embeddings (`kernels/triton_rotary.py`) and routed experts
 (grouped GEMMs, `kernels/triton_moe.py`) on their Triton kernels. Sparse attention (DSA): the indexer's scores by
-`triton_dsa.indexer_scores`, the top-k by `triton_topk.select_top_triton` on a GPU (torch's
-`select_top` on the CPU), and the sparse MLA by `mla_decode` over each token's selected
-positions, one row per token (prompt chunks too).
+`triton_dsa.indexer_scores` (over FP8 keys on Hopper, `gluon_indexer`'s with FP8 queries:
+`indexer_kernel`), the top-k by `select_top_gpu` on a GPU (torch's `select_top` on the CPU),
+and the sparse MLA by `mla_decode` over each token's selected positions, one row per token
+(prompt chunks too).
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ class TritonBackend(AttentionBackend):
         # Hopper's warp-specialized MLA decode (attention/gluon_mla.py) where it serves the
         # shapes; benches and kernel checks turn it off to time or check the Triton kernel
         self.gluon_mla = True
+        # and its indexer scores over FP8 keys with FP8 queries (attention/gluon_indexer.py)
+        self.gluon_indexer = True
         if index_pool is not None and pool.device.type == "cuda":
             from dserve.attention.triton_topk import top_hist
 
@@ -156,15 +159,15 @@ class TritonBackend(AttentionBackend):
         )
 
     def forward_indexer(self, layer, q, k, weights, scale, topk):
-        from dserve.attention.triton_dsa import indexer_scores
-
         b = self.batch
         buffers = self.index_pool.buffers[layer]  # the keys (FP8: and their scales)
         scaled = self.index_pool.layout.scaled
         store_tokens(b.out_slots, list(zip(buffers, stored_parts(k, scaled))))
         scales = key_scales(buffers[1]) if scaled else None
-        scores = indexer_scores(
-            q.contiguous(),
+        q = q.contiguous()
+        scores_kernel = indexer_kernel(q, buffers[0], scales, self.gluon_indexer)
+        scores = scores_kernel(
+            q,
             weights.contiguous(),
             buffers[0],
             b.page_table,
@@ -233,6 +236,20 @@ class TritonBackend(AttentionBackend):
             num_warps=tune["num_warps"],
             num_stages=tune["num_stages"],
         )
+
+
+def indexer_kernel(q, keys, scales, gluon: bool = True):
+    """The indexer's scores function for these queries and keys: on Hopper
+    with FP8 keys, the Gluon kernel with FP8 queries (the production
+    indexer's arithmetic: e4m3 on both sides, within tolerance of the 16-bit
+    queries'); else the Triton kernel."""
+    from functools import partial
+
+    from dserve.attention import gluon_indexer, triton_dsa
+
+    if gluon and gluon_indexer.supported(q, keys, scales):
+        return partial(gluon_indexer.indexer_scores, q_fp8=True)
+    return triton_dsa.indexer_scores
 
 
 def mla_decode_kernel(q_latent, cache, sparse: bool, gluon: bool = True):

@@ -37,11 +37,17 @@ LEVELS, BINS, STATE = 4, 256, 8  # byte digits of a key; a row's state: see `_de
 
 
 @triton.jit
+def _finite(scores, pos, end):
+    """The scores at `pos` (-inf from `end` on), and which are above -inf (NaN is not)."""
+    x = tl.load(scores + pos, mask=pos < end, other=float("-inf"))
+    return x, x > float("-inf")
+
+
+@triton.jit
 def _keys(scores, pos, width):
-    """Keys of the scores at `pos` (unsigned order = the scores'), and which are above -inf
-    (NaN is not)."""
-    x = tl.load(scores + pos, mask=pos < width, other=float("-inf"))
-    return _key_of(x), x > float("-inf")
+    """Keys of the scores at `pos` (unsigned order = the scores'), and which are above -inf."""
+    x, finite = _finite(scores, pos, width)
+    return _key_of(x), finite
 
 
 @triton.jit

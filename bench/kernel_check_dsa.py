@@ -1,8 +1,10 @@
 """`bench.kernel_check`'s rows of GLM-5's sparse attention (DSA): 64 heads of latent 512 + rope 64,
 indexer 32 heads x 128, top-k 2048, with the indexer keys in bf16 and in FP8 (the production
 layout). The indexer's selection is held against the float32 reference scores of the same keys
-(how far below the reference's top-k cut its worst pick scores), the sparse MLA against the
-torch backend on the reference's selection:
+and queries (how far below the reference's top-k cut its worst pick scores; with FP8 keys on
+Hopper the backend rounds the queries to e4m3 too, and so does the reference), and its
+overlap with the torch backend's picks (16-bit queries) is shown; the sparse MLA is held
+against the torch backend on the reference's selection:
 
     python -m bench.kernel_check --only dsa
 """
@@ -58,7 +60,8 @@ def dsa_case(
     for backend in (TorchBackend(*pools), backend_class(*pools)):
         backend.plan(batch)
         chosen.append(backend.forward_indexer(0, q, k, w, scale, topk))
-    deficit, overlap = selection_quality(pools[1], batch, q, w, scale, *chosen, read_keys)
+    ref_q, ref_w = reference_queries(backend_class, pools[1], q, w)
+    deficit, overlap = selection_quality(pools[1], batch, ref_q, ref_w, scale, *chosen, read_keys)
     mla = []
     q_latent, q_rope, new = (
         torch.randn(*s, generator=gen).to(device, BF16)
@@ -69,6 +72,25 @@ def dsa_case(
         out = backend.forward_mla(0, q_latent, q_rope, new, (rank + rope) ** -0.5, chosen[0])
         mla.append(out.float())
     return deficit, overlap, relative_error(*mla)
+
+
+def reference_queries(backend_class, pool, q, w) -> tuple:
+    """The queries and weights the reference scores take: the backend's
+    own arithmetic, so that the deficit measures its kernels. Where it
+    rounds them to e4m3 (FP8 keys on Hopper), the same e4m3 queries; the
+    overlap still compares its picks with the torch backend's, from
+    16-bit queries."""
+    from dserve.attention import gluon_indexer
+    from dserve.attention.index_cache import key_scales
+    from dserve.attention.triton_backend import TritonBackend, indexer_kernel
+
+    if backend_class is not TritonBackend or not pool.layout.scaled:
+        return q, w
+    keys, scales = pool.buffers[0][0], key_scales(pool.buffers[0][1])
+    kernel = indexer_kernel(q, keys, scales)
+    if getattr(kernel, "keywords", {}).get("q_fp8"):
+        return gluon_indexer.fp8_queries(q, w)
+    return q, w
 
 
 def selection_quality(pool, batch, q, w, scale, ref, got, read_keys) -> tuple[float, float]:

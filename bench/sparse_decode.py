@@ -7,7 +7,8 @@ GPU, at GLM-5's shapes per rank (64 heads, latent 512 + 64, indexer 32 heads x 1
 Per (batch, context) one decode token per request over a paged bf16 cache (pages of 64,
 scattered; `--fp8-keys`: the indexer keys in FP8, the production layout): the dense step is
 `mla_decode` over every position; the sparse step is what the triton backend runs, the
-indexer's scores over every position's key (`indexer_scores`), the top-k
+indexer's scores over every position's key (`triton_backend.indexer_kernel`: with FP8
+keys on Hopper, the Gluon kernel with FP8 queries; else `triton_dsa`'s), the top-k
 (`triton_backend.select_top_gpu`: by the row count, the many-programs select of
 `triton_topk`, its row histograms kept as the backend keeps them, torch's, or one program
 per row, `triton_topk_rows`), and `mla_decode` over the selected positions. Each is timed
@@ -16,9 +17,9 @@ backend's (ours of both kinds, `--topk-*`: the many-programs' launch, default
 `default_chunk`, blocks of 1024, 4 warps; torch's unsorted, `select_top`, and sorted), and
 the sparse step against its roofline: the bytes it must read (every token's indexer key,
 the selected latents) over the copy bandwidth measured in the same run. Both MLA decodes
-are the triton backend's (Gluon's kernel on Hopper; `--triton-mla`: the Triton kernel's);
-with FP8 keys on Hopper, the Gluon scores kernel (`gluon_indexer`, not the backend's)
-beside the backend's. `same` says whether each of our top-ks chose torch's set in every
+are the triton backend's (Gluon's kernel on Hopper; `--triton-mla`: the Triton kernel's).
+Beside the backend's scores: the Triton kernel's and, with FP8 keys on Hopper, the Gluon
+kernel's with 16-bit and with FP8 queries. `same` says whether each of our top-ks chose torch's set in every
 row (random scores: no ties). The issue's goal at 32k: the sparse step <= 0.25x the dense
 one, within 2x of its roofline. Prints a table and writes JSON.
 """
@@ -83,14 +84,23 @@ def dense_step(c: dict, context: int) -> torch.Tensor:
     )
 
 
-def scores_part(c: dict, context: int, gluon: bool = False) -> torch.Tensor:
-    """The backend's indexer scores (the Triton kernel), or (`gluon`) the
-    Gluon kernel over FP8 keys on Hopper, not the backend's: slower."""
+def scores_part(c: dict, context: int, kernel: str = "backend") -> torch.Tensor:
+    """The indexer's scores by the backend's kernel (`indexer_kernel`), or
+    by one named: "triton" (`triton_dsa`), "gluon16" (`gluon_indexer` with
+    16-bit queries), "gluon8" (with FP8 queries)."""
     from dserve.attention import gluon_indexer
+    from dserve.attention.triton_backend import indexer_kernel
     from dserve.attention.triton_dsa import indexer_scores
 
-    kernel = gluon_indexer.indexer_scores if gluon else indexer_scores
-    return kernel(
+    extra = {}
+    if kernel == "backend":
+        scores = indexer_kernel(c["q_index"], c["keys"], c["key_scales"])
+    elif kernel == "triton":
+        scores, extra = indexer_scores, SCORES_LAUNCH
+    else:
+        scores = gluon_indexer.indexer_scores
+        extra = {"q_fp8": kernel == "gluon8"}
+    return scores(
         c["q_index"],
         c["weights"],
         c["keys"],
@@ -100,7 +110,7 @@ def scores_part(c: dict, context: int, gluon: bool = False) -> torch.Tensor:
         0.09,
         context,
         key_scales=c["key_scales"],
-        **({} if gluon else SCORES_LAUNCH),
+        **extra,
     )
 
 
@@ -183,6 +193,7 @@ def row(batch: int, context: int, repeats: int, copy: float, fp8_keys: bool) -> 
         "dense_ms": lambda: dense_step(c, context),
         "sparse_ms": lambda: sparse_step(c, context),
         "scores_ms": lambda: scores_part(c, context),
+        "triton_scores_ms": lambda: scores_part(c, context, "triton"),
         "top_ms": lambda: top_part(c, scores),
         "chunks_top_ms": lambda: chunks_top(c, scores),
         "rows_top_ms": lambda: rows_top(c, scores),
@@ -195,7 +206,8 @@ def row(batch: int, context: int, repeats: int, copy: float, fp8_keys: bool) -> 
     r["same"] &= same_sets(rows_top(c, scores), torch_chosen)
     r["same"] &= same_sets(chunks_top(c, scores), torch_chosen)
     if gluon_indexer.supported(c["q_index"], c["keys"], c["key_scales"]):
-        times["gluon_scores_ms"] = lambda: scores_part(c, context, gluon=True)
+        times["gluon_scores_ms"] = lambda: scores_part(c, context, "gluon16")
+        times["gluon8_scores_ms"] = lambda: scores_part(c, context, "gluon8")
     for name, fn in times.items():
         r[name] = graph_seconds(fn, repeats) * 1e3
     nbytes = batch * (context * key_bytes + min(TOPK, context) * (RANK + ROPE) * 2)
@@ -216,7 +228,9 @@ COLUMNS = [
     ("roofline_ms", "roof", "{:>8.3f}"),
     ("sparse_over_roofline", "s/roof", "{:>7.2f}"),
     ("scores_ms", "scores", "{:>8.3f}"),
-    ("gluon_scores_ms", "gluon", "{:>8.3f}"),
+    ("triton_scores_ms", "triton", "{:>8.3f}"),
+    ("gluon_scores_ms", "gluon16", "{:>8.3f}"),
+    ("gluon8_scores_ms", "gluon8", "{:>8.3f}"),
     ("top_ms", "top-k", "{:>8.3f}"),
     ("chunks_top_ms", "chunks", "{:>8.3f}"),
     ("rows_top_ms", "rows", "{:>8.3f}"),

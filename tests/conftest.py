@@ -39,6 +39,28 @@ def tiny_dir(tmp_path_factory):
     return get
 
 
+def session_root(tmp_path_factory):
+    """The directory every test worker of this session shares."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # this session's, above each worker's own
+    return root
+
+
+@pytest.fixture(autouse=True)
+def gpu_share(request, tmp_path_factory):
+    """Every `gpu` test holds a shared lock on the session's GPU; one marked `gpu_alone` (a
+    timing it asserts) holds it exclusively, so no other worker's kernels run beside it."""
+    node = request.node
+    if node.get_closest_marker("gpu") is None:
+        yield
+        return
+    alone = node.get_closest_marker("gpu_alone") is not None
+    with open(session_root(tmp_path_factory) / "gpu.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        yield  # released when closed
+
+
 @pytest.fixture(params=ARCHES)
 def arch(request) -> str:
     return request.param
@@ -101,9 +123,7 @@ def made_once(tmp_path_factory, name: str, make) -> tuple[str, dict]:
     """(directory, info) of `make(directory) -> info` (JSON), run once per test session: under
     pytest-xdist the first worker to ask makes it in the session's directory while the others
     wait on its lock, then each reads what it made (a trained checkpoint takes 10-20 s)."""
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # this session's, above each worker's own
+    root = session_root(tmp_path_factory)
     out, done = root / name, root / f"{name}.json"
     with open(root / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when closed

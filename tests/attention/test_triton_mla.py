@@ -172,7 +172,7 @@ def test_engine_with_the_triton_backend_matches_the_reference(tp, tiny_dir, make
     still through the reference), and greedy tokens equal the torch backend's, over ranks too."""
     path = tiny_dir("deepseek_v3")
     prompts = [[5, 17, 99, 3], list(range(40, 77)), [7] * 20]
-    params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter runs it on a CPU host
     if device == "cuda" and torch.cuda.device_count() < tp:
         pytest.skip(f"tp={tp} needs {tp} GPUs")
@@ -191,7 +191,7 @@ def test_verify_spans_through_the_kernel(topk, tiny_dir, make_engine):
     token; trees fall back to the reference. Greedy tokens equal the plain torch engine's."""
     path = tiny_dir("deepseek_v3", mtp=True)
     prompts = [[5, 17, 99, 3], list(range(40, 77))]
-    params = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
+    params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
     device = "cuda" if torch.cuda.is_available() else "cpu"
     kwargs = dict(page_size=4, dtype="float32", device=device, max_total_tokens=4096)
     expected = make_engine(path, **kwargs).generate(input_ids=prompts, sampling_params=params)

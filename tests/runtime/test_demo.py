@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_demo(tmp_path):
-    model_dir, steps = str(tmp_path / "demo"), 150
+    model_dir, steps = str(tmp_path / "demo"), 80
     cmd = [sys.executable, "-m", "dserve.runtime.demo", "--model-dir", model_dir]
     cmd += ["--train-steps", str(steps), "--questions", "1"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

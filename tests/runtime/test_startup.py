@@ -139,6 +139,7 @@ def timed_generate(url: str, length: int, seed: int) -> float:
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_alone  # its timing check: a second worker's kernels once doubled a request
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm_moe_dsa"])
 def test_no_kernel_compiles_after_ready_and_the_first_request_is_fast(arch, tiny_dir, tmp_path):

@@ -80,7 +80,7 @@ class Compiler:
             self.compiled += 1
         except Exception as e:  # noqa: BLE001 - reported, then the next variant
             cause = e.__cause__ or e
-            self.failures.append(f"{name}: {str(cause)[:400]}")
+            self.failures.append(f"{name}: {str(cause)[-1500:]}")
         return None
 
     def gluon(self, fn: JITFunction, args, kwargs):
@@ -95,8 +95,11 @@ class Compiler:
             LAUNCH(fn, *args, grid=(1,), warmup=True, **kwargs)
             self.compiled += 1
         except Exception as e:  # noqa: BLE001 - reported, then the next variant
-            cause = e.__cause__ or e
-            self.failures.append(f"{name}: {str(cause)[:400]}")
+            causes = [e]
+            while causes[-1].__cause__ is not None:
+                causes.append(causes[-1].__cause__)
+            said = " <- ".join(str(c)[-600:] for c in causes[1:] or causes)
+            self.failures.append(f"{name}: {said}")
         finally:
             drivers._active = before
 
@@ -274,7 +277,9 @@ def indexer_launch(gen: torch.Generator, table: torch.Tensor, lens: torch.Tensor
     q = torch.randn(2, 32, 128, generator=gen).to(torch.bfloat16)
     rows = torch.arange(2, dtype=torch.int64)
     args = (q, torch.randn(2, 32), fp8[0], table, rows, lens, 0.1, 256)
-    gluon_indexer.indexer_scores(*args, key_scales=key_scales(fp8[1]), per_program=128)
+    for q_fp8 in (False, True):
+        scales = key_scales(fp8[1])
+        gluon_indexer.indexer_scores(*args, key_scales=scales, per_program=128, q_fp8=q_fp8)
 
 
 def _tree(n: int) -> torch.Tensor:
