@@ -297,9 +297,11 @@ def fp8_queries(q: torch.Tensor, weights: torch.Tensor):
 
 
 def default_per_program(tokens: int, width: int, device) -> int:
-    """Positions a program takes: about four programs an SM in all, whole blocks."""
+    """Positions a program takes: about two programs an SM in all, whole
+    blocks (FP8 queries on an H100 at batch 32 x 32k: 0.067 ms against
+    0.072 with four, the same at batch 128 and at 128k)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    parts = max(1, 4 * sms // max(tokens, 1))
+    parts = max(1, 2 * sms // max(tokens, 1))
     return triton.cdiv(triton.cdiv(width, parts), BLOCK_N) * BLOCK_N
 
 

@@ -33,9 +33,10 @@ async def first_event(upstream: aiohttp.ClientResponse) -> bytes:
 
 
 def event_error(head: bytes) -> str | None:
-    """The message of the first error event in `head`, if any."""
+    """The message of the first error event in `head`, if any (only lines
+    that hold the key are parsed: a token's event is not)."""
     for line in head.splitlines():
-        if line.startswith(b"data: ") and line != b"data: [DONE]":
+        if line.startswith(b"data: ") and b'"error"' in line:
             with contextlib.suppress(ValueError):
                 event = json.loads(line[6:])
                 if isinstance(event, dict) and "error" in event:
