@@ -96,7 +96,10 @@ class Router(PairTries):
 
     # ---- lifecycle and health -------------------------------------------------------------------
     async def _start(self, _app) -> None:
-        self.session = aiohttp.ClientSession(timeout=self.timeout)
+        # no cap on open connections (aiohttp's default is 100: with streams holding one to
+        # the decode each, the 101st would wait for one to end; test_router_streams)
+        connector = aiohttp.TCPConnector(limit=0)
+        self.session = aiohttp.ClientSession(timeout=self.timeout, connector=connector)
         await self.check_all()
         self.prober = asyncio.ensure_future(self._probe_forever())
 
