@@ -9,6 +9,7 @@ import gc
 import json
 import os
 import random
+import time
 
 # Two test workers on two cores, and each server a test starts, run torch with one thread: more
 # threads than cores make OpenMP workers spin against each other (steps 10x slower, and timeouts).
@@ -57,8 +58,25 @@ def gpu_share(request, tmp_path_factory):
         return
     alone = node.get_closest_marker("gpu_alone") is not None
     with open(session_root(tmp_path_factory) / "gpu.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        take_lock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH, GPU_LOCK_WAIT_S)
         yield  # released when closed
+
+
+GPU_LOCK_WAIT_S = 1200  # longer than any one gpu test takes; then the wait fails
+
+
+def take_lock(lock, kind: int, wait_s: float) -> None:
+    """flock `kind` on the open file `lock`, polled (a blocking flock has no deadline):
+    fails the test after `wait_s` seconds."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(lock, kind | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                pytest.fail(f"another test worker held the GPU lock for {wait_s:.0f} s")
+            time.sleep(0.1)
 
 
 @pytest.fixture(params=ARCHES)
