@@ -151,8 +151,7 @@ if HAVE_GLUON:
             scale_next = _scales(table, page_size, scales, s_sc_page, ahead, end)
             mbarrier.wait(ready.index(s), (k // STAGES) & 1)
             keys = keys_s.index(s).reshape([BLOCK_N, D])
-            acc = _block_dots(keys, q_s, zeros, acc_layout)
-            mbarrier.arrive(free.index(s))
+            acc = _block_dots(keys, q_s, zeros, acc_layout, free.index(s))
             dots = gl.sum(gl.maximum(acc, 0.0) * w[None, :], 1)
             x = gl.where(pos < end, dots * (k_scale * scale), float("-inf"))
             gl.store(out + pos, x, mask=pos < width)
@@ -160,18 +159,23 @@ if HAVE_GLUON:
             k_scale = scale_next
 
     @gluon.jit
-    def _block_dots(keys, q_s, zeros, acc_layout: gl.constexpr):
-        """[keys x heads] dot products of a block: FP8 queries take the
-        keys straight from shared memory; 16-bit ones, the keys widened
-        in registers (exactly: e4m3 widens without rounding)."""
+    def _block_dots(keys, q_s, zeros, acc_layout: gl.constexpr, free):
+        """[keys x heads] dot products of a block, its stage `free` as
+        soon as the keys are read: FP8 queries take the keys straight
+        from shared memory (free after the MMA); 16-bit ones, the keys
+        widened in registers (exactly: e4m3 widens without rounding;
+        free once loaded)."""
         if q_s.dtype == gl.float8e4nv:
             acc = warpgroup_mma(keys, q_s.permute((1, 0)), zeros, use_acc=False, is_async=True)
-            return warpgroup_mma_wait(0, deps=(acc, keys))[0]
+            acc = warpgroup_mma_wait(0, deps=(acc, keys))[0]
+            mbarrier.arrive(free)
+            return acc
         else:
             k_layout: gl.constexpr = gl.DotOperandLayout(
                 operand_index=0, parent=acc_layout, k_width=2
             )
             wide = keys.load(k_layout).to(q_s.dtype)
+            mbarrier.arrive(free)
             acc = warpgroup_mma(wide, q_s.permute((1, 0)), zeros, use_acc=False, is_async=True)
             return warpgroup_mma_wait(0, deps=(acc,))
 
@@ -216,7 +220,9 @@ if HAVE_GLUON:
         layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(x.shape, x.dtype)
         return gl.allocate_shared_memory(x.dtype, x.shape, layout, x)
 
-    @gluon.jit
+    # the pass's longest context and the page table's width vary step by step: one variant
+    # (Triton specializes an int on == 1 and on divisibility by 16), or a step compiles
+    @gluon.jit(do_not_specialize=["s_pt_b", "width"])
     def _scores_kernel(
         q,
         weights,

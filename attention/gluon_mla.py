@@ -299,7 +299,21 @@ if HAVE_GLUON:
         at = (h0 + rows)[:, None] * s_mo_h + (col0 + cols)[None, :]
         gl.store(out + at, o.to(out.dtype.element_ty))
 
-    @gluon.jit
+    # counts that follow the batch, the context and the splits: one variant for all (Triton
+    # specializes an int on == 1 and on divisibility by 16), or a step compiles after ready
+    @gluon.jit(
+        do_not_specialize=[
+            "s_pt_b",
+            "s_mo_b",
+            "s_mo_h",
+            "s_ml_b",
+            "s_ml_h",
+            "min_split",
+            "num_splits",
+            "s_sel_b",
+            "sel_width",
+        ]
+    )
     def _mla_decode_kernel(
         q_lat,
         q_rope,

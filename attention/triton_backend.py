@@ -238,16 +238,25 @@ class TritonBackend(AttentionBackend):
         )
 
 
+def rounds_queries(q, keys, scales, gluon: bool = True) -> bool:
+    """Whether the indexer's scores round these queries to e4m3: on Hopper
+    with FP8 keys, where the Gluon kernel serves them (the production
+    indexer's arithmetic: e4m3 on both sides, within tolerance of the
+    16-bit queries')."""
+    from dserve.attention import gluon_indexer
+
+    return gluon and gluon_indexer.supported(q, keys, scales)
+
+
 def indexer_kernel(q, keys, scales, gluon: bool = True):
-    """The indexer's scores function for these queries and keys: on Hopper
-    with FP8 keys, the Gluon kernel with FP8 queries (the production
-    indexer's arithmetic: e4m3 on both sides, within tolerance of the 16-bit
-    queries'); else the Triton kernel."""
+    """The indexer's scores function for these queries and keys: the Gluon
+    kernel with FP8 queries where it `rounds_queries`, else the Triton
+    kernel."""
     from functools import partial
 
     from dserve.attention import gluon_indexer, triton_dsa
 
-    if gluon and gluon_indexer.supported(q, keys, scales):
+    if rounds_queries(q, keys, scales, gluon):
         return partial(gluon_indexer.indexer_scores, q_fp8=True)
     return triton_dsa.indexer_scores
 

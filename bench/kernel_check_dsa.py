@@ -82,13 +82,12 @@ def reference_queries(backend_class, pool, q, w) -> tuple:
     16-bit queries."""
     from dserve.attention import gluon_indexer
     from dserve.attention.index_cache import key_scales
-    from dserve.attention.triton_backend import TritonBackend, indexer_kernel
+    from dserve.attention.triton_backend import TritonBackend, rounds_queries
 
     if backend_class is not TritonBackend or not pool.layout.scaled:
         return q, w
     keys, scales = pool.buffers[0][0], key_scales(pool.buffers[0][1])
-    kernel = indexer_kernel(q, keys, scales)
-    if getattr(kernel, "keywords", {}).get("q_fp8"):
+    if rounds_queries(q, keys, scales):
         return gluon_indexer.fp8_queries(q, w)
     return q, w
 

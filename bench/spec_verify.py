@@ -81,13 +81,13 @@ def deepseek_v3_config_dir(layers: int, experts: int, dense_layers: int = 1) -> 
     return out
 
 
-def glm5_config_dir(layers: int, experts: int) -> str:
+def glm5_config_dir(layers: int, experts: int, **overrides) -> str:
     """A config.json of GLM-5's shapes (sparse attention: 64 heads, latent 512 + 64, indexer
     32 x 128, top-k 2048; every layer with an indexer) with `layers` layers, the first dense,
-    and `experts` routed experts (8 per token)."""
+    and `experts` routed experts (8 per token); `overrides` replace any of its fields."""
     import transformers as tf
 
-    cfg = tf.GlmMoeDsaConfig(
+    fields = dict(
         vocab_size=154880,
         hidden_size=6144,
         intermediate_size=12288,
@@ -113,6 +113,7 @@ def glm5_config_dir(layers: int, experts: int) -> str:
         max_position_embeddings=202752,
         architectures=["GlmMoeDsaForCausalLM"],
     )
+    cfg = tf.GlmMoeDsaConfig(**{**fields, **overrides})
     out = tempfile.mkdtemp(prefix="glm5-shape-")
     cfg.to_json_file(os.path.join(out, "config.json"))
     return out

@@ -6,6 +6,7 @@ weight is read; one interrupt stops it cleanly, a second one at once."""
 
 from __future__ import annotations
 
+import shutil
 import signal
 import socket
 import statistics
@@ -141,7 +142,7 @@ def timed_generate(url: str, length: int, seed: int) -> float:
 @pytest.mark.gpu
 @pytest.mark.gpu_alone  # its timing check: a second worker's kernels once doubled a request
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("arch", ["deepseek_v3", "glm_moe_dsa"])
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm_moe_dsa", "glm5_shaped"])
 def test_no_kernel_compiles_after_ready_and_the_first_request_is_fast(arch, tiny_dir, tmp_path):
     """Warm start on a fresh Triton cache: the warm-up compiles every kernel variant a step
     can launch before /health says ready, so prompts of 1 to 999 tokens (each side of the
@@ -151,13 +152,20 @@ def test_no_kernel_compiles_after_ready_and_the_first_request_is_fast(arch, tiny
     tokens (a compile costs 0.2-0.5 s on an H100, such a request 30-40 ms). Session 25 once
     saw 69 against 34 ms with no kernel compiled: the warm-up ran on the thread that built
     the instance, the requests on the engine thread, and CUDA libraries keep state per
-    thread (cuBLAS handles, workspaces); the warm-up now runs on the engine thread."""
+    thread (cuBLAS handles, workspaces); the warm-up now runs on the engine thread.
+    `glm5_shaped`: GLM-5's attention (the shapes Hopper's Gluon kernels serve: 64 heads,
+    latent 512 + 64, indexer 32 x 128 over FP8 keys, pages of 64) in a small model."""
     cache = tmp_path / "triton"
     env = {"TRITON_CACHE_DIR": str(cache)}
+    if arch == "glm5_shaped":
+        model, flags = glm5_shaped_model(tmp_path / "glm5")
+    else:
+        model, flags = tiny_dir(arch), []
     proc = start_instance(
         "serve",
-        tiny_dir(arch),
+        model,
         tmp_path,
+        *flags,
         "--device",
         "cuda",
         "--max-total-tokens",
@@ -182,6 +190,28 @@ def test_no_kernel_compiles_after_ready_and_the_first_request_is_fast(arch, tiny
         proc.stop()
     shown = ", ".join(f"{t:.3f}" for t in times[:6])
     assert first <= 2 * steady, f"first {first:.3f} s, then {shown}; median {steady:.3f} s"
+
+
+def glm5_shaped_model(path) -> tuple[str, list[str]]:
+    """(model directory, the instance's flags): GLM-5's attention shapes (a top-k of 256, under the
+    longer prompts; a "shared" second layer) with small hidden and expert sizes, random
+    bf16 weights, FP8 indexer keys, pages of 64."""
+    from bench.spec_verify import glm5_config_dir
+
+    small = dict(vocab_size=1024, hidden_size=1024, intermediate_size=2048)
+    small.update(moe_intermediate_size=256, q_lora_rank=256, max_position_embeddings=4096)
+    made = glm5_config_dir(2, 8, index_topk=256, indexer_types=["full", "shared"], **small)
+    shutil.move(made, path)
+    return str(path), [
+        "--load-format",
+        "dummy",
+        "--dtype",
+        "bfloat16",
+        "--page-size",
+        "64",
+        "--indexer-cache-dtype",
+        "fp8",
+    ]
 
 
 def test_the_warm_up_passes_cross_every_power_of_two():
