@@ -38,7 +38,9 @@ TRITON_TOP_MAX = 1 << 21
 # select above took 22 / 47 / 95 / 183 us at 1 / 32 / 64 / 128 rows and torch's 48 / 69 / 79 /
 # 110; at 128 rows of 128k, 359 against torch's 273. It follows the longest context, not the
 # width: 128 rows of 128k-wide scores with 32k contexts took it 105 us (H100,
-# bench/notes/session30-h100-2026-11-26.md). 64k lies between the widths measured.
+# bench/notes/session30-h100-2026-11-26.md). 64k lies between the widths measured. Since
+# session 32 (bins from a sample, one scan a tile, few candidates read once): 72 us at 32
+# and 128 rows of 32k, 202 / 242 at 32 / 128 rows of 128k (bench/notes/session32-*.md).
 TOP_ROWS_MIN, TOP_ROWS_WIDTH = 128, 1 << 16
 # Extend launches: `rows` (token, head) rows per program, keys per block, warps, pipelining depth
 # (None: Triton's default); MLA programs take `block_h` heads of a token. MLA: 64 heads of one token,

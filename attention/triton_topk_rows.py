@@ -9,13 +9,15 @@ the row's histogram in registers and reads the scores again from L2 at each pass
 indexer has just written them).
 
 How, per row:
-- a pass finds the lowest and highest finite scores;
-- a pass counts the scores in 256 linear bins of that range (monotone in the score, +inf
-  in the last) and finds the bin that holds the k-th;
+- the lowest and highest finite scores of a sample (a tile's positions spread over the
+  row) span 256 linear bins (monotone in the score: those below in the first, those above
+  and +inf in the last);
+- a pass counts the row's scores in them and finds the bin that holds the k-th;
 - a pass writes the positions in the bins above it (in position order) and lists those in
   it, the candidates (up to `cap`; when more tie, they are read from the whole row);
 - four passes over the candidates count one byte digit each of the keys (`triton_topk`'s)
-  still tied with the k-th, until the prefix is the k-th key itself;
+  still tied with the k-th, until the prefix is the k-th key itself (up to `SMALL_TILE`
+  candidates, the usual case, are read once into registers for all four);
 - a last pass writes the candidates above it, then those equal to it (lowest positions
   first, as many as slots are left); -1 fills the slots no finite score takes.
 
@@ -48,47 +50,81 @@ def _bin(x, finite, low, per):
 
 @triton.jit
 def _range(scores, end, TILE: tl.constexpr):
-    """The row's bins: its lowest finite score and `_bin`'s `per`."""
-    tile = tl.arange(0, TILE)
-    low = tl.full([TILE], float("inf"), tl.float32)
-    high = tl.full([TILE], float("-inf"), tl.float32)
-    for t0 in range(0, end, TILE):
-        x, finite = _finite(scores, t0 + tile, end)
-        finite &= x < float("inf")
-        low = tl.minimum(low, tl.where(finite, x, float("inf")))
-        high = tl.maximum(high, tl.where(finite, x, float("-inf")))
-    low, high = tl.min(low, 0), tl.max(high, 0)
-    return low, tl.where(high > low, 255.0 / (high - low), 0.0)
+    """The row's bins: the lowest finite score of TILE positions spread over
+    the row (all of a row that short) and `_bin`'s `per` to their highest.
+    Scores outside it fall in the first or last bin: the bins stay monotone,
+    so the select stays exact whatever the sample; it only holds fewer
+    candidates, the closer the sample's range is to the row's."""
+    i = tl.arange(0, TILE)
+    x, finite = _finite(scores, (i.to(tl.int64) * end // TILE).to(tl.int32), end)
+    finite &= x < float("inf")
+    low = tl.min(tl.where(finite, x, float("inf")), 0)
+    high = tl.max(tl.where(finite, x, float("-inf")), 0)
+    per = tl.where(high > low, 255.0 / (high - low), 0.0)
+    return tl.where(low < float("inf"), low, 0.0), per
 
 
 @triton.jit
 def _split(scores, out, spill, end, low, per, at, TILE: tl.constexpr, CAP: tl.constexpr):
     """Positions in bins above `at` to `out` (position order), those in bin `at` (the
-    candidates) to `spill` while CAP hold them; returns how many of each."""
+    candidates) to `spill` while CAP hold them; returns how many of each. One scan a tile
+    ranks both: their counts in the low and high 16 bits (a tile is under 65536 wide)."""
     tile = tl.arange(0, TILE)
     slot, count = 0, 0
     for t0 in range(0, end, TILE):
         pos = t0 + tile
         x, finite = _finite(scores, pos, end)
         b = _bin(x, finite, low, per)
-        slot = _write(out, finite & (b > at), pos, slot)
-        member = finite & (b == at)
-        rank = count + tl.cumsum(member.to(tl.int32), 0) - 1
+        above, member = finite & (b > at), finite & (b == at)
+        both = above.to(tl.int32) + (member.to(tl.int32) << 16)
+        ranks = tl.cumsum(both, 0) - both  # of the tile's earlier ones
+        rank = slot + (ranks & 0xFFFF)
+        tl.store(out + rank, pos.to(tl.int64), mask=above)
+        rank = count + (ranks >> 16)
         tl.store(spill + rank, pos, mask=member & (rank < CAP))
-        count += tl.sum(member.to(tl.int32), 0)
+        total = tl.sum(both, 0)
+        slot += total & 0xFFFF
+        count += total >> 16
     return slot, count
 
 
 @triton.jit
-def _candidates(scores, spill, i0, n, listed, end, low, per, at, TILE: tl.constexpr):
+def _candidates(scores, spill, i0, kept, TILE: tl.constexpr):
     """Tile i0 of the candidates: from `spill` where `listed`, else of the whole row (its
     members those in bin `at`). Returns their keys, positions, membership."""
+    at, low, per, end, listed, n = kept
     i = i0 + tl.arange(0, TILE)
     pos = tl.load(spill + i, mask=i < tl.where(listed, n, 0), other=0)
     pos = tl.where(listed, pos, i)
     x, finite = _finite(scores, pos, end)
     member = finite & (_bin(x, finite, low, per) == at) & (i < n)
     return _key_of(x), pos, member
+
+
+@triton.jit
+def _kth_of_tile(key, member, left):
+    """The k-th key's (`left`-th from the top) among the members of one
+    tile, a byte a time: (the key, the slots left for the keys equal to it)."""
+    prefix = 0
+    for level in tl.static_range(1, 5):
+        group = _in_group(key, member, prefix, level - 1)
+        hist = tl.histogram(_digit(key, level), 256, mask=group)
+        _, digit, left = _cut(hist, left, False)
+        prefix = (prefix << 8) | digit
+    return prefix, left
+
+
+@triton.jit
+def _take(out, key, pos, member, kth, filled, left, slot, tied):
+    """The members above the k-th key `kth` to slots from `slot`; those
+    equal to it to the last `left` slots before `filled`, lowest positions
+    first (`tied` of them already seen). Returns (slot, tied) after them."""
+    signed, kth = key ^ -2147483648, kth ^ -2147483648  # unsigned order as int32's
+    slot = _write(out, member & (signed > kth), pos, slot)
+    tie = member & (signed == kth)
+    rank = tied + tl.cumsum(tie.to(tl.int32), 0) - 1
+    tl.store(out + filled - left + rank, pos.to(tl.int64), mask=tie & (rank < left))
+    return slot, tied + tl.sum(tie.to(tl.int32), 0)
 
 
 @triton.jit(do_not_specialize=["s_row", "width", "topk"])
@@ -102,6 +138,7 @@ def _rows_kernel(
     topk,
     TILE: tl.constexpr,
     CAP: tl.constexpr,
+    SMALL: tl.constexpr,
     LENS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -119,24 +156,25 @@ def _rows_kernel(
     slot, count = _split(scores, out, spill, end, low, per, at, TILE, CAP)
     listed = count <= CAP  # else the candidates are read from the whole row
     n = tl.where(listed, count, end)
-    prefix = 0
-    for level in tl.static_range(1, 5):  # the k-th key among the candidates, a byte a time
-        hist = tl.zeros([256], tl.int32)
+    kept = (at, low, per, end, listed, n)
+    if n <= SMALL:  # the usual case: the candidates gathered once, kept in registers
+        few = _candidates(scores, spill, 0, kept, SMALL)
+        kth, left = _kth_of_tile(few[0], few[2], left)
+        _take(out, few[0], few[1], few[2], kth, filled, left, slot, 0)
+    else:
+        prefix = 0
+        for level in tl.static_range(1, 5):  # the k-th key, a byte a time
+            hist = tl.zeros([256], tl.int32)
+            for i0 in range(0, n, TILE):
+                key, pos, member = _candidates(scores, spill, i0, kept, TILE)
+                group = _in_group(key, member, prefix, level - 1)
+                hist += tl.histogram(_digit(key, level), 256, mask=group)
+            _, digit, left = _cut(hist, left, False)
+            prefix = (prefix << 8) | digit
+        tied = 0
         for i0 in range(0, n, TILE):
-            key, pos, member = _candidates(scores, spill, i0, n, listed, end, low, per, at, TILE)
-            group = _in_group(key, member, prefix, level - 1)
-            hist += tl.histogram(_digit(key, level), 256, mask=group)
-        _, digit, left = _cut(hist, left, False)
-        prefix = (prefix << 8) | digit
-    kth, tied = prefix ^ -2147483648, 0  # the k-th key, signed
-    for i0 in range(0, n, TILE):
-        key, pos, member = _candidates(scores, spill, i0, n, listed, end, low, per, at, TILE)
-        signed = key ^ -2147483648  # the keys' unsigned order as int32's
-        slot = _write(out, member & (signed > kth), pos, slot)
-        tie = member & (signed == kth)
-        rank = tied + tl.cumsum(tie.to(tl.int32), 0) - 1
-        tl.store(out + filled - left + rank, pos.to(tl.int64), mask=tie & (rank < left))
-        tied += tl.sum(tie.to(tl.int32), 0)
+            key, pos, member = _candidates(scores, spill, i0, kept, TILE)
+            slot, tied = _take(out, key, pos, member, prefix, filled, left, slot, tied)
     for s0 in range(0, topk, TILE):
         s = s0 + tile
         tl.store(out + s, tl.full([TILE], -1, tl.int64), mask=(s >= filled) & (s < topk))
@@ -160,6 +198,9 @@ def compile_for(topk: int, width: int, device: str) -> None:
     select_top_rows(torch.zeros(1, width, device=device), topk, lens=lens)
 
 
+# candidates up to this many (the usual count, a few hundred at 32k) are gathered once into
+# registers and their levels count over a tile this wide, not the row's
+SMALL_TILE = 512
 SPILL_ROWS = 1024  # rows a launch takes: their candidate lists, 16 KB a row, are one buffer
 
 
@@ -195,6 +236,7 @@ def select_top_rows(
             topk,
             TILE=tile,
             CAP=cap,
+            SMALL=min(SMALL_TILE, tile),
             LENS=lens is not None,
             num_warps=num_warps,
         )

@@ -48,12 +48,41 @@ def test_ties_take_the_lowest_positions_across_tiles():
 
 
 def test_candidates_past_the_list_are_read_from_the_row():
-    """Bins of one score each (a candidate list of one), of many, and all in one bin."""
+    """Bins of one score each (a candidate list of one), of many, and all in one bin. With
+    tiles of 128 the candidates' own tile (`SMALL_TILE`, at most the tile) is 128 too: a few
+    candidates are gathered once, more than 128 (or than `cap`) counted tile by tile."""
     spread = torch.arange(256.0).repeat(2, 2)  # the lowest bin holds one score, then two
     spread[1] = torch.linspace(-1.0, 1.0, 512) ** 9  # most in the middle bins
     scores = torch.cat([spread, torch.full((1, 512), -3.0)])
     for cap in (1, 8, 512):
         check(scores, 100, tile=128, num_warps=1, cap=cap)
+
+
+def test_scores_outside_the_sampled_range_select_exactly():
+    """The bins span a sample of the row (a tile's positions spread over it, every 15th or
+    16th here): the highest and lowest scores, unsampled, fall in the end bins; a row whose
+    sampled positions are all -inf puts every finite score in one bin."""
+    gen = torch.Generator().manual_seed(7)
+    scores = torch.randn(2, 1000, generator=gen)
+    sampled = torch.arange(64) * 1000 // 64
+    unsampled = torch.tensor(sorted(set(range(1000)) - set(sampled.tolist()))[:40])
+    scores[0, unsampled[:20]] = 1e6 + torch.arange(20.0)  # over the sample's highest
+    scores[0, unsampled[20:]] = -1e6  # under its lowest
+    scores[1, sampled] = -INF
+    for topk in (10, 30, 500):
+        check(scores, topk, tile=64, num_warps=1)
+
+
+def test_more_candidates_than_one_small_tile():
+    """The default launch: 1500 tied scores in the k-th's bin, over `SMALL_TILE` (512), listed
+    (under `cap`) and counted tile by tile; beside them a row of few candidates."""
+    from dserve.attention.triton_topk_rows import SMALL_TILE
+
+    gen = torch.Generator().manual_seed(6)
+    tied = torch.cat([torch.full((1500,), 0.5), torch.randn(500, generator=gen) + 5])
+    scores = torch.stack([tied, torch.randn(2000, generator=gen)])
+    assert SMALL_TILE < 1500  # counted tile by tile
+    check(scores, 700)
 
 
 def test_lens_bound_the_rows_unread():
