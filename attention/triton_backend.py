@@ -10,7 +10,7 @@ triton`; on a GPU the choice also puts the model's RMSNorms (fused with the resi
 `kernels/triton_norm.py`), rotary embeddings (`kernels/triton_rotary.py`) and routed experts
 (grouped GEMMs, `kernels/triton_moe.py`) on their Triton kernels. Sparse attention (DSA): the indexer's scores by
 `triton_dsa.indexer_scores` (over FP8 keys on Hopper, `gluon_indexer`'s with FP8 queries:
-`indexer_kernel`), the top-k by `select_top_gpu` on a GPU (torch's `select_top` on the CPU),
+`indexer_kernel`), the top-k by `triton_topk` on a GPU (torch's `select_top` on the CPU),
 and the sparse MLA by `mla_decode` over each token's selected positions, one row per token
 (prompt chunks too).
 """
@@ -26,22 +26,14 @@ from dserve.attention.backend import MAX_DECODE_LIKE, AttentionBackend, ForwardB
 from dserve.attention.index_cache import key_scales, select_top, stored_parts
 from dserve.attention.triton_store import store_tokens
 
-# the DSA top-k's row histograms kept for passes of up to this many tokens (4 KB a token; its
-# kernels zero them again for the next call: no memset per layer); longer passes take fresh ones
+# the DSA top-k's row histograms kept for passes of up to this many tokens (1 KB a token; its
+# last kernel zeroes them again for the next call: no memset per layer); longer passes take
+# fresh ones. The top-k is `triton_topk.select_top_triton` at every shape: on an H100 it took
+# 19-62 us at 1-128 rows of 32k, 26-185 at 128k, where torch's took 51-106 and 62-304 and the
+# selects before it (by rows and width: many programs over byte digits, or one program a row,
+# or torch's) 23 / 47 / 66 and 29 / 105 / 246 at 1 / 32 / 128 rows
+# (bench/notes/session32-h100-2026-11-27.md).
 TOP_HIST_ROWS = 1024
-# the Triton top-k for passes of up to this many scores, torch's beyond: on an H100 (k 2048) ours
-# took 23-27 us against 53-62 at batch 1 (32k/128k), 48 against 69 at 32 x 32k, but 129-183
-# against 110 at 128 x 32k and 175 against 100 at 32 x 128k (bench/notes/session23-h100-2026-11-24.md)
-TRITON_TOP_MAX = 1 << 21
-# ... and one program per row (`triton_topk_rows`, bounded by each row's context) from this
-# many rows of scores up to this wide: at 32k it took 92-103 us at 1 to 128 rows, where the
-# select above took 22 / 47 / 95 / 183 us at 1 / 32 / 64 / 128 rows and torch's 48 / 69 / 79 /
-# 110; at 128 rows of 128k, 359 against torch's 273. It follows the longest context, not the
-# width: 128 rows of 128k-wide scores with 32k contexts took it 105 us (H100,
-# bench/notes/session30-h100-2026-11-26.md). 64k lies between the widths measured. Since
-# session 32 (bins from a sample, one scan a tile, few candidates read once): 72 us at 32
-# and 128 rows of 32k, 202 / 242 at 32 / 128 rows of 128k (bench/notes/session32-*.md).
-TOP_ROWS_MIN, TOP_ROWS_WIDTH = 128, 1 << 16
 # Extend launches: `rows` (token, head) rows per program, keys per block, warps, pipelining depth
 # (None: Triton's default); MLA programs take `block_h` heads of a token. MLA: 64 heads of one token,
 # 64 keys a block, 3 stages ran 1.4x faster than 16 heads of 4 tokens with 32 keys on an H100
@@ -55,20 +47,6 @@ EXTEND_TUNE = {
     "mha": {"rows": 128, "block_n": 64, "num_warps": 8, "num_stages": 3, "block_g": 1},
     "expanded": {"rows": 128, "block_n": 64, "num_warps": 8, "num_stages": 3},
 }
-
-
-def select_top_gpu(scores, topk, lens, hist=None) -> torch.Tensor:
-    """The indexer's top-k on a GPU by the measured rules above: scores [T, width] float32,
-    row t's context `lens[t]` -> [T, topk] int64 (`index_cache.select_top`'s contract).
-    `hist`: kept row histograms (`triton_topk.top_hist`) of at least T rows, or None."""
-    from dserve.attention import triton_topk, triton_topk_rows
-
-    rows, width = scores.shape
-    if rows >= TOP_ROWS_MIN and width <= TOP_ROWS_WIDTH:
-        return triton_topk_rows.select_top_rows(scores, topk, lens=lens)
-    if scores.numel() > TRITON_TOP_MAX:
-        return select_top(scores, topk)
-    return triton_topk.select_top_triton(scores, topk, hist=hist)
 
 
 class TritonBackend(AttentionBackend):
@@ -183,14 +161,13 @@ class TritonBackend(AttentionBackend):
             scores = scores.masked_fill(~self._visible(), float("-inf"))
         if not scores.is_cuda:
             return select_top(scores, topk)
-        from dserve.attention import triton_topk, triton_topk_rows
+        from dserve.attention import triton_topk
 
         if not torch.cuda.is_current_stream_capturing():  # the warm-up's first pass
             triton_topk.compile_every_chunk(topk, str(scores.device))
-            triton_topk_rows.compile_for(topk, scores.shape[1], str(scores.device))
         kept = scores.shape[0] <= TOP_HIST_ROWS
         hist = self.top_hist if kept else None
-        return select_top_gpu(scores, topk, b.token_ctx_lens, hist)
+        return triton_topk.select_top_triton(scores, topk, b.token_ctx_lens, hist)
 
     def _visible(self) -> torch.Tensor:
         """[T, max_len]: which context positions each token sees (causal, or its tree)."""

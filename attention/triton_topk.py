@@ -1,28 +1,32 @@
 """The top-k of sparse attention's indexer scores on a GPU: per row the positions of the
 `topk` highest finite scores (`index_cache.select_top`'s contract; that is the reference and
-the CPU path), as a radix select that spreads each row over many programs.
+the CPU path), each row spread over many programs, in three launches.
 
-Why: at 32k scores and k 2048, torch's top-k took 51 of a 70 us sparse decode step at batch
-1 on an H100 (several kernels per 2-bit digit), and a select with one program per row 83-112
-us (bench/notes/session22-h100-2026-11-24.md): one program cannot overlap its chain of loads
-and block reductions. Here every pass runs many programs per row, `chunk` positions each.
-Not timed on a GPU yet: `python -m bench.sparse_decode` puts it beside torch's.
+Why: torch's top-k took 51 of a 70 us sparse decode step at batch 1 on an H100, and more
+programs a row are what hides the latency of a pass over the scores. Against the selects it
+replaced (H100, k 2048, the Gluon indexer's scores; bench/notes/session32-h100-2026-11-27.md):
+at 1 / 32 / 128 rows of 32k, 19 / 31 / 62 us where a byte-digit radix select over many
+programs (five launches) took 23 / 47 / 186 and one program a row 65-66; at 128k, 26 / 64 /
+185 against 29 / 181 / 981 and 207-247; torch's 51-106 and 62-304.
 
-How: each score becomes an int32 key whose unsigned order is the scores' (-0 and +0 one key),
-read as four byte digits from the top. Five launches, each a pass over the scores. Level 1
-counts the top digit (a histogram per program, added into the row's with atomics) and keeps
-per chunk how many keys reach each digit. Level L (2-4) finds the row's threshold digit of
-level L-1 in that histogram (where the count from the top reaches the slots left), writes
-the positions above it and counts the next digit over the keys at it. Level 5 does the same
-for the last digit, then writes the positions whose key equals the k-th, lowest positions
-first, as many as slots are left. A chunk knows where its positions go from the counts of
-the chunks before it: the result is deterministic, order included (per level, by position).
-A chunk without keys in a level's group skips that pass (at level 5 most chunks do).
+How, per row (`chunk` positions a program in the first two launches):
+- count: every program takes the row's bins from the same sample (`_range`: the lowest and
+  highest finite scores of `SAMPLE` positions spread over the row span 256 linear bins,
+  monotone in the score, those outside in the end bins, +inf in the last; so the select is
+  exact whatever the sample), counts its chunk's scores in them, keeps its counts from each
+  bin up (for the programs after it) and adds them into the row's histogram;
+- split: every program finds the bin of the k-th score in the row's histogram and writes its
+  chunk's positions above it and lists those in it (the candidates, up to `CAP` a row), each
+  from where the chunks before it end (one scan a block ranks both): position order;
+- finish, one program a row: the candidates' keys (int32 whose unsigned order is the scores')
+  down to the k-th key a byte digit at a time (up to `SMALL_TILE` candidates read once into
+  registers; more than `CAP` read from the whole row), those above it written, then those
+  equal to it, lowest positions first, as many as slots are left; -1 past the finite scores;
+  the row's histogram zeroed for the next call.
 
-No host synchronisation and shapes from the scores' alone: CUDA graphs capture it. The row
-histograms must be zero as a call starts; each level clears one that is no longer read (the
-last one at the next call's level 2), so a caller that keeps them (`top_hist`) saves a
-memset per call.
+The output is the same on every run, order included. No host synchronisation and shapes
+from the scores alone: CUDA graphs capture it. Triton's `tl.histogram` costs about 80
+instructions per 32 values at 256 bins: the byte digits count candidates only.
 """
 
 from __future__ import annotations
@@ -33,7 +37,11 @@ import torch
 import triton
 import triton.language as tl
 
-LEVELS, BINS, STATE = 4, 256, 8  # byte digits of a key; a row's state: see `_decide`
+SAMPLE = tl.constexpr(512)  # positions each program's bins come from
+CAP = tl.constexpr(4096)  # candidates a row lists (more: read from the whole row)
+# up to this many candidates (the usual count: about 130 at 32k, 500 at 128k) are read once
+# into registers, and their byte digits counted over a tile this wide, not the row's
+SMALL_TILE = 512
 
 
 @triton.jit
@@ -44,15 +52,8 @@ def _finite(scores, pos, end):
 
 
 @triton.jit
-def _keys(scores, pos, width):
-    """Keys of the scores at `pos` (unsigned order = the scores'), and which are above -inf."""
-    x, finite = _finite(scores, pos, width)
-    return _key_of(x), finite
-
-
-@triton.jit
 def _key_of(x):
-    """`_keys` of scores in registers."""
+    """Keys of scores (int32 whose unsigned order is the scores'; -0 and +0 one key)."""
     bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
     key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     return key ^ -2147483648
@@ -75,14 +76,6 @@ def _in_group(key, finite, prefix, LEVEL: tl.constexpr):
 
 
 @triton.jit
-def _threshold(hist, left, FIRST: tl.constexpr):
-    """From a histogram of 256 digits: the slots for its keys (`left`, at the first level
-    at most the keys there are), the digit at which the count from the top reaches them,
-    and the slots left for the keys at it once those above have theirs."""
-    return _cut(tl.load(hist + tl.arange(0, 256)), left, FIRST)
-
-
-@triton.jit
 def _cut(h, left, FIRST: tl.constexpr):
     """`_threshold` of a histogram `h` [256] in registers."""
     bins = tl.arange(0, 256)
@@ -92,29 +85,6 @@ def _cut(h, left, FIRST: tl.constexpr):
     at_least = total - tl.cumsum(h, 0) + h
     digit = tl.sum((at_least >= left).to(tl.int32), 0) - 1
     return left, digit, left - tl.sum(tl.where(bins > digit, h, 0), 0)
-
-
-@triton.jit
-def _decide(hist, state, c, topk, LEVEL: tl.constexpr):
-    """Level LEVEL - 1's threshold digit, from its row histogram. A row's state: the slots
-    it fills (min(topk, finite scores)), then per level its prefix (the top bytes of the
-    k-th key) and the slots left after the keys above it; the row's first program records
-    them. Returns (slots, left before, left after, digit, prefix of the group so far)."""
-    level_hist = hist + (LEVEL - 2) * 256
-    if LEVEL == 2:
-        filled, digit, left = _threshold(level_hist, topk, True)
-        left_in, prefix = filled, 0
-    else:
-        filled = tl.load(state)
-        prefix = tl.load(state + 2 * (LEVEL - 2) - 1)
-        left_in = tl.load(state + 2 * (LEVEL - 2))
-        left_in, digit, left = _threshold(level_hist, left_in, False)
-    if LEVEL < 5 and c == 0:
-        if LEVEL == 2:
-            tl.store(state, filled)
-        tl.store(state + 2 * (LEVEL - 1) - 1, prefix * 256 + digit)
-        tl.store(state + 2 * (LEVEL - 1), left)
-    return filled, left_in, left, digit, prefix
 
 
 @triton.jit
@@ -138,89 +108,233 @@ def _write(out, chosen, pos, slot):
 
 
 @triton.jit
-def _fill_unused(out, filled, topk, c, chunks, BLOCK: tl.constexpr):
-    """-1 in slots `filled` .. topk, the chunks' programs a share each."""
-    share = tl.cdiv(topk, chunks)
-    end = tl.minimum(c * share + share, topk)
-    for start in range(tl.maximum(c * share, filled), end, BLOCK):
-        slot = start + tl.arange(0, BLOCK)
-        tl.store(out + slot, tl.full([BLOCK], -1, tl.int64), mask=slot < end)
+def _bin(x, finite, low, per):
+    """The scores' linear bins (0-255) from `low` (`per` = 255 / (highest - low), 0 when
+    that is no width): monotone in the score, +inf in the last."""
+    v = tl.where(finite & (x < float("inf")), x, low)
+    b = tl.minimum(tl.maximum((v - low) * per, 0.0), 255.0).to(tl.int32)
+    return tl.where(x == float("inf"), 255, b)
 
 
-@triton.jit(do_not_specialize=["s_row", "width", "chunks"])
-def _level_kernel(
+@triton.jit
+def _range(scores, end, TILE: tl.constexpr):
+    """The row's bins: the lowest finite score of TILE positions spread over
+    the row (all of a row that short) and `_bin`'s `per` to their highest.
+    Scores outside it fall in the first or last bin: the bins stay monotone,
+    so the select stays exact whatever the sample; it only holds fewer
+    candidates, the closer the sample's range is to the row's."""
+    i = tl.arange(0, TILE)
+    x, finite = _finite(scores, (i.to(tl.int64) * end // TILE).to(tl.int32), end)
+    finite &= x < float("inf")
+    low = tl.min(tl.where(finite, x, float("inf")), 0)
+    high = tl.max(tl.where(finite, x, float("-inf")), 0)
+    per = tl.where(high > low, 255.0 / (high - low), 0.0)
+    return tl.where(low < float("inf"), low, 0.0), per
+
+
+@triton.jit
+def _count(scores, start, stop, end, low, per, TILE: tl.constexpr):
+    """The histogram [256] of positions start..stop's scores over the bins."""
+    tile = tl.arange(0, TILE)
+    hist = tl.zeros([256], tl.int32)
+    for t0 in range(start, stop, TILE):
+        x, finite = _finite(scores, t0 + tile, end)
+        hist += tl.histogram(_bin(x, finite, low, per), 256, mask=finite & (t0 + tile < stop))
+    return hist
+
+
+@triton.jit
+def _split(scores, out, spill, span, bins, at, slot, count, TILE: tl.constexpr, CAP: tl.constexpr):
+    """Positions start..stop in bins above `at` to `out` from `slot` on (position order),
+    those in bin `at` (the candidates) to `spill` from `count` on while CAP hold them;
+    returns the next of each. One scan a tile ranks both: their counts in the low and high
+    16 bits (a tile is under 65536 wide)."""
+    start, stop, end = span
+    low, per = bins
+    tile = tl.arange(0, TILE)
+    for t0 in range(start, stop, TILE):
+        pos = t0 + tile
+        x, finite = _finite(scores, pos, end)
+        finite &= pos < stop
+        b = _bin(x, finite, low, per)
+        above, member = finite & (b > at), finite & (b == at)
+        both = above.to(tl.int32) + (member.to(tl.int32) << 16)
+        ranks = tl.cumsum(both, 0) - both  # of the tile's earlier ones
+        rank = slot + (ranks & 0xFFFF)
+        tl.store(out + rank, pos.to(tl.int64), mask=above)
+        rank = count + (ranks >> 16)
+        tl.store(spill + rank, pos, mask=member & (rank < CAP))
+        total = tl.sum(both, 0)
+        slot += total & 0xFFFF
+        count += total >> 16
+    return slot, count
+
+
+@triton.jit
+def _candidates(scores, spill, i0, kept, TILE: tl.constexpr):
+    """Tile i0 of the candidates: from `spill` where `listed`, else of the whole row (its
+    members those in bin `at`). Returns their keys, positions, membership."""
+    at, low, per, end, listed, n = kept
+    i = i0 + tl.arange(0, TILE)
+    pos = tl.load(spill + i, mask=i < tl.where(listed, n, 0), other=0)
+    pos = tl.where(listed, pos, i)
+    x, finite = _finite(scores, pos, end)
+    member = finite & (_bin(x, finite, low, per) == at) & (i < n)
+    return _key_of(x), pos, member
+
+
+@triton.jit
+def _kth_of_tile(key, member, left):
+    """The k-th key's (`left`-th from the top) among the members of one
+    tile, a byte a time: (the key, the slots left for the keys equal to it)."""
+    prefix = 0
+    for level in tl.static_range(1, 5):
+        group = _in_group(key, member, prefix, level - 1)
+        hist = tl.histogram(_digit(key, level), 256, mask=group)
+        _, digit, left = _cut(hist, left, False)
+        prefix = (prefix << 8) | digit
+    return prefix, left
+
+
+@triton.jit
+def _take(out, key, pos, member, kth, filled, left, slot, tied):
+    """The members above the k-th key `kth` to slots from `slot`; those
+    equal to it to the last `left` slots before `filled`, lowest positions
+    first (`tied` of them already seen). Returns (slot, tied) after them."""
+    signed, kth = key ^ -2147483648, kth ^ -2147483648  # unsigned order as int32's
+    slot = _write(out, member & (signed > kth), pos, slot)
+    tie = member & (signed == kth)
+    rank = tied + tl.cumsum(tie.to(tl.int32), 0) - 1
+    tl.store(out + filled - left + rank, pos.to(tl.int64), mask=tie & (rank < left))
+    return slot, tied + tl.sum(tie.to(tl.int32), 0)
+
+
+@triton.jit
+def _finish(scores, out, spill, kept, slots, topk, TILE: tl.constexpr, SMALL: tl.constexpr):
+    """The candidates' part of the selection (those in the k-th's bin, `count` listed in
+    `spill` while they fit its CAP, else read from the whole row), then -1 in the slots no
+    finite score takes. `slots`: (filled, the slots left for the candidates, the next)."""
+    at, low, per, end, listed, count = kept
+    filled, left, slot = slots
+    n = tl.where(listed, count, end)
+    kept = (at, low, per, end, listed, n)
+    if n <= SMALL:  # the usual case: the candidates gathered once, kept in registers
+        few = _candidates(scores, spill, 0, kept, SMALL)
+        kth, left = _kth_of_tile(few[0], few[2], left)
+        _take(out, few[0], few[1], few[2], kth, filled, left, slot, 0)
+    else:
+        prefix = 0
+        for level in tl.static_range(1, 5):  # the k-th key, a byte a time
+            hist = tl.zeros([256], tl.int32)
+            for i0 in range(0, n, TILE):
+                key, pos, member = _candidates(scores, spill, i0, kept, TILE)
+                group = _in_group(key, member, prefix, level - 1)
+                hist += tl.histogram(_digit(key, level), 256, mask=group)
+            _, digit, left = _cut(hist, left, False)
+            prefix = (prefix << 8) | digit
+        tied = 0
+        for i0 in range(0, n, TILE):
+            key, pos, member = _candidates(scores, spill, i0, kept, TILE)
+            slot, tied = _take(out, key, pos, member, prefix, filled, left, slot, tied)
+    tile = tl.arange(0, TILE)
+    for s0 in range(0, topk, TILE):
+        s = s0 + tile
+        tl.store(out + s, tl.full([TILE], -1, tl.int64), mask=(s >= filled) & (s < topk))
+
+
+@triton.jit
+def _row_end(Lens, row, width, LENS: tl.constexpr):
+    """Row `row`'s positions: up to its length (`Lens`) within the width."""
+    end = width
+    if LENS:
+        end = tl.minimum(tl.load(Lens + row).to(tl.int32), width)
+    return end
+
+
+@triton.jit(do_not_specialize=["s_row", "width", "topk", "chunks"])
+def _chunk_kernel(
     Scores,
+    Lens,
     Out,
     Hist,
-    State,
-    SfxIn,
-    SfxOut,
+    Sfx,
+    Spill,
     s_row,
     width,
     topk,
     chunks,
-    LEVEL: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
+    LENS: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
-    """One pass of one chunk of a row; SfxIn / SfxOut: per chunk how many of the level's
-    group have each digit or above, from the last level / for the next."""
+    """Program (row, c) over chunk c of the row: its counts (`Sfx`, and added into `Hist`),
+    or, once `Hist` holds the row's (SPLIT), its positions above the k-th's bin and its
+    candidates."""
     row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    scores, out = Scores + row * s_row, Out + row * topk
-    hist, state = Hist + row * (4 * 256), State + row * 8
-    sfx_in = SfxIn + row * chunks * 256
-    bins = tl.arange(0, 256)
-    counts = tl.zeros([256], tl.int32)
-    if LEVEL == 1:
-        for i in tl.static_range(0, CHUNK, BLOCK):
-            pos = c * CHUNK + i + tl.arange(0, BLOCK)
-            key, finite = _keys(scores, pos, width)
-            counts += tl.histogram(_digit(key, 1), 256, mask=finite)
+    scores, sfx = Scores + row * s_row, Sfx + row * chunks * 256
+    end = _row_end(Lens, row, width, LENS)
+    start, bins = c * CHUNK, tl.arange(0, 256)
+    if SPLIT:
+        if start < end:
+            filled, at, left = _cut(tl.load(Hist + row * 256 + bins), topk, True)
+            slot = _before(sfx, c, at + 1)  # the chunks before: above it
+            count = _before(sfx, c, at) - slot  # and in it
+            span = (start, tl.minimum(start + CHUNK, end), end)
+            out, spill = Out + row * topk, Spill + row * CAP
+            row_bins = _range(scores, end, SAMPLE)
+            _split(scores, out, spill, span, row_bins, at, slot, count, BLOCK, CAP)
     else:
-        members = tl.load(sfx_in + c * 256)  # of the level's group in the chunk
-        filled, left_in, left, digit, prefix = _decide(hist, state, c, topk, LEVEL)
-        above = _before(sfx_in, c, digit + 1)  # the chunks before: above it
-        slot = filled - left_in + above
-        if LEVEL == 5:  # and equal to the k-th key
-            tied = _before(sfx_in, c, digit) - above
-        if members > 0:
-            for i in tl.static_range(0, CHUNK, BLOCK):
-                pos = c * CHUNK + i + tl.arange(0, BLOCK)
-                key, finite = _keys(scores, pos, width)
-                group = _in_group(key, finite, prefix, LEVEL - 2)
-                d = _digit(key, LEVEL - 1)
-                slot = _write(out, group & (d > digit), pos, slot)
-                at = group & (d == digit)
-                if LEVEL < 5:
-                    counts += tl.histogram(_digit(key, LEVEL), 256, mask=at)
-                else:  # keys equal to the k-th: the lowest positions first
-                    rank = tied + tl.cumsum(at.to(tl.int32), 0) - 1
-                    take = at & (rank < left)
-                    tl.store(out + filled - left + rank, pos.to(tl.int64), mask=take)
-                    tied += tl.sum(at.to(tl.int32), 0)
-        if LEVEL == 2:
-            _fill_unused(out, filled, topk, c, chunks, BLOCK)
-        if c == 0:  # a histogram no longer read: zero for the next call
-            tl.store(hist + ((LEVEL + 1) % 4) * 256 + bins, tl.zeros([256], tl.int32))
-    if LEVEL < 5:
+        counts = tl.zeros([256], tl.int32)
+        if start < end:
+            low, per = _range(scores, end, SAMPLE)
+            stop = tl.minimum(start + CHUNK, end)
+            counts = _count(scores, start, stop, end, low, per, BLOCK)
         at_least = tl.sum(counts, 0) - tl.cumsum(counts, 0) + counts
-        tl.store(SfxOut + (row * chunks + c) * 256 + bins, at_least)
-        level_hist = hist + (LEVEL - 1) * 256 + bins
-        tl.atomic_add(level_hist, counts, mask=counts > 0, sem="relaxed")
+        tl.store(sfx + c * 256 + bins, at_least)
+        tl.atomic_add(Hist + row * 256 + bins, counts, mask=counts > 0, sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["s_row", "width", "topk"])
+def _finish_kernel(
+    Scores,
+    Lens,
+    Out,
+    Hist,
+    Spill,
+    s_row,
+    width,
+    topk,
+    TILE: tl.constexpr,
+    SMALL: tl.constexpr,
+    LENS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    scores = Scores + row * s_row
+    end = _row_end(Lens, row, width, LENS)
+    bins = tl.arange(0, 256)
+    hist = tl.load(Hist + row * 256 + bins)
+    filled, at, left = _cut(hist, topk, True)
+    count = tl.sum(tl.where(bins == at, hist, 0), 0)
+    low, per = _range(scores, end, SAMPLE)
+    kept = (at, low, per, end, count <= CAP, count)
+    out, spill = Out + row * topk, Spill + row * CAP
+    _finish(scores, out, spill, kept, (filled, left, filled - left), topk, TILE, SMALL)
+    tl.store(Hist + row * 256 + bins, tl.zeros([256], tl.int32))  # for the next call
 
 
 def top_hist(rows: int, device) -> torch.Tensor:
-    """Zeroed row histograms for `select_top_triton` ([rows, 4, 256] int32), which it
-    zeroes again for its next call: a caller that keeps them saves a memset per call."""
-    return torch.zeros(rows, LEVELS, BINS, dtype=torch.int32, device=device)
+    """Zeroed row histograms for `select_top_triton` ([rows, 256] int32), which it zeroes
+    again as it ends: a caller that keeps them saves a memset per call."""
+    return torch.zeros(rows, 256, dtype=torch.int32, device=device)
 
 
 CHUNKS = (512, 1024, 2048, 4096, 8192, 16384)  # the chunk sizes `default_chunk` picks
 
 
 def default_chunk(tokens: int, width: int) -> int:
-    """Positions per program: about 512 programs in all (4 per SM of an H100), 512-16k positions
-    (H100, batch 1 at 32k: 64 programs of 512 took 23 us, 32 of 1024 26 us)."""
+    """Positions per program: about 512 programs in all (4 per SM of an H100), 512-16k
+    (H100, k 2048: within 10% of the best of 1k-8k at 1 to 128 rows of 32k and 128k)."""
     per_program = triton.next_power_of_2(triton.cdiv(tokens * width, 512))
     return min(max(per_program, CHUNKS[0]), CHUNKS[-1])
 
@@ -228,15 +342,17 @@ def default_chunk(tokens: int, width: int) -> int:
 @functools.lru_cache(maxsize=None)
 def compile_every_chunk(topk: int, device: str) -> None:
     """Runs the select once per chunk size `default_chunk` can pick (its only compile-time
-    choice; widths, rows and chunk counts are runtime values), so no request compiles one:
-    a serving engine calls this while it warms up."""
+    choice with the rows' lengths, as the engine passes them; widths, rows and chunk counts
+    are runtime values), so that no request compiles one: an engine calls this as it warms up."""
+    lens = torch.ones(1, dtype=torch.int64, device=device)
     for chunk in CHUNKS:
-        select_top_triton(torch.zeros(1, chunk, device=device), topk, chunk=chunk)
+        select_top_triton(torch.zeros(1, chunk, device=device), topk, lens, chunk=chunk)
 
 
 def select_top_triton(
     scores: torch.Tensor,
     topk: int,
+    lens: torch.Tensor | None = None,
     hist: torch.Tensor | None = None,
     chunk: int | None = None,
     block: int = 1024,
@@ -244,8 +360,9 @@ def select_top_triton(
 ) -> torch.Tensor:
     """`select_top` on the GPU: scores [T, width] float32 -> per row the positions of the
     `topk` highest finite scores (ties: the lowest positions), then -1, [T, topk] int64.
-    `hist`: zeroed histograms of at least T rows (`top_hist`; fresh ones if None). `chunk`
-    positions per program (a power of two; `default_chunk`), in blocks of `block`."""
+    `lens` [T]: row t's positions from `lens[t]` on count as -inf, unread. `hist`: zeroed
+    histograms of at least T rows (`top_hist`; fresh ones if None). `chunk` positions per
+    program (a power of two; `default_chunk`), in blocks of `block`."""
     tokens, width = scores.shape
     device = scores.device
     out = torch.empty(tokens, topk, dtype=torch.int64, device=device)
@@ -254,26 +371,17 @@ def select_top_triton(
     assert scores.dtype == torch.float32 and scores.stride(1) == 1
     chunk = chunk or default_chunk(tokens, width)
     block, chunks = min(block, chunk), triton.cdiv(width, chunk)
-    assert chunk % block == 0, "chunks of whole blocks"
     hist = top_hist(tokens, device) if hist is None else hist
     assert hist.is_contiguous() and hist.shape[0] >= tokens
-    state = torch.empty(tokens, STATE, dtype=torch.int32, device=device)
-    sfx = torch.empty(2, tokens, chunks, BINS, dtype=torch.int32, device=device)
-    for level in range(1, LEVELS + 2):
-        _level_kernel[(tokens, chunks)](
-            scores,
-            out,
-            hist,
-            state,
-            sfx[(level - 1) % 2],
-            sfx[level % 2],
-            scores.stride(0),
-            width,
-            topk,
-            chunks,
-            LEVEL=level,
-            CHUNK=chunk,
-            BLOCK=block,
-            num_warps=num_warps,
-        )
+    sfx = torch.empty(tokens, chunks, 256, dtype=torch.int32, device=device)
+    spill = torch.empty(tokens, CAP.value, dtype=torch.int32, device=device)
+    rows = scores if lens is None else lens
+    common = dict(CHUNK=chunk, BLOCK=block, LENS=lens is not None, num_warps=num_warps)
+    grid, stride = (tokens, chunks), scores.stride(0)
+    args = (scores, rows, out, hist, sfx, spill, stride, width, topk, chunks)
+    for split in (False, True):
+        _chunk_kernel[grid](*args, **common, SPLIT=split)
+    tile = min(2048, chunk)  # one variant per chunk: `compile_every_chunk` compiles them all
+    finish = dict(TILE=tile, SMALL=min(SMALL_TILE, tile), LENS=lens is not None, num_warps=8)
+    _finish_kernel[(tokens,)](scores, rows, out, hist, spill, stride, width, topk, **finish)
     return out

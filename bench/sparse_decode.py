@@ -9,18 +9,16 @@ scattered; `--fp8-keys`: the indexer keys in FP8, the production layout): the de
 `mla_decode` over every position; the sparse step is what the triton backend runs, the
 indexer's scores over every position's key (`triton_backend.indexer_kernel`: with FP8
 keys on Hopper, the Gluon kernel with FP8 queries; else `triton_dsa`'s), the top-k
-(`triton_backend.select_top_gpu`: by the row count, the many-programs select of
-`triton_topk`, its row histograms kept as the backend keeps them, torch's, or one program
-per row, `triton_topk_rows`), and `mla_decode` over the selected positions. Each is timed
-as a CUDA graph replay (median), the sparse step's parts too, with each top-k beside the
-backend's (ours of both kinds, `--topk-*`: the many-programs' launch, default
-`default_chunk`, blocks of 1024, 4 warps; torch's unsorted, `select_top`, and sorted), and
-the sparse step against its roofline: the bytes it must read (every token's indexer key,
-the selected latents) over the copy bandwidth measured in the same run. Both MLA decodes
-are the triton backend's (Gluon's kernel on Hopper; `--triton-mla`: the Triton kernel's).
-Beside the backend's scores: the Triton kernel's and, with FP8 keys on Hopper, the Gluon
-kernel's with 16-bit and with FP8 queries. `same` says whether each of our top-ks chose torch's set in every
-row (random scores: no ties). The issue's goal at 32k: the sparse step <= 0.25x the dense
+(`triton_topk.select_top_triton`, bounded by the contexts, its row histograms kept as the
+backend keeps them; `--topk-*`: its launch, default `default_chunk`, blocks of 1024, 4
+warps), and `mla_decode` over the selected positions. Each is timed as a CUDA graph replay
+(median), the sparse step's parts too, with torch's top-k beside ours (unsorted,
+`select_top`, and sorted), and the sparse step against its roofline: the bytes it must
+read (every token's indexer key, the selected latents) over the copy bandwidth measured in
+the same run. Both MLA decodes are the triton backend's (Gluon's kernel on Hopper;
+`--triton-mla`: the Triton kernel's). Beside the backend's scores: the Triton kernel's and,
+with FP8 keys on Hopper, the Gluon kernel's with 16-bit and with FP8 queries. `same` says
+whether our top-k chose torch's set in every row (random scores: no ties). The issue's goal at 32k: the sparse step <= 0.25x the dense
 one, within 2x of its roofline. Prints a table and writes JSON.
 """
 
@@ -122,24 +120,10 @@ SCORES_LAUNCH: dict = {}  # `--scores-launch`: indexer_scores' block_n, num_warp
 
 
 def top_part(c: dict, scores: torch.Tensor) -> torch.Tensor:
-    """The backend's top-k (`select_top_gpu`: by the rows, ours or torch's)."""
-    from dserve.attention.triton_backend import select_top_gpu
-
-    return select_top_gpu(scores, TOPK, c["lens"], c["hist"])
-
-
-def chunks_top(c: dict, scores: torch.Tensor) -> torch.Tensor:
-    """The many-programs select (`--topk-*`: its launch)."""
+    """The backend's top-k (`--topk-*`: its launch)."""
     from dserve.attention.triton_topk import select_top_triton
 
-    return select_top_triton(scores, TOPK, hist=c["hist"], **TOP_LAUNCH)
-
-
-def rows_top(c: dict, scores: torch.Tensor) -> torch.Tensor:
-    """The one-program-per-row select."""
-    from dserve.attention.triton_topk_rows import select_top_rows
-
-    return select_top_rows(scores, TOPK, lens=c["lens"])
+    return select_top_triton(scores, TOPK, c["lens"], c["hist"], **TOP_LAUNCH)
 
 
 def torch_top(scores: torch.Tensor) -> torch.Tensor:
@@ -195,16 +179,12 @@ def row(batch: int, context: int, repeats: int, copy: float, fp8_keys: bool) -> 
         "scores_ms": lambda: scores_part(c, context),
         "triton_scores_ms": lambda: scores_part(c, context, "triton"),
         "top_ms": lambda: top_part(c, scores),
-        "chunks_top_ms": lambda: chunks_top(c, scores),
-        "rows_top_ms": lambda: rows_top(c, scores),
         "torch_top_ms": lambda: torch_top(scores),
         "sorted_top_ms": lambda: sorted_top(scores),
         "mla_ms": lambda: sparse_mla_part(c, chosen),
     }
     torch_chosen = torch_top(scores)
     r = {"batch": batch, "context": context, "same": same_sets(chosen, torch_chosen)}
-    r["same"] &= same_sets(rows_top(c, scores), torch_chosen)
-    r["same"] &= same_sets(chunks_top(c, scores), torch_chosen)
     if gluon_indexer.supported(c["q_index"], c["keys"], c["key_scales"]):
         times["gluon_scores_ms"] = lambda: scores_part(c, context, "gluon16")
         times["gluon8_scores_ms"] = lambda: scores_part(c, context, "gluon8")
@@ -232,8 +212,6 @@ COLUMNS = [
     ("gluon_scores_ms", "gluon16", "{:>8.3f}"),
     ("gluon8_scores_ms", "gluon8", "{:>8.3f}"),
     ("top_ms", "top-k", "{:>8.3f}"),
-    ("chunks_top_ms", "chunks", "{:>8.3f}"),
-    ("rows_top_ms", "rows", "{:>8.3f}"),
     ("torch_top_ms", "torch", "{:>8.3f}"),
     ("sorted_top_ms", "sorted", "{:>8.3f}"),
     ("mla_ms", "mla", "{:>8.3f}"),

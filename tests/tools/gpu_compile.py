@@ -183,7 +183,6 @@ def dsa_and_norm_launches(gen: torch.Generator) -> None:
     from dserve.attention.index_cache import key_scales
     from dserve.attention.triton_dsa import indexer_scores
     from dserve.attention.triton_topk import select_top_triton
-    from dserve.attention.triton_topk_rows import select_top_rows
     from dserve.kernels.triton_norm import rms_norm
     from dserve.memory.kv_pool import KVLayout, KVPool
 
@@ -196,7 +195,7 @@ def dsa_and_norm_launches(gen: torch.Generator) -> None:
     scales = key_scales(fp8[1])  # FP8 keys: a page's keys, then their scales
     indexer_scores(q, torch.randn(2, 32), fp8[0], table, rows, lens, 0.1, 512, key_scales=scales)
     select_top_triton(torch.randn(2, 4096), 2048)
-    select_top_rows(torch.randn(2, 4096), 2048, lens=torch.tensor([4096, 100]))
+    select_top_triton(torch.randn(2, 4096), 2048, torch.tensor([4096, 100]))
     x = torch.randn(3, 7168).to(torch.bfloat16)
     rms_norm(x, torch.ones(7168).to(torch.bfloat16), 1e-6, x.clone(), quant_group=128)
 
