@@ -39,8 +39,9 @@ import triton.language as tl
 
 SAMPLE = tl.constexpr(512)  # positions each program's bins come from
 CAP = tl.constexpr(4096)  # candidates a row lists (more: read from the whole row)
-# up to this many candidates (the usual count: about 130 at 32k, 500 at 128k) are read once
-# into registers, and their byte digits counted over a tile this wide, not the row's
+# up to this many candidates (the usual count: a 256th of a row's span of scores holds a few
+# hundred of 32k-128k) are read once into registers, and their byte digits counted over a
+# tile this wide, not the row's
 SMALL_TILE = 512
 
 
@@ -77,7 +78,9 @@ def _in_group(key, finite, prefix, LEVEL: tl.constexpr):
 
 @triton.jit
 def _cut(h, left, FIRST: tl.constexpr):
-    """`_threshold` of a histogram `h` [256] in registers."""
+    """From a histogram `h` [256] (of bins or byte digits): the slots for its keys (`left`;
+    FIRST: at most the keys there are), the bin at which the count from the top reaches
+    them, and the slots left for the keys in that bin once those above it have theirs."""
     bins = tl.arange(0, 256)
     total = tl.sum(h, 0)
     if FIRST:
