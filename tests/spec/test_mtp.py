@@ -83,39 +83,52 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(512) for _ in range(length)] for length in (5, 20, 37, 70)[:n]]
 
 
+# three greedy requests that draft and a seeded sampling one with logprobs (which does not),
+# in one batch; chunked prefill so the draft catches up over prompt chunks too, small pages
+MIXED = [GREEDY] * 3 + [
+    {
+        "temperature": 0.8,
+        "seed": 7,
+        "max_new_tokens": 24,
+        "ignore_eos": True,
+        "return_logprob": True,
+    }
+]
+CHUNKED = dict(chunked_prefill_size=16, page_size=4)
+
+
+def assert_drafting_changes_no_output(make_engine, target: str, engine) -> list:
+    """`engine` (speculating, with `CHUNKED`) answers `MIXED` as the target alone does, every
+    drafting request verified drafts, and every page of its pools is back at the end (the
+    fixture checks the invariants after each step too). Returns its results."""
+    plain = make_engine(target, **CHUNKED)
+    expected = plain.generate(input_ids=prompts(4), sampling_params=MIXED)
+    got = engine.generate(input_ids=prompts(4), sampling_params=MIXED)
+    assert [g.output_ids for g in got] == [e.output_ids for e in expected]
+    assert all(g.meta["spec_verify_ct"] >= 1 for g in got[:3])
+    engine.check_invariants()
+    assert all(not g.kv.tables for g in engine.groups)
+    return got
+
+
 @pytest.mark.parametrize("arch", MTP_ARCHES)
 @pytest.mark.parametrize("steps,topk", [(1, 1), (3, 1), (3, 4)])
 def test_speculation_changes_no_output(arch, steps, topk, tiny_dir, make_engine):
-    """Greedy drafting requests and a seeded sampling request with logprobs (which does not draft) in
-    one batch; chunked prefill so the draft catches up over prompt chunks too. Random weights: most
-    drafts are rejected, so pages come and go every step (the fixture's invariant checker runs after)."""
+    """`MIXED` with and without MTP. Random weights: most drafts are rejected, so pages come
+    and go every step."""
     path = tiny_dir(arch, mtp=True)
-    params = [GREEDY] * 3 + [
-        {
-            "temperature": 0.8,
-            "seed": 7,
-            "max_new_tokens": 24,
-            "ignore_eos": True,
-            "return_logprob": True,
-        }
-    ]
-    kwargs = dict(chunked_prefill_size=16, page_size=4)
-    expected = make_engine(path, **kwargs).generate(input_ids=prompts(4), sampling_params=params)
     engine = make_engine(
         path,
         speculative_algorithm="mtp",
         speculative_num_steps=steps,
         speculative_eagle_topk=topk,
-        **kwargs,
+        **CHUNKED,
     )
-    got = engine.generate(input_ids=prompts(4), sampling_params=params)
-    assert [g.output_ids for g in got] == [e.output_ids for e in expected]
+    got = assert_drafting_changes_no_output(make_engine, path, engine)
     for g in got[:3]:
-        assert g.meta["spec_verify_ct"] >= 1 and g.meta["spec_accept_length"] >= 1
+        assert g.meta["spec_accept_length"] >= 1
         assert g.meta["spec_verify_ct"] <= len(g.output_ids)
     assert "spec_verify_ct" not in got[3].meta  # requests with logprobs decode without drafts
-    engine.check_invariants()
-    assert all(not g.kv.tables for g in engine.groups)
 
 
 def oracle_drafts(engine, answer: list[int], steps: int = 3) -> None:
