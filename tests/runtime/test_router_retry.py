@@ -101,15 +101,19 @@ def test_a_dead_decode_and_failed_transfers_lose_no_request(tiny_dir, tmp_path, 
                 assert tokens == expected[i], f"request {i}"
             else:  # only a stream that had received tokens may fail
                 assert i % 2 and tokens, f"request {i} failed before any token: {error}"
-        text = get(router.url + "/metrics")[1]
-        assert metric_value(text, "dserve_router_retries_total") > 0
-        prefill_text = get(prefill.url + "/metrics")[1]
+        retries = metric_value(get(router.url + "/metrics")[1], "dserve_router_retries_total")
+        failed = get(prefill.url + "/metrics")[1]
+        failed = metric_value(failed, "dserve_kv_transfer_failures_total")
+        cut = sum(e is not None for _, e in results)
         print(
-            f"{sum(e is not None for _, e in results)} streams cut after their first tokens, "
-            f"{metric_value(text, 'dserve_router_retries_total'):.0f} retries, "
-            f"{metric_value(prefill_text, 'dserve_kv_transfer_failures_total'):.0f} "
-            "transfers failed on purpose"
+            f"{cut} streams cut after their first tokens, {retries:.0f} retries, "
+            f"{failed:.0f} transfers failed (on purpose, or to the dead decode)"
         )
+        # a failed transfer's request went to the other pair, unless it was a stream that had
+        # tokens (cut). Rooms are random, so a run may inject no failure (0.95 ** 60: 5%) and
+        # the kill find only such streams on the dead decode: then nothing was retried
+        # (session 32 saw one such run); the checks above hold in every run
+        assert retries > 0 or failed <= cut
         assert_all_pages_free(prefill, decodes[0], timeout=30)
     finally:
         stop_all(procs)
