@@ -9,45 +9,15 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
-from aiohttp import web
 
 from dserve.runtime.router import SLOW_PROBES_TO_REMOVE, Router
 from dserve.runtime.server_config import RouterConfig
-from tests.servers import free_port
-
-
-class Instance:
-    """`/health` answering 200, 503 or only after `delay_s`; `/server_info` with a bootstrap port."""
-
-    def __init__(self):
-        self.status, self.delay_s, self.port, self.runner = 200, 0.0, free_port(), None
-
-    async def health(self, _):
-        await asyncio.sleep(self.delay_s)
-        return web.json_response({}, status=self.status)
-
-    async def server_info(self, _):
-        return web.json_response({"bootstrap_port": 1})
-
-    async def start(self):
-        app = web.Application()
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/server_info", self.server_info)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
-
-    async def stop(self):
-        await self.runner.cleanup()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+from tests.runtime.stubs import StubInstance
 
 
 def test_slow_gone_and_unhealthy_instances():
     async def scenario():
-        prefill, decode = Instance(), Instance()
+        prefill, decode = StubInstance(), StubInstance()
         for inst in (prefill, decode):
             await inst.start()
         # probes time out after 1 s

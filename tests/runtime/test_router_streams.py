@@ -14,6 +14,7 @@ from aiohttp import web
 
 from dserve.runtime.router import Router
 from dserve.runtime.server_config import RouterConfig
+from tests.runtime.stubs import StubInstance
 from tests.servers import free_port
 
 STREAMS = 120
@@ -22,16 +23,15 @@ NEXT = b'data: {"text": "b", "output_ids": [8]}\n\n'
 END = b"data: [DONE]\n\n"
 
 
-class Stub:
-    """A stand-in instance: `/health`, `/server_info`, and a `/generate` stream of one event
-    (the prefill's: the first token; the decode's: the next one, then it waits for `release`
-    before it ends)."""
+class Stub(StubInstance):
+    """A stand-in whose `/generate` streams one event: the prefill's the first token; the
+    decode's the next one, then it waits for `release` before it ends."""
 
     def __init__(self, role: str, release: asyncio.Event):
-        self.role, self.release, self.port = role, release, free_port()
-        self.open_streams, self.runner = 0, None
+        super().__init__(self.stream)
+        self.role, self.release, self.open_streams = role, release, 0
 
-    async def generate(self, request: web.Request) -> web.StreamResponse:
+    async def stream(self, request: web.Request) -> web.StreamResponse:
         await request.read()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
@@ -44,25 +44,6 @@ class Stub:
         await resp.write(END)
         self.open_streams -= 1
         return resp
-
-    async def health(self, _) -> web.Response:
-        return web.json_response({"status": "ok"})
-
-    async def server_info(self, _) -> web.Response:
-        return web.json_response({"bootstrap_port": 1})
-
-    async def start(self) -> None:
-        app = web.Application()
-        app.router.add_post("/generate", self.generate)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/server_info", self.server_info)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
 
 async def first_event(session, url: str, firsts: list, ends: list) -> None:
@@ -112,6 +93,6 @@ def test_streams_beyond_a_hundred_connections_all_start():
             await client.close()
             await runner.cleanup()
             for stub in (prefill, decode):
-                await stub.runner.cleanup()
+                await stub.stop()
 
     asyncio.run(scenario())
