@@ -20,7 +20,15 @@ rows by cp.async (Hopper's TMA has no gather).
 
 The weights take the place of the block's rope keys, which only the scores
 read. Shared memory: queries 72 KB, two blocks 144 KB. The splits are merged
-by `triton_mla.combine_splits`, the same as the Triton kernel's.
+by `triton_mla.combine_splits`, the same as the Triton kernel's. Merged in
+the kernel instead, by the last warpgroup to finish (an atomic ticket a
+thread), a launch took 74 us against 48 (batch 32, 4 splits): one
+warpgroup's loads of every split's partials wait for each other.
+
+The queries load in warpgroup 0, while the loader brings the first blocks,
+and the output's stores vectorize (its strides specialized): with the two,
+batch 32 over 2048 selected positions took 44 us a launch against 58
+(H100, bench/notes/session33-h100-2026-11-27.md).
 
 Each warpgroup waits for its weighted sum before it hands the stage back:
 with two stages the loader's slack is what matters. Issuing block k's sum
@@ -113,9 +121,10 @@ if HAVE_GLUON:
         return start, end
 
     @gluon.jit
-    def _load_queries(q_lat, q_rope, q_lat_s, q_rope_s, b, h0, s_ql_b, s_ql_h, s_qr_b, s_qr_h):
+    def _load_queries(q_lat_s, q_rope_s, q_at, h0):
         """The program's 64 heads' queries into shared memory, 64
         columns at a time."""
+        q_lat, q_rope, b, s_ql_b, s_ql_h, s_qr_b, s_qr_h = q_at
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
         rows = h0 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
         cols = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
@@ -183,9 +192,13 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _scores_half(queries, stages, bars, out, span, scale_log2, SPARSE: gl.constexpr):
-        """Default partition (warpgroup 0): scores, online softmax, the
-        weights for warpgroup 1, the left 256 value columns."""
-        q_lat_s, q_rope_s = queries
+        """Default partition (warpgroup 0): the queries into shared memory
+        (while the loader brings the first blocks), then the scores,
+        online softmax, the weights for warpgroup 1, the left 256 value
+        columns."""
+        q_lat_s, q_rope_s, q_at = queries
+        _load_queries(q_lat_s, q_rope_s, q_at, span[0])
+        fence_async_shared()
         kv_s, rope_s, alpha_s, l_s = stages
         ready, free, p_ready, done = bars
         mid_o, mid_lse, o_base, lse_base, s_mo_h, s_ml_h = out
@@ -300,12 +313,13 @@ if HAVE_GLUON:
         gl.store(out + at, o.to(out.dtype.element_ty))
 
     # counts that follow the batch, the context and the splits: one variant for all (Triton
-    # specializes an int on == 1 and on divisibility by 16), or a step compiles after ready
+    # specializes an int on == 1 and on divisibility by 16), or a step compiles after ready.
+    # The output's strides stay specialized: multiples of 512 whatever the splits (`mla_decode`
+    # makes them so), and the stores vectorize only where Triton knows that (unspecialized,
+    # every element was its own store: 11 us more a launch at batch 32, H100)
     @gluon.jit(
         do_not_specialize=[
             "s_pt_b",
-            "s_mo_b",
-            "s_mo_h",
             "s_ml_b",
             "s_ml_h",
             "min_split",
@@ -382,15 +396,15 @@ if HAVE_GLUON:
             mbarrier.init(free.index(i), count=2)
             mbarrier.init(p_ready.index(i), count=1)
         mbarrier.init(done, count=1)
-        _load_queries(q_lat, q_rope, q_lat_s, q_rope_s, b, h0, s_ql_b, s_ql_h, s_qr_b, s_qr_h)
-        fence_async_shared()
+        fence_async_shared()  # the barriers, before the partitions use them
         o_base = b.to(gl.int64) * s_mo_b + split * s_mo_s
         lse_base = b.to(gl.int64) * s_ml_b + split
         stages = (kv_s, rope_s, alpha_s, l_s)
         bars = (ready, free, p_ready, done)
         out = (mid_o, mid_lse, o_base, lse_base, s_mo_h, s_ml_h)
         span = (h0, start, end, sel_row)
-        queries = (q_lat_s, q_rope_s)
+        q_at = (q_lat, q_rope, b, s_ql_b, s_ql_h, s_qr_b, s_qr_h)
+        queries = (q_lat_s, q_rope_s, q_at)
         if SPARSE:
             gather = (cache, s_c_page, s_c_tok)
             gl.warp_specialize(
@@ -457,7 +471,7 @@ def mla_decode(
     assert q_latent.stride(-1) == 1 and q_rope.stride(-1) == 1
     assert cache.stride(-1) == 1 and page_table.stride(-1) == 1
     f32 = dict(dtype=torch.float32, device=q_latent.device)
-    out = torch.empty_like(q_latent)
+    out = torch.empty(batch, heads, rank, dtype=q_latent.dtype, device=q_latent.device)
     if num_splits == 1:  # the kernel writes the output: nothing to merge
         mid_out, mid_lse = out.unsqueeze(2), out[:, :, :1]
     else:

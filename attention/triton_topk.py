@@ -14,7 +14,8 @@ How, per row (`chunk` positions a program in the first two launches):
   highest finite scores of `SAMPLE` positions spread over the row span 256 linear bins,
   monotone in the score, those outside in the end bins, +inf in the last; so the select is
   exact whatever the sample), counts its chunk's scores in them, keeps its counts from each
-  bin up (for the programs after it) and adds them into the row's histogram;
+  bin up (for the programs after it) and adds them into the row's histogram; chunk 0's
+  program keeps the row's bins for the two launches after;
 - split: every program finds the bin of the k-th score in the row's histogram and writes its
   chunk's positions above it and lists those in it (the candidates, up to `CAP` a row), each
   from where the chunks before it end (one scan a block ranks both): position order;
@@ -262,6 +263,7 @@ def _chunk_kernel(
     Hist,
     Sfx,
     Spill,
+    Bins,
     s_row,
     width,
     topk,
@@ -271,9 +273,9 @@ def _chunk_kernel(
     LENS: tl.constexpr,
     SPLIT: tl.constexpr,
 ):
-    """Program (row, c) over chunk c of the row: its counts (`Sfx`, and added into `Hist`),
-    or, once `Hist` holds the row's (SPLIT), its positions above the k-th's bin and its
-    candidates."""
+    """Program (row, c) over chunk c of the row: its counts (`Sfx`, and added into `Hist`;
+    chunk 0 keeps the row's bins in `Bins`), or, once `Hist` holds the row's (SPLIT), its
+    positions above the k-th's bin and its candidates."""
     row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     scores, sfx = Scores + row * s_row, Sfx + row * chunks * 256
     end = _row_end(Lens, row, width, LENS)
@@ -285,14 +287,18 @@ def _chunk_kernel(
             count = _before(sfx, c, at) - slot  # and in it
             span = (start, tl.minimum(start + CHUNK, end), end)
             out, spill = Out + row * topk, Spill + row * CAP
-            row_bins = _range(scores, end, SAMPLE)
+            row_bins = tl.load(Bins + row * 2), tl.load(Bins + row * 2 + 1)
             _split(scores, out, spill, span, row_bins, at, slot, count, BLOCK, CAP)
     else:
         counts = tl.zeros([256], tl.int32)
-        if start < end:
+        if start < end or c == 0:
             low, per = _range(scores, end, SAMPLE)
-            stop = tl.minimum(start + CHUNK, end)
-            counts = _count(scores, start, stop, end, low, per, BLOCK)
+            if c == 0:  # the same for every chunk: the later launches read them
+                tl.store(Bins + row * 2, low)
+                tl.store(Bins + row * 2 + 1, per)
+            if start < end:
+                stop = tl.minimum(start + CHUNK, end)
+                counts = _count(scores, start, stop, end, low, per, BLOCK)
         at_least = tl.sum(counts, 0) - tl.cumsum(counts, 0) + counts
         tl.store(sfx + c * 256 + bins, at_least)
         tl.atomic_add(Hist + row * 256 + bins, counts, mask=counts > 0, sem="relaxed")
@@ -305,6 +311,7 @@ def _finish_kernel(
     Out,
     Hist,
     Spill,
+    Bins,
     s_row,
     width,
     topk,
@@ -319,7 +326,7 @@ def _finish_kernel(
     hist = tl.load(Hist + row * 256 + bins)
     filled, at, left = _cut(hist, topk, True)
     count = tl.sum(tl.where(bins == at, hist, 0), 0)
-    low, per = _range(scores, end, SAMPLE)
+    low, per = tl.load(Bins + row * 2), tl.load(Bins + row * 2 + 1)
     kept = (at, low, per, end, count <= CAP, count)
     out, spill = Out + row * topk, Spill + row * CAP
     _finish(scores, out, spill, kept, (filled, left, filled - left), topk, TILE, SMALL)
@@ -378,13 +385,15 @@ def select_top_triton(
     assert hist.is_contiguous() and hist.shape[0] >= tokens
     sfx = torch.empty(tokens, chunks, 256, dtype=torch.int32, device=device)
     spill = torch.empty(tokens, CAP.value, dtype=torch.int32, device=device)
+    bins = torch.empty(tokens, 2, dtype=torch.float32, device=device)  # each row's low, per
     rows = scores if lens is None else lens
     common = dict(CHUNK=chunk, BLOCK=block, LENS=lens is not None, num_warps=num_warps)
     grid, stride = (tokens, chunks), scores.stride(0)
-    args = (scores, rows, out, hist, sfx, spill, stride, width, topk, chunks)
+    args = (scores, rows, out, hist, sfx, spill, bins, stride, width, topk, chunks)
     for split in (False, True):
         _chunk_kernel[grid](*args, **common, SPLIT=split)
     tile = min(2048, chunk)  # one variant per chunk: `compile_every_chunk` compiles them all
     finish = dict(TILE=tile, SMALL=min(SMALL_TILE, tile), LENS=lens is not None, num_warps=8)
-    _finish_kernel[(tokens,)](scores, rows, out, hist, spill, stride, width, topk, **finish)
+    launch = (scores, rows, out, hist, spill, bins, stride, width, topk)
+    _finish_kernel[(tokens,)](*launch, **finish)
     return out

@@ -1,5 +1,12 @@
 """Timing of GPU work for the benchmarks: CUDA events around a call, median over repeats; the
-device copy bandwidth they compare against."""
+device copy bandwidth they compare against.
+
+Each timed call starts behind a short sleep kernel (`LEAD_CYCLES`), so the start event runs only
+when the host has already queued the call: the events then bracket the GPU's work, not the host's
+launch latency. Without it an empty kernel replayed from a CUDA graph timed 15.9 us on an H100
+(the host's `cudaGraphLaunch`), where the kernel ran 0.9 us; in a decode step that latency is paid
+once for the whole step's graph, not once per layer
+(bench/notes/session33-h100-2026-11-27.md)."""
 
 from __future__ import annotations
 
@@ -7,14 +14,21 @@ import statistics
 
 import torch
 
+LEAD_CYCLES = 1_000_000
+"""The sleep before each timed call: about 0.5 ms at an H100's clocks, longer than the host
+takes to queue a graph's replay. A call that waits for the GPU part way (an eager step's
+readback) still shows the gaps that wait leaves; the sleep only hides its start."""
+
 
 def median_seconds(fn, repeats: int, warmup: int = 3) -> float:
-    """Median seconds of `fn()` on the current stream, after `warmup` untimed calls."""
+    """Median seconds of `fn()` on the current stream, after `warmup` untimed calls: the
+    GPU's time from the call's first kernel to its last (module docstring)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(LEAD_CYCLES)
         start.record()
         fn()
         end.record()
