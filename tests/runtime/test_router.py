@@ -7,14 +7,13 @@ is a 400 even with every instance down."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.runtime.stubs import StubInstance, served_in_thread
 from tests.servers import (
     assert_all_pages_free,
     free_port,
@@ -170,49 +169,21 @@ def test_bad_input_is_400_with_every_instance_down(tmp_path):
         proc.stop()
 
 
-class BrokenPrefill:
-    """A stand-in prefill on real HTTP, in this process: healthy on /health, but every
-    generation request gets HTTP 500."""
-
-    def __init__(self):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
-
-    async def _start(self):
-        async def health(_):
-            return web.json_response({"status": "ok"})
-
-        async def info(_):
-            return web.json_response({"bootstrap_port": free_port()})
-
-        async def fail(_):
-            return web.json_response({"error": {"message": "broken on purpose"}}, status=500)
-
-        app = web.Application()
-        app.router.add_get("/health", health)
-        app.router.add_get("/server_info", info)
-        app.router.add_post("/{path:.*}", fail)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
-
-    def stop(self):
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
+async def fail(_):
+    """Every generation request to a broken prefill: HTTP 500."""
+    return web.json_response({"error": {"message": "broken on purpose"}}, status=500)
 
 
 def test_a_failing_prefill_is_retried_and_its_circuit_opens(instances):
     """A prefill that answers 500 to every request: each request still succeeds (on the real
     prefill), and after two failures in a row the broken one's circuit opens."""
-    broken = BrokenPrefill()
-    prefills, decodes, logs = instances
-    fake = type("Instance", (), {"url": broken.url})
+    with served_in_thread(StubInstance(generate=fail)) as broken:
+        check_broken_prefill(broken, *instances)
+
+
+def check_broken_prefill(broken, prefills, decodes, logs):
     flags = ["--cb-failure-threshold", "2", "--cb-timeout-s", "600"]
-    proc = start_router([fake, prefills[0]], decodes, logs, *flags).wait_ready()
+    proc = start_router([broken, prefills[0]], decodes, logs, *flags).wait_ready()
     try:
         wait_for(lambda: get(proc.url + "/health")[0] == 200, 30, "the router is ready")
         for i in range(6):
@@ -226,4 +197,3 @@ def test_a_failing_prefill_is_retried_and_its_circuit_opens(instances):
         assert_all_pages_free(*prefills, *decodes)
     finally:
         proc.stop()
-        broken.stop()
