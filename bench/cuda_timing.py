@@ -1,12 +1,13 @@
 """Timing of GPU work for the benchmarks: CUDA events around a call, median over repeats; the
 device copy bandwidth they compare against.
 
-Each timed call starts behind a short sleep kernel (`LEAD_CYCLES`), so the start event runs only
-when the host has already queued the call: the events then bracket the GPU's work, not the host's
-launch latency. Without it an empty kernel replayed from a CUDA graph timed 15.9 us on an H100
-(the host's `cudaGraphLaunch`), where the kernel ran 0.9 us; in a decode step that latency is paid
-once for the whole step's graph, not once per layer
-(bench/notes/session33-h100-2026-11-27.md)."""
+A graph replay (`graph_seconds`) is timed behind a short sleep kernel (`LEAD_CYCLES`), so its
+start event runs only once the host has queued the replay: the events then bracket the GPU's
+work, not the host's launch latency. Without it an empty kernel replayed from a CUDA graph timed
+15.9 us on an H100 (the host's `cudaGraphLaunch`), where the kernel ran 0.9 us; a decode step pays
+that latency once for its whole graph, not once per layer
+(bench/notes/session33-h100-2026-11-27.md). Eager calls (`median_seconds` without `lead`, as the
+step benches time a forward) keep the host's time in: there the user waits for it."""
 
 from __future__ import annotations
 
@@ -15,20 +16,21 @@ import statistics
 import torch
 
 LEAD_CYCLES = 1_000_000
-"""The sleep before each timed call: about 0.5 ms at an H100's clocks, longer than the host
-takes to queue a graph's replay. A call that waits for the GPU part way (an eager step's
-readback) still shows the gaps that wait leaves; the sleep only hides its start."""
+"""The sleep before each timed replay: about 0.5 ms at an H100's clocks, longer than the host
+takes to queue a graph's replay."""
 
 
-def median_seconds(fn, repeats: int, warmup: int = 3) -> float:
-    """Median seconds of `fn()` on the current stream, after `warmup` untimed calls: the
-    GPU's time from the call's first kernel to its last (module docstring)."""
+def median_seconds(fn, repeats: int, warmup: int = 3, lead: bool = False) -> float:
+    """Median seconds of `fn()` on the current stream, after `warmup` untimed calls. `lead`:
+    each call behind a sleep kernel, so the time runs from its first kernel (module
+    docstring)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(LEAD_CYCLES)
+        if lead:
+            torch.cuda._sleep(LEAD_CYCLES)
         start.record()
         fn()
         end.record()
@@ -55,7 +57,7 @@ def graph_seconds_each(fns: list, repeats: int, warmup: int = 3) -> float:
     with torch.cuda.graph(graph):
         for fn in fns:
             fn()
-    return median_seconds(graph.replay, repeats) / len(fns)
+    return median_seconds(graph.replay, repeats, lead=True) / len(fns)
 
 
 def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> float:
