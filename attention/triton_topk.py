@@ -37,6 +37,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 SAMPLE = tl.constexpr(512)  # positions each program's bins come from
 CAP = tl.constexpr(4096)  # candidates a row lists (more: read from the whole row)
@@ -255,6 +256,15 @@ def _row_end(Lens, row, width, LENS: tl.constexpr):
     return end
 
 
+@triton.jit
+def _follow(PDL: tl.constexpr):
+    """With programmatic dependent launch (`PDL`): let the next launch start its programs,
+    then wait until the launch before this one has finished (its writes visible)."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+
+
 @triton.jit(do_not_specialize=["s_row", "width", "topk", "chunks"])
 def _chunk_kernel(
     Scores,
@@ -272,10 +282,12 @@ def _chunk_kernel(
     BLOCK: tl.constexpr,
     LENS: tl.constexpr,
     SPLIT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (row, c) over chunk c of the row: its counts (`Sfx`, and added into `Hist`;
     chunk 0 keeps the row's bins in `Bins`), or, once `Hist` holds the row's (SPLIT), its
     positions above the k-th's bin and its candidates."""
+    _follow(PDL)
     row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     scores, sfx = Scores + row * s_row, Sfx + row * chunks * 256
     end = _row_end(Lens, row, width, LENS)
@@ -318,7 +330,9 @@ def _finish_kernel(
     TILE: tl.constexpr,
     SMALL: tl.constexpr,
     LENS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _follow(PDL)
     row = tl.program_id(0).to(tl.int64)
     scores = Scores + row * s_row
     end = _row_end(Lens, row, width, LENS)
@@ -347,6 +361,16 @@ def default_chunk(tokens: int, width: int) -> int:
     (H100, k 2048: within 10% of the best of 1k-8k at 1 to 128 rows of 32k and 128k)."""
     per_program = triton.next_power_of_2(triton.cdiv(tokens * width, 512))
     return min(max(per_program, CHUNKS[0]), CHUNKS[-1])
+
+
+@functools.lru_cache(maxsize=None)
+def dependent_launch(device: torch.device) -> dict:
+    """The launches' programmatic dependent launch (Hopper on): each kernel's programs start
+    as the one before it ends, and wait for its writes (`_follow`). About 0.6-0.9 us a launch:
+    the select at 32 x 32k took 25.7 against 27.3 us in CUDA graphs (H100,
+    bench/notes/session33-h100-2026-11-27.md). Off on the CPU (the interpreter has none)."""
+    on = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
 @functools.lru_cache(maxsize=None)
@@ -387,13 +411,15 @@ def select_top_triton(
     spill = torch.empty(tokens, CAP.value, dtype=torch.int32, device=device)
     bins = torch.empty(tokens, 2, dtype=torch.float32, device=device)  # each row's low, per
     rows = scores if lens is None else lens
-    common = dict(CHUNK=chunk, BLOCK=block, LENS=lens is not None, num_warps=num_warps)
+    pdl = dependent_launch(device)
+    common = dict(CHUNK=chunk, BLOCK=block, LENS=lens is not None, num_warps=num_warps, **pdl)
     grid, stride = (tokens, chunks), scores.stride(0)
     args = (scores, rows, out, hist, sfx, spill, bins, stride, width, topk, chunks)
     for split in (False, True):
         _chunk_kernel[grid](*args, **common, SPLIT=split)
     tile = min(2048, chunk)  # one variant per chunk: `compile_every_chunk` compiles them all
     finish = dict(TILE=tile, SMALL=min(SMALL_TILE, tile), LENS=lens is not None, num_warps=8)
+    finish.update(pdl)
     launch = (scores, rows, out, hist, spill, bins, stride, width, topk)
     _finish_kernel[(tokens,)](*launch, **finish)
     return out
