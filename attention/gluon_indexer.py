@@ -6,13 +6,21 @@ so it reads the token's queries (8 KB, as much as the block's keys) for
 every block, and nothing overlaps a block's loads with its arithmetic.
 Here a program takes one token and a run of blocks, in three partitions:
 
-- a loader warp brings each block's keys (64 x 128 bytes) by TMA into a
-  ring of stages;
+- a loader warp brings each block's keys (64 x 128 bytes) and their
+  float32 scales (256 bytes) by TMA into a ring of 8 stages, the blocks'
+  pages read 32 at a time a group ahead;
 - two warpgroups take the blocks in turn: each multiplies a block's keys
-  by the queries (kept in shared memory for the whole run) on the tensor
-  cores, and reduces the [64 keys x 32 heads] products to the block's
-  scores with the keys' float32 scales (256 bytes a block, read
-  directly, a block ahead).
+  by the queries (kept in shared memory for the whole run; the first
+  warpgroup brings them while the loader brings the first blocks) on
+  the tensor cores, and reduces the [64 keys x 32 heads] products to the
+  block's scores with the keys' scales.
+
+About one program an SM. Until session 34 the loader read each block's
+page as it went and the scorers each block's scales, each read waited
+for before the next step could start, with 4 stages and two programs an
+SM: batch 32 x 32k 0.065 ms (73% of the copy bandwidth), now 0.057
+(84%); batch 128 0.231 -> 0.205 (93%); 128 x 128k 0.985 -> 0.798 (96%).
+The same scores, bit for bit (H100, bench/notes/session34-h100-2026-11-27.md).
 
 Two kinds of queries:
 
@@ -25,8 +33,8 @@ Two kinds of queries:
   (Hopper adds FP8 products in about 14 bits: 3-5e-4 of the largest
   score), a few percent of the largest from the 16-bit queries' (the
   selection: 98-99% the same positions at GLM-5's shapes). H100, 32
-  heads, at 32k: batch 128 0.24 ms (83% of the copy bandwidth) against
-  the Triton kernel's 0.30, batch 32 0.07 against 0.08.
+  heads, at 32k: batch 128 0.205 ms against the Triton kernel's 0.293,
+  batch 32 0.056 against 0.078.
 - 16-bit: the keys go into registers and widen to bfloat16 there
   (exactly: e4m3 widens without rounding). Equal to the Triton kernel's
   within float32 rounding, and no faster (0.28-0.30 ms at batch 128):
@@ -68,7 +76,7 @@ if HAVE_GLUON:
 
 BLOCK_N = 64  # keys a block: one TMA box, within a page
 DIM = 128  # the indexer's head dim
-STAGES = 4  # blocks in flight: 8 KB each
+STAGES = 8  # blocks in flight: 8 KB each (64 KB: an SM's share of the bandwidth for ~3 us)
 REGS = 128  # registers a thread of the second scoring warpgroup
 _1 = tl.constexpr(1)  # its first block (a constexpr, as a worker partition takes it)
 
@@ -93,41 +101,66 @@ def supported(q, keys, key_scales) -> bool:
 if HAVE_GLUON:
 
     @gluon.jit
-    def _loader(key_desc, keys_s, bars, table, span, page_size):
-        """Worker (one warp): each block's keys by TMA into the next free
-        stage."""
-        ready, free = bars
+    def _loader(descs, stages, bars, table, span, page_size):
+        """Worker (one warp): each block's keys and their scales by TMA
+        into the next free stage. The blocks' pages are read 32 at a
+        time, a group ahead: one read a block, waited for before its
+        copy could start, was what held the kernel back."""
+        key_desc, scale_desc = descs
+        keys_s, scales_s = stages
+        ready, free, _ = bars
         n0, loaded = span
         STAGES: gl.constexpr = keys_s.shape[0]
         BLOCK_N: gl.constexpr = keys_s.shape[2]
-        nbytes: gl.constexpr = key_desc.block_type.nbytes
-        page = gl.load(table + n0 // page_size).to(gl.int32)
+        nbytes: gl.constexpr = key_desc.block_type.nbytes + scale_desc.block_type.nbytes
+        lanes: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        lane = gl.arange(0, 32, layout=lanes)
+        pages = _block_pages(table, span, 0, page_size, lane, BLOCK_N)
+        ahead = pages
         for k in range(loaded):
             s = k % STAGES
-            pos = n0 + k * BLOCK_N
-            # the next block's page, read while this one waits for its stage
-            last = gl.minimum(pos + BLOCK_N, n0 + (loaded - 1) * BLOCK_N)
-            page_next = gl.load(table + last // page_size).to(gl.int32)
+            j = k % 32
+            if j == 0:  # the next group's pages, a group before they are used
+                ahead = _block_pages(table, span, k + 32, page_size, lane, BLOCK_N)
+            page = gl.sum(gl.where(lane == j, pages, 0), 0)
+            off = (n0 + k * BLOCK_N) % page_size
             mbarrier.wait(free.index(s), ((k // STAGES) & 1) ^ 1)
             bar = ready.index(s)
             mbarrier.expect(bar, nbytes)
-            tma_load(key_desc, [page, pos % page_size, 0], bar, keys_s.index(s))
-            page = page_next
+            tma_load(key_desc, [page, off, 0], bar, keys_s.index(s))
+            tma_load(scale_desc, [page, off], bar, scales_s.index(s))
+            if j == 31:
+                pages = ahead
+
+    @gluon.jit
+    def _block_pages(table, span, k0, page_size, lane, BLOCK_N: gl.constexpr):
+        """The pages of blocks k0, k0 + 1, ... (one a lane; 0 past the
+        run's blocks)."""
+        n0, loaded = span
+        k = k0 + lane
+        at = (n0 + k * BLOCK_N) // page_size
+        return gl.load(table + at, mask=k < loaded, other=0).to(gl.int32)
 
     @gluon.jit
     def _scorer(
-        q_s,
-        w_s,
-        keys_s,
+        queries,
+        stages,
         bars,
         block,
         FIRST: gl.constexpr,
         STEP: gl.constexpr,
     ):
-        """A warpgroup's blocks' scores: blocks FIRST, FIRST + STEP, ..."""
-        out, span, scale, end, width, paged = block
-        table, page_size, scales, s_sc_page = paged
-        ready, free = bars
+        """A warpgroup's blocks' scores: blocks FIRST, FIRST + STEP, ...
+        The first warpgroup brings the queries while the loader brings
+        the first blocks."""
+        q_s, w_s, row = queries
+        out, span, scale, end, width = block
+        keys_s, scales_s = stages
+        ready, free, q_ready = bars
+        if FIRST == 0:
+            _queries(q_s, w_s, row)
+            mbarrier.arrive(q_ready)
+        mbarrier.wait(q_ready, 0)
         n0, loaded = span
         STAGES: gl.constexpr = keys_s.shape[0]
         BLOCK_N: gl.constexpr = keys_s.shape[2]
@@ -140,23 +173,21 @@ if HAVE_GLUON:
             instr_shape=[16, H, 32 if FP8 else 16],
         )
         rows: gl.constexpr = gl.SliceLayout(1, acc_layout)
+        scale_layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, 4], [1, 0])
         w = w_s.load(gl.SliceLayout(0, acc_layout))
         zeros = gl.zeros([BLOCK_N, H], gl.float32, acc_layout)
         pos = n0 + FIRST * BLOCK_N + gl.arange(0, BLOCK_N, layout=rows)
-        k_scale = _scales(table, page_size, scales, s_sc_page, pos, end)
         for k in range(FIRST, loaded, STEP):
             s = k % STAGES
-            # the next block's scales, read while this one computes
-            ahead = pos + STEP * BLOCK_N
-            scale_next = _scales(table, page_size, scales, s_sc_page, ahead, end)
             mbarrier.wait(ready.index(s), (k // STAGES) & 1)
+            k_scale = gl.sum(scales_s.index(s).load(scale_layout), 0)
+            k_scale = gl.convert_layout(k_scale, rows)
             keys = keys_s.index(s).reshape([BLOCK_N, D])
             acc = _block_dots(keys, q_s, zeros, acc_layout, free.index(s))
             dots = gl.sum(gl.maximum(acc, 0.0) * w[None, :], 1)
             x = gl.where(pos < end, dots * (k_scale * scale), float("-inf"))
             gl.store(out + pos, x, mask=pos < width)
-            pos = ahead
-            k_scale = scale_next
+            pos += STEP * BLOCK_N
 
     @gluon.jit
     def _block_dots(keys, q_s, zeros, acc_layout: gl.constexpr, free):
@@ -180,45 +211,39 @@ if HAVE_GLUON:
             return warpgroup_mma_wait(0, deps=(acc,))
 
     @gluon.jit
-    def _scales(table, page_size, scales, s_sc_page, pos, end):
-        """The float32 scales of the keys at `pos` (0 from `end` on)."""
-        seen = pos < end
-        page = gl.load(table + pos // page_size, mask=seen, other=0).to(gl.int64)
-        at = page * s_sc_page + pos % page_size
-        return gl.load(scales + at, mask=seen, other=0.0)
-
-    @gluon.jit
-    def _queries(q_row, s_q_h, w_row, H: gl.constexpr, D: gl.constexpr, FP8: gl.constexpr):
-        """A token's queries into shared memory, for the MMA, and its head
-        weights beside them. FP8: each head's queries divided by a scale
-        (its largest magnitude over 448, e4m3's largest) and rounded to
-        e4m3; the scale moves into the head's weight (positive: it passes
-        the ReLU)."""
+    def _queries(q_s, w_s, row):
+        """A token's queries into shared memory (`q_s`), for the MMA, and
+        its head weights beside them (`w_s`). FP8: each head's queries
+        divided by a scale (its largest magnitude over 448, e4m3's
+        largest) and rounded to e4m3; the scale moves into the head's
+        weight (positive: it passes the ReLU)."""
+        q_row, s_q_h, w_row = row
+        H: gl.constexpr = q_s.shape[0]
+        D: gl.constexpr = q_s.shape[1]
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
         hs = gl.arange(0, H, layout=gl.SliceLayout(1, layout))
         ds = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
         x = gl.load(q_row + hs[:, None] * s_q_h + ds[None, :])
         w = gl.load(w_row + hs)
-        if FP8:
+        if q_s.dtype == gl.float8e4nv:
             # rounded divisions and conversions, as torch's (`fp8_queries`)
             wide = x.to(gl.float32)
             most = gl.maximum(gl.max(gl.abs(wide), 1), 1e-30)
             w = w * gl.div_rn(most, gl.full_like(most, 448.0))
             inverse = gl.div_rn(gl.full_like(most, 448.0), most)
             half = (wide * inverse[:, None]).to(gl.float16)
-            q_s = _mma_operand(half.to(gl.float8e4nv))
+            q_s.store(half.to(gl.float8e4nv))
         else:
-            q_s = _mma_operand(x)
-        w_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-        w_s = gl.allocate_shared_memory(gl.float32, [H], w_layout, w)
+            q_s.store(x)
+        w_s.store(w)
         fence_async_shared()
-        return q_s, w_s
 
     @gluon.jit
-    def _mma_operand(x):
-        """`x` in shared memory, laid out for the tensor cores."""
-        layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(x.shape, x.dtype)
-        return gl.allocate_shared_memory(x.dtype, x.shape, layout, x)
+    def _ring(desc, STAGES: gl.constexpr):
+        """Shared memory for STAGES of a descriptor's blocks."""
+        block = desc.block_type
+        shape: gl.constexpr = [STAGES] + block.shape
+        return gl.allocate_shared_memory(block.element_ty, shape, desc.layout)
 
     # the pass's longest context and the page table's width vary step by step: one variant
     # (Triton specializes an int on == 1 and on divisibility by 16), or a step compiles
@@ -227,7 +252,7 @@ if HAVE_GLUON:
         q,
         weights,
         key_desc,
-        scales,
+        scale_desc,
         page_table,
         row_seqs,
         ctx_lens,
@@ -235,7 +260,6 @@ if HAVE_GLUON:
         s_q_t,
         s_q_h,
         s_w_t,
-        s_sc_page,
         s_pt_b,
         s_o_t,
         scale,
@@ -263,32 +287,46 @@ if HAVE_GLUON:
             pos = p0 + gl.arange(0, 512, layout=tail_layout)
             minus = gl.full([512], float("-inf"), gl.float32, tail_layout)
             gl.store(row_out + pos, minus, mask=pos < n1)
-        w_row = weights + t64 * s_w_t
-        q_s, w_s = _queries(q + t64 * s_q_t, s_q_h, w_row, H, D, Q_FP8)
-        key_type = key_desc.block_type
-        keys_s = gl.allocate_shared_memory(
-            key_type.element_ty, [STAGES] + key_type.shape, key_desc.layout
-        )
+        q_type: gl.constexpr = gl.float8e4nv if Q_FP8 else q.dtype.element_ty
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, D], q_type)
+        q_s = gl.allocate_shared_memory(q_type, [H, D], q_layout)
+        w_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        w_s = gl.allocate_shared_memory(gl.float32, [H], w_layout)
+        row = (q + t64 * s_q_t, s_q_h, weights + t64 * s_w_t)
+        keys_s = _ring(key_desc, STAGES)
+        scales_s = _ring(scale_desc, STAGES)
         bar: gl.constexpr = mbarrier.MBarrierLayout()
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
         free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
+        q_ready = gl.allocate_shared_memory(gl.int64, [1], bar)
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(free.index(i), count=1)
-        bars = (ready, free)
+        mbarrier.init(q_ready, count=1)
+        fence_async_shared()
+        bars = (ready, free, q_ready)
         span = (n0, loaded)
-        paged = (table, page_size, scales, s_sc_page)
-        block = (row_out, span, scale, end, width, paged)
-        load = (key_desc, keys_s, bars, table, span, page_size)
+        block = (row_out, span, scale, end, width)
+        stages = (keys_s, scales_s)
+        load = ((key_desc, scale_desc), stages, bars, table, span, page_size)
         gl.warp_specialize(
             [
-                (_scorer, (q_s, w_s, keys_s, bars, block, 0, 2)),
-                (_scorer, (q_s, w_s, keys_s, bars, block, _1, 2)),
+                (_scorer, ((q_s, w_s, row), stages, bars, block, 0, 2)),
+                (_scorer, ((q_s, w_s, row), stages, bars, block, _1, 2)),
                 (_loader, load),
             ],
             [4, 1],
             [REGS, 40],
         )
+
+
+def _scale_descriptor(key_scales: torch.Tensor):
+    """The keys' float32 scales [num_pages, page_size] by blocks of BLOCK_N
+    (a page's row of them is 16-byte aligned, as the pool lays it out)."""
+    block = [1, BLOCK_N]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32)
+    shape, strides = list(key_scales.shape), list(key_scales.stride())
+    return TensorDescriptor(key_scales, shape, strides, block, layout)
 
 
 def fp8_queries(q: torch.Tensor, weights: torch.Tensor):
@@ -303,11 +341,12 @@ def fp8_queries(q: torch.Tensor, weights: torch.Tensor):
 
 
 def default_per_program(tokens: int, width: int, device) -> int:
-    """Positions a program takes: about two programs an SM in all, whole
-    blocks (FP8 queries on an H100 at batch 32 x 32k: 0.067 ms against
-    0.072 with four, the same at batch 128 and at 128k)."""
+    """Positions a program takes: about one program an SM in all, whole
+    blocks (FP8 queries on an H100, 8 stages: batch 32 x 32k 0.057 ms
+    against 0.060 with two an SM, batch 128 0.206 against 0.207, batch 1
+    0.006 against 0.009; bench/notes/session34-h100-2026-11-27.md)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    parts = max(1, 2 * sms // max(tokens, 1))
+    parts = max(1, sms // max(tokens, 1))
     return triton.cdiv(triton.cdiv(width, parts), BLOCK_N) * BLOCK_N
 
 
@@ -339,12 +378,13 @@ def indexer_scores(
     key_layout = gl.NVMMASharedLayout.get_default_for(key_block, gl.float8e4nv)
     keys = keys.view(torch.float8_e4m3fn)
     key_desc = TensorDescriptor(keys, list(keys.shape), list(keys.stride()), key_block, key_layout)
+    scale_desc = _scale_descriptor(key_scales)
     grid = (tokens, triton.cdiv(width, per))
     _scores_kernel[grid](
         q,
         weights,
         key_desc,
-        key_scales,
+        scale_desc,
         page_table,
         row_seqs,
         ctx_lens,
@@ -352,7 +392,6 @@ def indexer_scores(
         q.stride(0),
         q.stride(1),
         weights.stride(0),
-        key_scales.stride(0),
         page_table.stride(0),
         out.stride(0),
         scale,
