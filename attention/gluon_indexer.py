@@ -95,7 +95,14 @@ def supported(q, keys, key_scales) -> bool:
         and keys.shape[-1] == DIM
         and heads in (16, 32, 64)
         and keys.shape[1] % BLOCK_N == 0
+        and _tma_rows(key_scales)
     )
+
+
+def _tma_rows(x: torch.Tensor) -> bool:
+    """Whether TMA can read `x`'s rows: 16-byte aligned, unit inner stride."""
+    row_bytes = x.stride(0) * x.element_size()
+    return x.stride(-1) == 1 and row_bytes % 16 == 0 and x.data_ptr() % 16 == 0
 
 
 if HAVE_GLUON:
