@@ -72,7 +72,7 @@ if HAVE_GLUON:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from dserve.attention.gluon_mla import tma_load
+    from dserve.attention.gluon_mla import block_page, block_pages, tma_load
 
 BLOCK_N = 64  # keys a block: one TMA box, within a page
 DIM = 128  # the indexer's head dim
@@ -110,9 +110,9 @@ if HAVE_GLUON:
     @gluon.jit
     def _loader(descs, stages, bars, table, span, page_size):
         """Worker (one warp): each block's keys and their scales by TMA
-        into the next free stage. The blocks' pages are read 32 at a
-        time, a group ahead: one read a block, waited for before its
-        copy could start, was what held the kernel back."""
+        into the next free stage, its page read a group ahead
+        (`block_page`: one read a block, waited for before its copy
+        could start, was what held the kernel back)."""
         key_desc, scale_desc = descs
         keys_s, scales_s = stages
         ready, free, _ = bars
@@ -120,33 +120,18 @@ if HAVE_GLUON:
         STAGES: gl.constexpr = keys_s.shape[0]
         BLOCK_N: gl.constexpr = keys_s.shape[2]
         nbytes: gl.constexpr = key_desc.block_type.nbytes + scale_desc.block_type.nbytes
-        lanes: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-        lane = gl.arange(0, 32, layout=lanes)
-        pages = _block_pages(table, span, 0, page_size, lane, BLOCK_N)
+        run = (table, n0, loaded, page_size)
+        pages = block_pages(run, 0, BLOCK_N)
         ahead = pages
         for k in range(loaded):
             s = k % STAGES
-            j = k % 32
-            if j == 0:  # the next group's pages, a group before they are used
-                ahead = _block_pages(table, span, k + 32, page_size, lane, BLOCK_N)
-            page = gl.sum(gl.where(lane == j, pages, 0), 0)
+            page, pages, ahead = block_page(run, k, pages, ahead, BLOCK_N)
             off = (n0 + k * BLOCK_N) % page_size
             mbarrier.wait(free.index(s), ((k // STAGES) & 1) ^ 1)
             bar = ready.index(s)
             mbarrier.expect(bar, nbytes)
             tma_load(key_desc, [page, off, 0], bar, keys_s.index(s))
             tma_load(scale_desc, [page, off], bar, scales_s.index(s))
-            if j == 31:
-                pages = ahead
-
-    @gluon.jit
-    def _block_pages(table, span, k0, page_size, lane, BLOCK_N: gl.constexpr):
-        """The pages of blocks k0, k0 + 1, ... (one a lane; 0 past the
-        run's blocks)."""
-        n0, loaded = span
-        k = k0 + lane
-        at = (n0 + k * BLOCK_N) // page_size
-        return gl.load(table + at, mask=k < loaded, other=0).to(gl.int32)
 
     @gluon.jit
     def _scorer(

@@ -137,7 +137,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _loader(descs, stages, bars, table, span, page_size):
         """Worker (one warp): each block's latents and rope keys by
-        TMA into the next free stage."""
+        TMA into the next free stage, its page read a group ahead
+        (`block_page`)."""
         lat_desc, rope_desc = descs
         kv_s, rope_s, alpha_s, l_s = stages
         ready, free, p_ready, done = bars
@@ -146,16 +147,45 @@ if HAVE_GLUON:
         BLOCK_N: gl.constexpr = kv_s.shape[2]
         nbytes: gl.constexpr = lat_desc.block_type.nbytes + rope_desc.block_type.nbytes
         blocks = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+        run = (table, start, blocks, page_size)
+        pages = block_pages(run, 0, BLOCK_N)
+        ahead = pages
         for k in range(blocks):
             s = k % STAGES
+            page, pages, ahead = block_page(run, k, pages, ahead, BLOCK_N)
+            off = (start + k * BLOCK_N) % page_size
             mbarrier.wait(free.index(s), ((k // STAGES) & 1) ^ 1)
-            n0 = start + k * BLOCK_N
-            page = gl.load(table + n0 // page_size).to(gl.int32)
-            off = n0 % page_size
             bar = ready.index(s)
             mbarrier.expect(bar, nbytes)
             tma_load(lat_desc, [page, off, 0], bar, kv_s.index(s))
             tma_load(rope_desc, [page, off, 512], bar, rope_s.index(s))
+
+    @gluon.jit
+    def block_pages(run, k0, BLOCK_N: gl.constexpr):
+        """The pages of a run's blocks k0 .. k0 + 31, one a lane of a warp
+        (0 past its blocks). `run`: (the sequence's page table, the run's
+        first position, its blocks, the page size)."""
+        table, start, blocks, page_size = run
+        lanes: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        k = k0 + gl.arange(0, 32, layout=lanes)
+        at = (start + k * BLOCK_N) // page_size
+        return gl.load(table + at, mask=k < blocks, other=0).to(gl.int32)
+
+    @gluon.jit
+    def block_page(run, k, pages, ahead, BLOCK_N: gl.constexpr):
+        """Block k's page for a loader warp, from its group of 32
+        (`pages`), the next group read as this one starts (`ahead`), so
+        that no copy waits for a read of the page table: returns the
+        page and the groups for block k + 1."""
+        lanes: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        j = k % 32
+        if j == 0:
+            ahead = block_pages(run, k + 32, BLOCK_N)
+        lane = gl.arange(0, 32, layout=lanes)
+        page = gl.sum(gl.where(lane == j, pages, 0), 0)
+        if j == 31:
+            pages = ahead
+        return page, pages, ahead
 
     @gluon.jit
     def _gather_loader(gather, stages, bars, table, span, page_size):

@@ -10,7 +10,7 @@ scattered; `--fp8-keys`: the indexer keys in FP8, the production layout): the de
 indexer's scores over every position's key (`triton_backend.indexer_kernel`: with FP8
 keys on Hopper, the Gluon kernel with FP8 queries; else `triton_dsa`'s), the top-k
 (`triton_topk.select_top_triton`, bounded by the contexts, its row histograms kept as the
-backend keeps them; `--topk-*`: its launch, default `default_chunk`, blocks of 1024, 4
+backend keeps them; `--topk-*`: its launch, default `default_chunk`, blocks of 2048, 4
 warps), and `mla_decode` over the selected positions. Each is timed as a CUDA graph replay
 (median), the sparse step's parts too, with torch's top-k beside ours (unsorted,
 `select_top`, and sorted), and the sparse step against its roofline: the bytes it must
@@ -113,7 +113,7 @@ def scores_part(c: dict, context: int, kernel: str = "backend") -> torch.Tensor:
 
 
 NAN = float("nan")  # a column this case has not (Gluon's scores: FP8 keys, Hopper)
-TOP_LAUNCH = {"chunk": None, "block": 1024, "num_warps": 4}  # `--topk-*`
+TOP_LAUNCH = {"chunk": None, "block": 2048, "num_warps": 4}  # `--topk-*`
 MLA_LAUNCH: dict = {}  # `--mla-launch`: mla_decode's keyword arguments (else its defaults)
 TRITON_MLA = False  # `--triton-mla` (or `--mla-launch`): the Triton MLA kernels, not Gluon's
 SCORES_LAUNCH: dict = {}  # `--scores-launch`: indexer_scores' block_n, num_warps
@@ -229,7 +229,7 @@ def main() -> None:
         "--fp8-keys", action="store_true", help="indexer keys in FP8 (132 bytes a token)"
     )
     parser.add_argument("--topk-chunk", type=int, help="positions per top-k program")
-    parser.add_argument("--topk-block", type=int, default=1024)
+    parser.add_argument("--topk-block", type=int, default=2048)
     parser.add_argument("--topk-warps", type=int, default=4)
     parser.add_argument(
         "--mla-launch", type=json.loads, default={}, help="the sparse MLA's launch, as JSON"
