@@ -369,7 +369,10 @@ def dependent_launch(device: torch.device) -> dict:
     """The launches' programmatic dependent launch (Hopper on): each kernel's programs start
     as the one before it ends, and wait for its writes (`_follow`). About 0.6-0.9 us a launch:
     the select at 32 x 32k took 25.7 against 27.3 us in CUDA graphs (H100,
-    bench/notes/session33-h100-2026-11-27.md). Off on the CPU (the interpreter has none)."""
+    bench/notes/session33-h100-2026-11-27.md). Off on the CPU (the interpreter has none).
+    Not the rest of the sparse step: the indexer's scores letting the top-k start at once cost
+    6-15 us (the later launches' waiting programs fill the SMs while it runs); the MLA and the
+    merge of its splits gained about 1 us at 32 and 128 rows (session 34's notes)."""
     on = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
