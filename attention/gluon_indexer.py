@@ -54,6 +54,8 @@ pages a multiple of 64 tokens, bfloat16 or float16 queries, 16 to 64 heads.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -333,13 +335,36 @@ def fp8_queries(q: torch.Tensor, weights: torch.Tensor):
 
 
 def default_per_program(tokens: int, width: int, device) -> int:
-    """Positions a program takes: about one program an SM in all, whole
-    blocks (FP8 queries on an H100, 8 stages: batch 32 x 32k 0.057 ms
-    against 0.060 with two an SM, batch 128 0.206 against 0.207, batch 1
-    0.006 against 0.009; bench/notes/session34-h100-2026-11-27.md)."""
+    """Positions a program takes (whole blocks). See `per_program_for`."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    parts = max(1, sms // max(tokens, 1))
-    return triton.cdiv(triton.cdiv(width, parts), BLOCK_N) * BLOCK_N
+    return per_program_for(tokens, triton.cdiv(width, BLOCK_N), sms) * BLOCK_N
+
+
+@functools.lru_cache(maxsize=4096)
+def per_program_for(tokens: int, blocks: int, sms: int) -> int:
+    """Blocks a program takes, each token's `blocks` split in parts: the
+    parts that fill one round of the SMs best, if that fills 90% of them;
+    else the fewest parts whose programs fill their last round to 90%.
+    Up to three programs share an SM (8 stages of 8 KB); a round that
+    leaves SMs idle, or gives some two programs and others one, leaves
+    bandwidth unused. FP8 queries on an H100 at 32k, % of the copy
+    bandwidth, against one program an SM (the rule until session 34):
+    batch 160 92 against 79, 80 89 against 86, 100 90 against 90; the
+    same at 8-64, 128 and 256 (bench/notes/session34-h100-2026-11-27.md)."""
+
+    def fill(parts: int) -> tuple[float, int]:
+        per = triton.cdiv(blocks, parts)
+        programs = tokens * triton.cdiv(blocks, per)
+        return programs / (sms * triton.cdiv(programs, sms)), per
+
+    one_round = range(1, min(blocks, max(sms // tokens, 1)) + 1)
+    best = max((fill(parts) for parts in one_round), key=lambda f: (f[0], -f[1]))
+    if best[0] >= 0.9:
+        return best[1]
+    for parts in range(2, min(blocks, 16) + 1):
+        if fill(parts)[0] >= 0.9:
+            return fill(parts)[1]
+    return best[1]
 
 
 def indexer_scores(
