@@ -459,16 +459,50 @@ if HAVE_GLUON:
             )
 
 
+PARTIAL_BYTES = 64 * 512 * 4 * 2  # a split's partial output: written, then read by the merge
+ROW_BYTES = 576 * 2  # a position's latent and rope key (16-bit)
+SM_BYTES_PER_S = 42e9  # what one program (one SM) reads at most: H100, ~60% of SMs fill HBM
+
+
 def default_splits(batch: int, heads: int, max_len: int, device, gathered=False) -> int:
-    """Splits of each context: about one program per SM in all (a program
-    holds a whole SM: 216 KB of shared memory), no split under four
-    blocks (two over sparse attention's gathered positions); a power of
-    two (the merge compiles one variant per count)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    """Splits of each context (a power of two: the merge compiles one variant
+    per count; no split under four blocks, two over sparse attention's
+    gathered positions), by a cost model of the programs' rounds: a
+    program holds a whole SM (216 KB of shared memory), a round of programs
+    reads at the memory's bandwidth once it has `saturating_programs` of
+    them (fewer each read at one SM's most), and each split adds its
+    partial output's bytes. Against "about one program an SM" (the rule
+    until session 34), H100, 64 heads at 8k: batch 80 0.343 -> 0.277 ms,
+    160 0.649 -> 0.578; 128 heads at 8k, batch 80 0.487 -> 0.408; sparse
+    (2048 positions) batch 80 0.127 -> 0.108; the same where the old rule
+    was right (bench/notes/session34-h100-2026-11-27.md)."""
+    props = torch.cuda.get_device_properties(device)
+    sms = props.multi_processor_count
     programs = batch * (heads // BLOCK_H.value)
-    shortest = (2 if gathered else 4) * BLOCK_N
-    want = max(1, min(256, round(sms / programs), max_len // shortest))
-    return 1 << (want.bit_length() - 1)
+    most = max(1, min(256, max_len // ((2 if gathered else 4) * BLOCK_N)))
+    saturating = saturating_programs(props)
+
+    def cost(splits: int) -> float:
+        total = programs * splits
+        full, last = divmod(total, sms)
+        rounds = full * sms + (max(last, saturating) if last else 0)
+        partials = PARTIAL_BYTES * splits / (max_len * ROW_BYTES)
+        return rounds / total * (1 + partials)
+
+    counts = [1 << k for k in range(most.bit_length())]
+    return min(counts, key=cost)
+
+
+def saturating_programs(props) -> int:
+    """Programs (one an SM) that read at the memory's bandwidth: its peak over
+    one SM's most (`SM_BYTES_PER_S`), at most every SM."""
+    clock_khz = getattr(props, "memory_clock_rate", 0)
+    bus_bits = getattr(props, "memory_bus_width", 0)
+    sms = props.multi_processor_count
+    if not clock_khz or not bus_bits:
+        return round(0.6 * sms)
+    peak = 2 * clock_khz * 1e3 * bus_bits / 8
+    return min(sms, round(peak / SM_BYTES_PER_S))
 
 
 def mla_decode(
