@@ -15,12 +15,14 @@ Here a program takes one token and a run of blocks, in three partitions:
   the tensor cores, and reduces the [64 keys x 32 heads] products to the
   block's scores with the keys' scales.
 
-About one program an SM. Until session 34 the loader read each block's
-page as it went and the scorers each block's scales, each read waited
-for before the next step could start, with 4 stages and two programs an
-SM: batch 32 x 32k 0.065 ms (73% of the copy bandwidth), now 0.057
-(84%); batch 128 0.231 -> 0.205 (93%); 128 x 128k 0.985 -> 0.798 (96%).
-The same scores, bit for bit (H100, bench/notes/session34-h100-2026-11-27.md).
+Each token's positions are split over programs by how well their rounds
+fill the SMs (`per_program_for`). Until session 34 the loader read each
+block's page as it went and the scorers each block's scales, each read
+waited for before the next step could start, with 4 stages and two
+programs an SM: batch 32 x 32k 0.065 ms (73% of the copy bandwidth), now
+0.057 (84%); batch 128 0.231 -> 0.205 (93%); 128 x 128k 0.985 -> 0.798
+(96%). The same scores, bit for bit (H100,
+bench/notes/session34-h100-2026-11-27.md).
 
 Two kinds of queries:
 
@@ -37,8 +39,8 @@ Two kinds of queries:
   batch 32 0.056 against 0.078.
 - 16-bit: the keys go into registers and widen to bfloat16 there
   (exactly: e4m3 widens without rounding). Equal to the Triton kernel's
-  within float32 rounding, and no faster (0.28-0.30 ms at batch 128):
-  each warpgroup's chain per 8 KB block (the keys from shared memory into
+  within float32 rounding; 0.25 ms at batch 128 against its 0.29: each
+  warpgroup's chain per 8 KB block (the keys from shared memory into
   registers, a small MMA, the sum over heads, the store) is the limit
   (bench/notes/session30-h100-2026-11-26.md).
 
@@ -362,8 +364,9 @@ def per_program_for(tokens: int, blocks: int, sms: int) -> int:
     if best[0] >= 0.9:
         return best[1]
     for parts in range(2, min(blocks, 16) + 1):
-        if fill(parts)[0] >= 0.9:
-            return fill(parts)[1]
+        filled, per = fill(parts)
+        if filled >= 0.9:
+            return per
     return best[1]
 
 

@@ -477,17 +477,23 @@ def default_splits(batch: int, heads: int, max_len: int, device, gathered=False)
     (2048 positions) batch 80 0.127 -> 0.108; the same where the old rule
     was right (bench/notes/session34-h100-2026-11-27.md)."""
     props = torch.cuda.get_device_properties(device)
-    sms = props.multi_processor_count
     programs = batch * (heads // BLOCK_H.value)
+    rounds = (props.multi_processor_count, saturating_programs(props))
+    return splits_for(programs, max_len, gathered, rounds)
+
+
+def splits_for(programs: int, max_len: int, gathered: bool, rounds: tuple[int, int]) -> int:
+    """`default_splits`' choice for `programs` (sequences x head groups) over
+    `max_len` positions, `rounds` = (SMs, saturating programs)."""
+    sms, saturating = rounds
     most = max(1, min(256, max_len // ((2 if gathered else 4) * BLOCK_N)))
-    saturating = saturating_programs(props)
 
     def cost(splits: int) -> float:
         total = programs * splits
         full, last = divmod(total, sms)
-        rounds = full * sms + (max(last, saturating) if last else 0)
-        partials = PARTIAL_BYTES * splits / (max_len * ROW_BYTES)
-        return rounds / total * (1 + partials)
+        width = full * sms + (max(last, saturating) if last else 0)
+        partials = PARTIAL_BYTES * splits / (max(max_len, 1) * ROW_BYTES)
+        return width / total * (1 + partials)
 
     counts = [1 << k for k in range(most.bit_length())]
     return min(counts, key=cost)

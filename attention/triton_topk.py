@@ -45,7 +45,6 @@ CAP = tl.constexpr(4096)  # candidates a row lists (more: read from the whole ro
 # hundred of 32k-128k) are read once into registers, and their byte digits counted over a
 # tile this wide, not the row's
 SMALL_TILE = 512
-FINISH_WARPS = 8  # the finish launch's warps (one program a row)
 
 
 @triton.jit
@@ -423,8 +422,7 @@ def select_top_triton(
     for split in (False, True):
         _chunk_kernel[grid](*args, **common, SPLIT=split)
     tile = min(2048, chunk)  # one variant per chunk: `compile_every_chunk` compiles them all
-    finish = dict(TILE=tile, SMALL=min(SMALL_TILE, tile), LENS=lens is not None)
-    finish["num_warps"] = FINISH_WARPS
+    finish = dict(TILE=tile, SMALL=min(SMALL_TILE, tile), LENS=lens is not None, num_warps=8)
     finish.update(pdl)
     launch = (scores, rows, out, hist, spill, bins, stride, width, topk)
     _finish_kernel[(tokens,)](*launch, **finish)
