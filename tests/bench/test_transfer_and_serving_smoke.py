@@ -93,8 +93,9 @@ def test_pd_overhead_benchmark(tiny_dir, tmp_path):
         assert marks["client_sent"] < marks["prefill_computed"] < marks["client_first"]
         if r["mode"] == "whole":  # the decode sent the first token
             assert marks["sent"] < marks["client_first"]
-        else:  # the prefill did, before the decode had the KV
-            assert marks["client_first"] < marks["sent"]
+        # shared: the prefill sent it, and the router relays the decode's events after it, so
+        # the decode may send the second token before the client has the first (a slow relay
+        # on the 2-core host under the suite's load: 12.3 against 9.0 ms): no order to check
     assert json.loads(out.read_text())["rows"] == rows
 
 
