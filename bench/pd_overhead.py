@@ -10,6 +10,9 @@ decode` + `dserve router`) on the same device(s), per prompt length, and their r
 
 `--interleave` starts them all at once and sends each prompt to each in turn (the GPU's drift
 then weighs on every mode alike; all instances must fit the device together).
+`--direct-prefill` also sends each pair's prefill a request of its own (a new prompt, the fields
+its router adds, no decode to meet) and times its first token: the pair's TTFT without the router
+and the decode, printed beside the pair's.
 `--pd-modes`: the pair with the router's shared streams (`shared`, the default: the first
 token's events come from the prefill) and/or without them (`whole`, `--no-shared-streams`: the
 whole stream from the decode, as SGLang's and vLLM's routers serve it). `--colocated-runs 2`
@@ -130,6 +133,8 @@ def run_round(modes: list[str], model: list[str], args, logs: str) -> dict[str, 
         for mode in modes:
             urls[mode], servers = start(mode, model, args, logs)
             started += servers
+            if args.direct_prefill and mode != "colocated":
+                urls[mode + DIRECT] = servers[0].url
         return asyncio.run(measure(urls, args))
     finally:
         for s in reversed(started):
@@ -157,7 +162,11 @@ async def measure(urls: dict[str, str], args) -> dict[str, dict]:
             for i in range(args.warmup + args.requests):
                 ids = [rng.randrange(10, args.vocab) for _ in range(length)]
                 for mode, client in clients.items():
-                    result = await one(session, client, ids, args.output_len)
+                    if mode.endswith(DIRECT):  # a new prompt: not a hit in the pair's cache
+                        fresh = [rng.randrange(10, args.vocab) for _ in range(length)]
+                        result = await prefill_first_token(session, client.url, fresh, rng)
+                    else:
+                        result = await one(session, client, ids, args.output_len)
                     if result["error"]:
                         error = result["error"]
                         raise RuntimeError(f"{mode}, {length}-token request failed: {error}")
@@ -166,6 +175,42 @@ async def measure(urls: dict[str, str], args) -> dict[str, dict]:
             for mode, got in results.items():
                 out[mode][length] = summary(got)
     return out
+
+
+DIRECT = ":prefill"  # `--direct-prefill`: a pair's prefill asked without its router
+
+
+async def prefill_first_token(session, url: str, ids: list[int], rng) -> dict:
+    """A pair's prefill asked directly, with the fields its router adds (a room no decode
+    registers): the time to its first token's event; the client then leaves, which ends
+    the room. The TTFT of the pair without the router and the decode."""
+    async with session.get(url + "/server_info") as r:
+        port = (await r.json())["bootstrap_port"]
+    share = {"id": f"{rng.randrange(1 << 60):x}", "created": int(time.time())}
+    body = {
+        "input_ids": ids,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True},
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": port,
+        "bootstrap_room": rng.randrange(1 << 62),
+        "shared_stream": share,
+    }
+    start, ttft, error = time.perf_counter(), None, None
+    async with session.post(url + "/generate", json=body) as resp:
+        if resp.status != 200:
+            error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+        async for line in resp.content:
+            if line.startswith(b"data: {") and b'"error"' not in line:
+                ttft = time.perf_counter() - start
+                break
+            if b'"error"' in line:
+                error = line.decode()[:200]
+                break
+        resp.close()
+    if ttft is None and error is None:
+        error = "the stream ended before a token"
+    return {"start": start, "ttft": ttft, "itl": [], "meta": None, "error": error}
 
 
 def summary(results: list[dict]) -> dict:
@@ -286,6 +331,21 @@ def table(rows: list[dict]) -> None:
         )
 
 
+def direct_table(rows: list[dict]) -> None:
+    """`--direct-prefill`: the pair's TTFT against its prefill's asked directly (the router's
+    and the decode's share of it) and the colocated one."""
+    rows = [r for r in rows if "ttft_prefill_p50" in r]
+    if not rows:
+        return
+    print("    pd    len  TTFT pd  prefill directly  pd - prefill  co - prefill   (ms, p50)")
+    for r in rows:
+        pre = r["ttft_prefill_p50"]
+        print(
+            f"{r['mode']:>6} {r['length']:>6} {r['ttft_pd_p50']:>8.1f} {pre:>17.1f} "
+            f"{r['ttft_pd_p50'] - pre:>13.2f} {r['ttft_co_p50'] - pre:>13.2f}"
+        )
+
+
 def rows_of(results: dict, lengths: list[int], modes: list[str]) -> list[dict]:
     """A row per pair mode and length; the colocated side is the colocated run of the lower
     TTFT p50 at that length."""
@@ -306,6 +366,9 @@ def rows_of(results: dict, lengths: list[int], modes: list[str]) -> list[dict]:
             row["ttft_ratio"] = row["ttft_pd_p50"] / row["ttft_co_p50"]
             row["itl_ratio"] = row["itl_pd_p50"] / max(row["itl_co_p50"], 1e-9)
             row["pd_timeline_ms"] = pd["timeline_ms"]
+            direct = results.get(mode + DIRECT)
+            if direct:
+                row["ttft_prefill_p50"] = 1e3 * direct[length]["ttft_s"]["p50"]
             rows.append(row)
     return rows
 
@@ -367,6 +430,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         help="start the colocated instance and the pairs together and send each prompt to "
         "each in turn (every instance on the device at once; --colocated-runs is then 1)",
     )
+    parser.add_argument(
+        "--direct-prefill",
+        action="store_true",
+        help="also time each pair's prefill asked directly with its router's fields (a new "
+        "prompt each, its first token only): the pair's TTFT without the router and the decode",
+    )
     parser.add_argument("--out", default="bench/results/pd_overhead.json")
     args = parser.parse_args(argv)
     if not args.pd_modes or set(args.pd_modes) - {"shared", "whole"}:
@@ -387,6 +456,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     results[mode] = got
     rows = rows_of(results, args.lengths, args.pd_modes)
     table(rows)
+    direct_table(rows)
     for mode in args.pd_modes:
         timeline_table(results, args.lengths, mode)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

@@ -102,16 +102,20 @@ def test_pd_overhead_benchmark(tiny_dir, tmp_path):
 @pytest.mark.slow
 def test_pd_overhead_interleaved(tiny_dir, tmp_path):
     """`--interleave`: the colocated instance and the pair run at once, each prompt sent to
-    both in turn; the same rows come out."""
+    both in turn; the same rows come out. `--direct-prefill`: the pair's prefill also answers
+    requests of its own (new prompts, its first token only, the room then left), and keeps
+    serving the pair after them."""
     pytest.importorskip("ucxx")
     from bench.pd_overhead import main
 
     out = tmp_path / "pd.json"
     argv = ["--lengths", "16", "--requests", "2", "--warmup", "1", "--output-len", "4"]
     argv += ["--model-path", tiny_dir("deepseek_v3"), "--device", "cpu", "--vocab", "500"]
-    rows = main([*argv, "--interleave", "--colocated-runs", "2", "--out", str(out)])
+    flags = ["--interleave", "--colocated-runs", "2", "--direct-prefill"]
+    rows = main([*argv, *flags, "--out", str(out)])
     assert [(r["mode"], r["length"]) for r in rows] == [("shared", 16)]
     row = rows[0]
     assert row["ttft_co_p50"] > 0 and row["ttft_pd_p50"] > 0 and row["itl_pd_p50"] > 0
+    assert row["ttft_prefill_p50"] > 0
     assert len(row["ttft_co_runs_p50"]) == 1  # one colocated series, beside the pair's
     assert json.loads(out.read_text())["interleave"] is True
