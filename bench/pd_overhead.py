@@ -199,13 +199,13 @@ async def prefill_first_token(session, url: str, ids: list[int], rng) -> dict:
     start, ttft, error = time.perf_counter(), None, None
     async with session.post(url + "/generate", json=body) as resp:
         if resp.status != 200:
-            error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+            return {"ttft": None, "error": f"HTTP {resp.status}: {(await resp.text())[:200]}"}
         async for line in resp.content:
-            if line.startswith(b"data: {") and b'"error"' not in line:
-                ttft = time.perf_counter() - start
-                break
             if b'"error"' in line:
                 error = line.decode()[:200]
+                break
+            if line.startswith(b"data: {"):
+                ttft = time.perf_counter() - start
                 break
         resp.close()
     if ttft is None and error is None:
