@@ -157,6 +157,10 @@ async def measure(urls: dict[str, str], args) -> dict[str, dict]:
     out: dict[str, dict] = {mode: {} for mode in urls}
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
+        for mode, client in clients.items():
+            if mode.endswith(DIRECT):  # the prefill's bootstrap port, read once
+                async with session.get(client.url + "/server_info") as r:
+                    client.bootstrap_port = (await r.json())["bootstrap_port"]
         for length in args.lengths:
             results: dict[str, list] = {mode: [] for mode in urls}
             for i in range(args.warmup + args.requests):
@@ -164,7 +168,7 @@ async def measure(urls: dict[str, str], args) -> dict[str, dict]:
                 for mode, client in clients.items():
                     if mode.endswith(DIRECT):  # a new prompt: not a hit in the pair's cache
                         fresh = [rng.randrange(10, args.vocab) for _ in range(length)]
-                        result = await prefill_first_token(session, client.url, fresh, rng)
+                        result = await prefill_first_token(session, client, fresh, rng)
                     else:
                         result = await one(session, client, ids, args.output_len)
                     if result["error"]:
@@ -180,24 +184,23 @@ async def measure(urls: dict[str, str], args) -> dict[str, dict]:
 DIRECT = ":prefill"  # `--direct-prefill`: a pair's prefill asked without its router
 
 
-async def prefill_first_token(session, url: str, ids: list[int], rng) -> dict:
-    """A pair's prefill asked directly, with the fields its router adds (a room no decode
-    registers): the time to its first token's event; the client then leaves, which ends
-    the room. The TTFT of the pair without the router and the decode."""
-    async with session.get(url + "/server_info") as r:
-        port = (await r.json())["bootstrap_port"]
+async def prefill_first_token(session, client, ids: list[int], rng) -> dict:
+    """A pair's prefill (`client.url`, its `bootstrap_port`) asked directly, with the fields
+    its router adds (a room no decode registers): the time to its first token's event; the
+    client then leaves, which ends the room. The TTFT of the pair without the router and the
+    decode."""
     share = {"id": f"{rng.randrange(1 << 60):x}", "created": int(time.time())}
     body = {
         "input_ids": ids,
         "stream": True,
         "sampling_params": {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True},
         "bootstrap_host": "127.0.0.1",
-        "bootstrap_port": port,
+        "bootstrap_port": client.bootstrap_port,
         "bootstrap_room": rng.randrange(1 << 62),
         "shared_stream": share,
     }
     start, ttft, error = time.perf_counter(), None, None
-    async with session.post(url + "/generate", json=body) as resp:
+    async with session.post(client.url + "/generate", json=body) as resp:
         if resp.status != 200:
             return {"ttft": None, "error": f"HTTP {resp.status}: {(await resp.text())[:200]}"}
         async for line in resp.content:
