@@ -16,6 +16,7 @@ import urllib.request
 import pytest
 
 from tests.conftest import random_prompts
+from tests.reference import hf_greedy
 from tests.servers import (
     assert_all_pages_free,
     get,
@@ -221,6 +222,40 @@ def test_clients_that_leave_at_the_first_token_leave_no_page_held(default_pair):
         with urllib.request.urlopen(req, timeout=60) as r:
             assert next(line for line in r if line.startswith(b"data: "))
     assert_all_pages_free(pair.prefill, pair.decode, timeout=8)
+
+
+def test_a_prefill_asked_directly_gives_its_room_up_when_the_client_leaves(default_pair):
+    """`bench.pd_overhead --direct-prefill`'s request: the pair's prefill asked with its
+    router's fields, no decode registering the room. Its first event holds transformers'
+    first greedy token; the client leaves there, the prefill frees the room's pages within
+    seconds, and the pair serves the next request."""
+    pair = default_pair("deepseek_v3")
+    port = get(pair.prefill.url + "/server_info")[1]["bootstrap_port"]
+    ids = random_prompts(1, 512, [150], seed=11)[0]
+    body = {
+        "input_ids": ids,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 4, **GREEDY},
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": port,
+        "bootstrap_room": 123456789,
+        "shared_stream": {"id": "direct0123456789abcdef01", "created": 1},
+    }
+    req = urllib.request.Request(
+        pair.prefill.url + "/generate",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=60) as r:
+        first = json.loads(next(line for line in r if line.startswith(b"data: "))[6:])
+    assert first["output_ids"] == hf_greedy(pair.model, ids, 1)
+    assert_all_pages_free(pair.prefill, pair.decode, timeout=8)
+    again = random_prompts(1, 512, [60], seed=12)[0]
+    status, answer = post(
+        pair.url + "/generate",
+        {"input_ids": again, "sampling_params": {"max_new_tokens": 4, **GREEDY}},
+    )
+    assert status == 200 and answer["output_ids"] == hf_greedy(pair.model, again, 4), answer
 
 
 def test_a_decode_killed_after_the_first_token_ends_the_stream_at_once(tiny_dir, tmp_path):
