@@ -16,7 +16,7 @@ Here a program takes one token and a run of blocks, in three partitions:
   block's scores with the keys' scales.
 
 Each token's positions are split over programs by how well their rounds
-fill the SMs (`per_program_for`). Until session 34 the loader read each
+fill the SMs (`launch_shapes.per_program_for`). Until session 34 the loader read each
 block's page as it went and the scorers each block's scales, each read
 waited for before the next step could start, with 4 stages and two
 programs an SM: batch 32 x 32k 0.065 ms (73% of the copy bandwidth), now
@@ -56,13 +56,12 @@ pages a multiple of 64 tokens, bfloat16 or float16 queries, 16 to 64 heads.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from dserve.attention.gluon_mla import HAVE_GLUON
+from dserve.attention.gluon_tma import HAVE_GLUON, descriptor, tma_readable
+from dserve.attention.launch_shapes import BLOCK_TOKENS, indexer_per_program
 from dserve.attention.triton_dsa import scores_out
 
 if HAVE_GLUON:
@@ -74,11 +73,10 @@ if HAVE_GLUON:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from dserve.attention.gluon_mla import block_page, block_pages, tma_load
+    from dserve.attention.gluon_tma import block_page, block_pages, tma_load
 
-BLOCK_N = 64  # keys a block: one TMA box, within a page
+BLOCK_N = BLOCK_TOKENS  # keys a block: one TMA box, within a page
 DIM = 128  # the indexer's head dim
 STAGES = 8  # blocks in flight: 8 KB each (64 KB: an SM's share of the bandwidth for ~3 us)
 REGS = 128  # registers a thread of the second scoring warpgroup
@@ -99,14 +97,8 @@ def supported(q, keys, key_scales) -> bool:
         and keys.shape[-1] == DIM
         and heads in (16, 32, 64)
         and keys.shape[1] % BLOCK_N == 0
-        and _tma_rows(key_scales)
+        and tma_readable(key_scales)
     )
-
-
-def _tma_rows(x: torch.Tensor) -> bool:
-    """Whether TMA can read `x`'s rows: 16-byte aligned, unit inner stride."""
-    row_bytes = x.stride(0) * x.element_size()
-    return x.stride(-1) == 1 and row_bytes % 16 == 0 and x.data_ptr() % 16 == 0
 
 
 if HAVE_GLUON:
@@ -316,15 +308,6 @@ if HAVE_GLUON:
         )
 
 
-def _scale_descriptor(key_scales: torch.Tensor):
-    """The keys' float32 scales [num_pages, page_size] by blocks of BLOCK_N
-    (a page's row of them is 16-byte aligned, as the pool lays it out)."""
-    block = [1, BLOCK_N]
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32)
-    shape, strides = list(key_scales.shape), list(key_scales.stride())
-    return TensorDescriptor(key_scales, shape, strides, block, layout)
-
-
 def fp8_queries(q: torch.Tensor, weights: torch.Tensor):
     """(queries in e4m3 as float32, weights times their scales): what the
     kernel computes with `q_fp8` (each head's scale its largest magnitude
@@ -334,40 +317,6 @@ def fp8_queries(q: torch.Tensor, weights: torch.Tensor):
     scaled = q.float() * (448.0 / most)[..., None]
     q8 = scaled.to(torch.float16).to(torch.float8_e4m3fn)
     return q8.float(), weights * (most / 448.0)
-
-
-def default_per_program(tokens: int, width: int, device) -> int:
-    """Positions a program takes (whole blocks). See `per_program_for`."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return per_program_for(tokens, triton.cdiv(width, BLOCK_N), sms) * BLOCK_N
-
-
-@functools.lru_cache(maxsize=4096)
-def per_program_for(tokens: int, blocks: int, sms: int) -> int:
-    """Blocks a program takes, each token's `blocks` split in parts: the
-    parts that fill one round of the SMs best, if that fills 90% of them;
-    else the fewest parts whose programs fill their last round to 90%.
-    Up to three programs share an SM (8 stages of 8 KB); a round that
-    leaves SMs idle, or gives some two programs and others one, leaves
-    bandwidth unused. FP8 queries on an H100 at 32k, % of the copy
-    bandwidth, against one program an SM (the rule until session 34):
-    batch 160 92 against 79, 80 89 against 86, 100 90 against 90; the
-    same at 8-64, 128 and 256 (bench/notes/session34-h100-2026-11-27.md)."""
-
-    def fill(parts: int) -> tuple[float, int]:
-        per = triton.cdiv(blocks, parts)
-        programs = tokens * triton.cdiv(blocks, per)
-        return programs / (sms * triton.cdiv(programs, sms)), per
-
-    one_round = range(1, min(blocks, max(sms // tokens, 1)) + 1)
-    best = max((fill(parts) for parts in one_round), key=lambda f: (f[0], -f[1]))
-    if best[0] >= 0.9:
-        return best[1]
-    for parts in range(2, min(blocks, 16) + 1):
-        filled, per = fill(parts)
-        if filled >= 0.9:
-            return per
-    return best[1]
 
 
 def indexer_scores(
@@ -392,13 +341,12 @@ def indexer_scores(
     if not tokens or not width:
         return out
     assert q.stride(-1) == 1 and weights.stride(-1) == 1 and keys.stride(-1) == 1
-    per = per_program or default_per_program(tokens, width, q.device)
+    per = per_program or indexer_per_program(tokens, width, q.device)
     assert per % BLOCK_N == 0, "a program's run is whole blocks"
-    key_block = [1, BLOCK_N, DIM]
-    key_layout = gl.NVMMASharedLayout.get_default_for(key_block, gl.float8e4nv)
     keys = keys.view(torch.float8_e4m3fn)
-    key_desc = TensorDescriptor(keys, list(keys.shape), list(keys.stride()), key_block, key_layout)
-    scale_desc = _scale_descriptor(key_scales)
+    key_desc = descriptor(keys, [1, BLOCK_N, DIM], gl.float8e4nv)
+    # a page's row of scales is 16-byte aligned, as the pool lays it out
+    scale_desc = descriptor(key_scales, [1, BLOCK_N], gl.float32)
     grid = (tokens, triton.cdiv(width, per))
     _scores_kernel[grid](
         q,

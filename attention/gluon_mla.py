@@ -25,10 +25,11 @@ the kernel instead, by the last warpgroup to finish (an atomic ticket a
 thread), a launch took 74 us against 48 (batch 32, 4 splits): one
 warpgroup's loads of every split's partials wait for each other.
 
-The queries load in warpgroup 0, while the loader brings the first blocks,
-and the output's stores vectorize (its strides specialized): with the two,
-batch 32 over 2048 selected positions took 44 us a launch against 58
-(H100, bench/notes/session33-h100-2026-11-27.md).
+The queries come by TMA as the program starts, beside the loader's first
+blocks, and the output's stores vectorize (its strides specialized). The
+first blocks of a launch arrive ~6-8 us after it starts on an H100 (every
+SM asks for two blocks at once: ~19 MB at 128 programs), so the queries
+were never what the programs waited for (session 35, per-program clocks).
 
 Each warpgroup waits for its weighted sum before it hands the stage back:
 with two stages the loader's slack is what matters. Issuing block k's sum
@@ -50,31 +51,28 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
+from dserve.attention.gluon_tma import HAVE_GLUON, descriptor, tma_readable
+from dserve.attention.launch_shapes import BLOCK_TOKENS, MLA_HEADS, mla_splits
 from dserve.attention.triton_mla import combine_splits
 
-try:
+if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
-        tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    # TMA and cp.async loads: `async_load` in later Tritons (3.9), the older names in 3.6
-    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    from dserve.attention.gluon_tma import block_page, block_pages, tma_load
+
+    # cp.async: `async_load` in later Tritons (3.9), the older name in 3.6
     cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
-    HAVE_GLUON = True
-except ImportError:  # an older Triton: the Triton kernel serves
-    HAVE_GLUON = False
-
-BLOCK_H = tl.constexpr(64)  # heads a program: one warpgroup's MMA rows
-BLOCK_N = 64  # tokens a block: one TMA box, within a page
+BLOCK_H = tl.constexpr(MLA_HEADS)  # heads a program: one warpgroup's MMA rows
+BLOCK_N = BLOCK_TOKENS  # tokens a block: one TMA box, within a page
 STAGES = 2  # blocks in flight (with 64 tokens, what fits)
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -121,20 +119,6 @@ if HAVE_GLUON:
         return start, end
 
     @gluon.jit
-    def _load_queries(q_lat_s, q_rope_s, q_at, h0):
-        """The program's 64 heads' queries into shared memory, 64
-        columns at a time."""
-        q_lat, q_rope, b, s_ql_b, s_ql_h, s_qr_b, s_qr_h = q_at
-        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
-        rows = h0 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
-        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
-        lat = q_lat + b.to(gl.int64) * s_ql_b + rows[:, None] * s_ql_h + cols[None, :]
-        for c in gl.static_range(8):
-            q_lat_s.slice(c * 64, 64, dim=1).store(gl.load(lat + c * 64))
-        rope = q_rope + b.to(gl.int64) * s_qr_b + rows[:, None] * s_qr_h + cols[None, :]
-        q_rope_s.store(gl.load(rope))
-
-    @gluon.jit
     def _loader(descs, stages, bars, table, span, page_size):
         """Worker (one warp): each block's latents and rope keys by
         TMA into the next free stage, its page read a group ahead
@@ -159,33 +143,6 @@ if HAVE_GLUON:
             mbarrier.expect(bar, nbytes)
             tma_load(lat_desc, [page, off, 0], bar, kv_s.index(s))
             tma_load(rope_desc, [page, off, 512], bar, rope_s.index(s))
-
-    @gluon.jit
-    def block_pages(run, k0, BLOCK_N: gl.constexpr):
-        """The pages of a run's blocks k0 .. k0 + 31, one a lane of a warp
-        (0 past its blocks). `run`: (the sequence's page table, the run's
-        first position, its blocks, the page size)."""
-        table, start, blocks, page_size = run
-        lanes: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-        k = k0 + gl.arange(0, 32, layout=lanes)
-        at = (start + k * BLOCK_N) // page_size
-        return gl.load(table + at, mask=k < blocks, other=0).to(gl.int32)
-
-    @gluon.jit
-    def block_page(run, k, pages, ahead, BLOCK_N: gl.constexpr):
-        """Block k's page for a loader warp, from its group of 32
-        (`pages`), the next group read as this one starts (`ahead`), so
-        that no copy waits for a read of the page table: returns the
-        page and the groups for block k + 1."""
-        lanes: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-        j = k % 32
-        if j == 0:
-            ahead = block_pages(run, k + 32, BLOCK_N)
-        lane = gl.arange(0, 32, layout=lanes)
-        page = gl.sum(gl.where(lane == j, pages, 0), 0)
-        if j == 31:
-            pages = ahead
-        return page, pages, ahead
 
     @gluon.jit
     def _gather_loader(gather, stages, bars, table, span, page_size):
@@ -226,9 +183,7 @@ if HAVE_GLUON:
         (while the loader brings the first blocks), then the scores,
         online softmax, the weights for warpgroup 1, the left 256 value
         columns."""
-        q_lat_s, q_rope_s, q_at = queries
-        _load_queries(q_lat_s, q_rope_s, q_at, span[0])
-        fence_async_shared()
+        q_lat_s, q_rope_s, q_ready = queries
         kv_s, rope_s, alpha_s, l_s = stages
         ready, free, p_ready, done = bars
         mid_o, mid_lse, o_base, lse_base, s_mo_h, s_ml_h = out
@@ -248,6 +203,9 @@ if HAVE_GLUON:
         o = gl.zeros([64, 256], gl.float32, o_layout)
         zeros = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
         blocks = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+        q_lat = q_lat_s.reshape([64, 512])
+        q_rope = q_rope_s.reshape([64, 64])
+        mbarrier.wait(q_ready, 0)
         for k in range(blocks):
             s = k % STAGES
             mbarrier.wait(ready.index(s), (k // STAGES) & 1)
@@ -255,8 +213,8 @@ if HAVE_GLUON:
                 fence_async_shared()
             keys = kv_s.index(s).reshape([BLOCK_N, 512])
             ropes = rope_s.index(s).reshape([BLOCK_N, 64])
-            acc = warpgroup_mma(q_lat_s, keys.permute((1, 0)), zeros, use_acc=False, is_async=True)
-            acc = warpgroup_mma(q_rope_s, ropes.permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(q_lat, keys.permute((1, 0)), zeros, use_acc=False, is_async=True)
+            acc = warpgroup_mma(q_rope, ropes.permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             cols += start + k * BLOCK_N
@@ -359,8 +317,8 @@ if HAVE_GLUON:
         ]
     )
     def _mla_decode_kernel(
-        q_lat,
-        q_rope,
+        q_desc,
+        qr_desc,
         lat_desc,
         rope_desc,
         page_table,
@@ -368,10 +326,6 @@ if HAVE_GLUON:
         seq_lens,
         mid_o,
         mid_lse,
-        s_ql_b,
-        s_ql_h,
-        s_qr_b,
-        s_qr_h,
         s_pt_b,
         s_mo_b,
         s_mo_h,
@@ -403,9 +357,8 @@ if HAVE_GLUON:
             sel_row: gl.constexpr = 0
         table = page_table + gl.load(row_seqs + b).to(gl.int64) * s_pt_b
         dtype: gl.constexpr = lat_desc.dtype
-        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], dtype)
-        q_lat_s = gl.allocate_shared_memory(dtype, [64, 512], q_layout)
-        q_rope_s = gl.allocate_shared_memory(dtype, [64, 64], q_layout)
+        q_lat_s = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+        q_rope_s = gl.allocate_shared_memory(dtype, qr_desc.block_type.shape, qr_desc.layout)
         kv_s = gl.allocate_shared_memory(
             dtype, [STAGES] + lat_desc.block_type.shape, lat_desc.layout
         )
@@ -420,21 +373,27 @@ if HAVE_GLUON:
         free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
         p_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
         done = gl.allocate_shared_memory(gl.int64, [1], bar)
+        q_ready = gl.allocate_shared_memory(gl.int64, [1], bar)
         for i in gl.static_range(STAGES):
             # the TMA's bytes, or each of the four gathering warps' threads
             mbarrier.init(ready.index(i), count=128 if SPARSE else 1)
             mbarrier.init(free.index(i), count=2)
             mbarrier.init(p_ready.index(i), count=1)
         mbarrier.init(done, count=1)
+        mbarrier.init(q_ready, count=1)
         fence_async_shared()  # the barriers, before the partitions use them
+        # the queries by TMA, while the loader brings the first blocks
+        q_bytes: gl.constexpr = q_desc.block_type.nbytes + qr_desc.block_type.nbytes
+        mbarrier.expect(q_ready, q_bytes)
+        tma_load(q_desc, [b, h0, 0], q_ready, q_lat_s)
+        tma_load(qr_desc, [b, h0, 0], q_ready, q_rope_s)
         o_base = b.to(gl.int64) * s_mo_b + split * s_mo_s
         lse_base = b.to(gl.int64) * s_ml_b + split
         stages = (kv_s, rope_s, alpha_s, l_s)
         bars = (ready, free, p_ready, done)
         out = (mid_o, mid_lse, o_base, lse_base, s_mo_h, s_ml_h)
         span = (h0, start, end, sel_row)
-        q_at = (q_lat, q_rope, b, s_ql_b, s_ql_h, s_qr_b, s_qr_h)
-        queries = (q_lat_s, q_rope_s, q_at)
+        queries = (q_lat_s, q_rope_s, q_ready)
         if SPARSE:
             gather = (cache, s_c_page, s_c_tok)
             gl.warp_specialize(
@@ -457,58 +416,6 @@ if HAVE_GLUON:
                 [4, 1],
                 [240, 24],
             )
-
-
-PARTIAL_BYTES = 64 * 512 * 4 * 2  # a split's partial output: written, then read by the merge
-ROW_BYTES = 576 * 2  # a position's latent and rope key (16-bit)
-SM_BYTES_PER_S = 42e9  # what one program (one SM) reads at most: H100, ~60% of SMs fill HBM
-
-
-def default_splits(batch: int, heads: int, max_len: int, device, gathered=False) -> int:
-    """Splits of each context (a power of two: the merge compiles one variant
-    per count; no split under four blocks, two over sparse attention's
-    gathered positions), by a cost model of the programs' rounds: a
-    program holds a whole SM (216 KB of shared memory), a round of programs
-    reads at the memory's bandwidth once it has `saturating_programs` of
-    them (fewer each read at one SM's most), and each split adds its
-    partial output's bytes. Against "about one program an SM" (the rule
-    until session 34), H100, 64 heads at 8k: batch 80 0.343 -> 0.277 ms,
-    160 0.649 -> 0.578; 128 heads at 8k, batch 80 0.487 -> 0.408; sparse
-    (2048 positions) batch 80 0.127 -> 0.108; the same where the old rule
-    was right (bench/notes/session34-h100-2026-11-27.md)."""
-    props = torch.cuda.get_device_properties(device)
-    programs = batch * (heads // BLOCK_H.value)
-    rounds = (props.multi_processor_count, saturating_programs(props))
-    return splits_for(programs, max_len, gathered, rounds)
-
-
-def splits_for(programs: int, max_len: int, gathered: bool, rounds: tuple[int, int]) -> int:
-    """`default_splits`' choice for `programs` (sequences x head groups) over
-    `max_len` positions, `rounds` = (SMs, saturating programs)."""
-    sms, saturating = rounds
-    most = max(1, min(256, max_len // ((2 if gathered else 4) * BLOCK_N)))
-
-    def cost(splits: int) -> float:
-        total = programs * splits
-        full, last = divmod(total, sms)
-        width = full * sms + (max(last, saturating) if last else 0)
-        partials = PARTIAL_BYTES * splits / (max(max_len, 1) * ROW_BYTES)
-        return width / total * (1 + partials)
-
-    counts = [1 << k for k in range(most.bit_length())]
-    return min(counts, key=cost)
-
-
-def saturating_programs(props) -> int:
-    """Programs (one an SM) that read at the memory's bandwidth: its peak over
-    one SM's most (`SM_BYTES_PER_S`), at most every SM."""
-    clock_khz = getattr(props, "memory_clock_rate", 0)
-    bus_bits = getattr(props, "memory_bus_width", 0)
-    sms = props.multi_processor_count
-    if not clock_khz or not bus_bits:
-        return round(0.6 * sms)
-    peak = 2 * clock_khz * 1e3 * bus_bits / 8
-    return min(sms, round(peak / SM_BYTES_PER_S))
 
 
 def mla_decode(
@@ -535,7 +442,7 @@ def mla_decode(
         max_len = selected.shape[1]
     if num_splits is None:
         longest = max_len or 1 << 16
-        num_splits = default_splits(batch, heads, longest, q_latent.device, sparse)
+        num_splits = mla_splits(batch, heads, longest, q_latent.device, sparse)
     if row_seqs is None:
         row_seqs = torch.arange(batch, device=q_latent.device)
     assert q_latent.stride(-1) == 1 and q_rope.stride(-1) == 1
@@ -548,26 +455,18 @@ def mla_decode(
         mid_out = torch.empty(batch, heads, num_splits, rank, **f32)
         mid_lse = torch.empty(batch, heads, num_splits, **f32)
     kind = gl.bfloat16 if cache.dtype == torch.bfloat16 else gl.float16
-    shape, strides = list(cache.shape), list(cache.stride())
-    descs = []
-    for cols in (512, 64):
-        block = [1, BLOCK_N, cols]
-        layout = gl.NVMMASharedLayout.get_default_for(block, kind)
-        descs.append(TensorDescriptor(cache, shape, strides, block, layout))
+    queries = [_tma_ready(q) for q in (q_latent, q_rope)]
+    queries = [descriptor(q, [1, BLOCK_H.value, q.shape[-1]], kind) for q in queries]
+    descs = [descriptor(cache, [1, BLOCK_N, cols], kind) for cols in (512, 64)]
     grid = (heads // BLOCK_H.value, batch, num_splits)
     _mla_decode_kernel[grid](
-        q_latent,
-        q_rope,
+        *queries,
         *descs,
         page_table,
         row_seqs,
         seq_lens if seq_lens is not None else selected,
         mid_out,
         mid_lse,
-        q_latent.stride(0),
-        q_latent.stride(1),
-        q_rope.stride(0),
-        q_rope.stride(1),
         page_table.stride(0),
         mid_out.stride(0),
         mid_out.stride(1),
@@ -592,3 +491,8 @@ def mla_decode(
     if num_splits == 1:
         return out
     return combine_splits(mid_out, mid_lse, out)
+
+
+def _tma_ready(x: torch.Tensor) -> torch.Tensor:
+    """`x`, or a contiguous copy where TMA cannot read it."""
+    return x if tma_readable(x) else x.contiguous()

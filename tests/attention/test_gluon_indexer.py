@@ -103,20 +103,3 @@ def test_the_backend_selects_within_tolerance_at_glm5_shapes(spans):
     gen = torch.Generator().manual_seed(5)
     deficit, overlap, _ = dsa_case(spans, TritonBackend, gen, fp8_keys=True)
     assert deficit <= ATTENTION_TOL and overlap >= 0.9, (deficit, overlap)
-
-
-def test_programs_per_token_cover_the_context_in_whole_blocks():
-    """Each token's blocks split in equal runs that cover them all; where some
-    split fills one round of the SMs to 90%, the choice is one such round."""
-    sms = 132
-    for tokens in range(1, 300, 3):
-        for blocks in (1, 2, 7, 32, 512, 2048):
-            per = gluon_indexer.per_program_for(tokens, blocks, sms)
-            programs = tokens * -(-blocks // per)
-            assert 1 <= per <= blocks and (programs // tokens - 1) * per < blocks
-            one_round = [
-                tokens * -(-blocks // -(-blocks // parts))
-                for parts in range(1, max(sms // tokens, 1) + 1)
-            ]
-            if max((n for n in one_round if n <= sms), default=0) >= 0.9 * sms:
-                assert 0.9 * sms <= programs <= sms

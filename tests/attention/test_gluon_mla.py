@@ -163,31 +163,3 @@ def test_selected_positions_match_the_reference(top, splits):
     error = (ours - ref).abs().max() / ref.abs().max()
     assert error < 2e-2
     assert error <= 1.5 * (theirs - ref).abs().max() / ref.abs().max() + 1e-3
-
-
-SMS = (132, 80)  # an H100's SMs and the programs that read at its memory's bandwidth
-
-
-@pytest.mark.parametrize("gathered", [False, True])
-def test_splits_are_powers_of_two_within_the_context(gathered):
-    """Every choice is a power of two (the merge's variants) that leaves each
-    split at least its shortest run of blocks, for any batch and context."""
-    shortest = (2 if gathered else 4) * gluon_mla.BLOCK_N
-    for programs in range(1, 400, 7):
-        for max_len in (1, 64, 300, 2048, 8192, 131072):
-            splits = gluon_mla.splits_for(programs, max_len, gathered, SMS)
-            assert splits & (splits - 1) == 0
-            assert splits == 1 or max_len // splits >= shortest
-
-
-def test_splits_never_leave_a_small_last_round():
-    """A split count whose programs end in a round narrower than the
-    saturating programs is never chosen over one that fills its rounds
-    with no more splits' outputs (the case the cost model exists for)."""
-    sms, saturating = SMS
-    for programs in range(1, 400):
-        splits = gluon_mla.splits_for(programs, 8192, False, SMS)
-        last = programs * splits % sms
-        if 0 < last < saturating:
-            fewer = [s for s in (1, 2, 4, 8) if s < splits]
-            assert all(0 < programs * s % sms < saturating for s in fewer)
