@@ -41,7 +41,13 @@ bandwidth is the limit (H100, bench/notes/session29-h100-2026-11-26.md).
 
 Written for Triton's Gluon (`triton.experimental.gluon`, Triton 3.6 on the
 GPU hosts). Hopper only, bfloat16 or float16 latents, 512 + 64 columns,
-heads a multiple of 64, pages a multiple of 64 tokens. A page's rows past a
+pages a multiple of 64 tokens. Heads fewer than 64 a program (16 at
+DeepSeek-V3's attention TP 8, or a count not a multiple of 64) are padded:
+the queries' TMA box fills the missing rows with zeros and their outputs
+are not stored. The kernel reads the cache as fast as at 64 heads, since
+the tensor cores are not what it waits for (H100, 16 heads, batch 32 at
+32k: 0.397 ms against the Triton kernel's 0.481 and FlashInfer's 0.416;
+bench/notes/session35-h100-2026-11-27.md). A page's rows past a
 context's end must hold finite values (the KV pool starts zeroed): they
 are read and weighted by zero.
 """
@@ -49,6 +55,7 @@ are read and weighted by zero.
 from __future__ import annotations
 
 import torch
+import triton
 import triton.language as tl
 
 from dserve.attention.gluon_tma import HAVE_GLUON, descriptor, tma_readable
@@ -77,8 +84,9 @@ STAGES = 2  # blocks in flight (with 64 tokens, what fits)
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
-def supported(q_latent, cache, heads: int) -> bool:
-    """Whether this kernel serves these shapes on this device."""
+def supported(q_latent, cache) -> bool:
+    """Whether this kernel serves these shapes on this device (any number
+    of heads: see the module's docstring)."""
     if not HAVE_GLUON or not q_latent.is_cuda:
         return False
     if torch.cuda.get_device_capability(q_latent.device) != (9, 0):
@@ -88,7 +96,6 @@ def supported(q_latent, cache, heads: int) -> bool:
         and cache.dtype == q_latent.dtype
         and q_latent.shape[-1] == 512
         and cache.shape[-1] == 576
-        and heads % BLOCK_H.value == 0
         and cache.shape[1] % 64 == 0
     )
 
@@ -186,7 +193,7 @@ if HAVE_GLUON:
         q_lat_s, q_rope_s, q_ready = queries
         kv_s, rope_s, alpha_s, l_s = stages
         ready, free, p_ready, done = bars
-        mid_o, mid_lse, o_base, lse_base, s_mo_h, s_ml_h = out
+        mid_o, mid_lse, o_base, lse_base, s_mo_h, s_ml_h, heads = out
         h0, start, end, sel_row = span
         STAGES: gl.constexpr = kv_s.shape[0]
         BLOCK_N: gl.constexpr = kv_s.shape[2]
@@ -242,14 +249,14 @@ if HAVE_GLUON:
             mbarrier.arrive(free.index(s))
         l_s.store(l)
         mbarrier.arrive(done)
-        heads = h0 + gl.arange(0, 64, layout=rows_s)
+        rows = h0 + gl.arange(0, 64, layout=rows_s)
         filled = l > 0
         lse = (m + gl.log2(gl.where(filled, l, 1.0))) / LOG2E
         lse = gl.where(filled, lse, float("-inf"))
         # one split: the output itself, no log-sum-exp to merge by
         if mid_o.dtype.element_ty == gl.float32:
-            gl.store(mid_lse + lse_base + heads * s_ml_h, lse)
-        _store_half(mid_o + o_base, o, l, s_mo_h, h0, 0)
+            gl.store(mid_lse + lse_base + rows * s_ml_h, lse, mask=rows < heads)
+        _store_half(mid_o + o_base, o, l, (s_mo_h, h0, heads), 0)
 
     @gluon.jit
     def _values_half(stages, bars, out, span, SPARSE: gl.constexpr):
@@ -257,7 +264,7 @@ if HAVE_GLUON:
         what warpgroup 0 left in shared memory."""
         kv_s, rope_s, alpha_s, l_s = stages
         ready, free, p_ready, done = bars
-        mid_o, mid_lse, o_base, lse_base, s_mo_h, s_ml_h = out
+        mid_o, mid_lse, o_base, lse_base, s_mo_h, s_ml_h, heads = out
         h0, start, end, sel_row = span
         STAGES: gl.constexpr = kv_s.shape[0]
         BLOCK_N: gl.constexpr = kv_s.shape[2]
@@ -280,7 +287,7 @@ if HAVE_GLUON:
             mbarrier.arrive(free.index(s))
         mbarrier.wait(done, 0)
         l = l_s.load(rows_o)
-        _store_half(mid_o + o_base, o, l, s_mo_h, h0, 256)
+        _store_half(mid_o + o_base, o, l, (s_mo_h, h0, heads), 256)
 
     @gluon.jit
     def _weights(rope_s, s):
@@ -289,16 +296,19 @@ if HAVE_GLUON:
         return rope_s.index(s).reshape([64, 64])
 
     @gluon.jit
-    def _store_half(out, o, l, s_mo_h, h0, col0: gl.constexpr):
-        """A half's normalised output: rows h0.., columns col0.. (zero
-        where the split saw no token)."""
+    def _store_half(out, o, l, rows_at, col0: gl.constexpr):
+        """A half's normalised output: rows h0.. below `heads` (`rows_at`:
+        their stride, h0, heads), columns col0.. (zero where the split saw
+        no token)."""
+        s_mo_h, h0, heads = rows_at
         o_layout: gl.constexpr = o.type.layout
         rows = gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
         cols = gl.arange(0, 256, layout=gl.SliceLayout(0, o_layout))
         l = gl.convert_layout(l, gl.SliceLayout(1, o_layout))
         o = o / gl.where(l > 0, l, 1.0)[:, None]
         at = (h0 + rows)[:, None] * s_mo_h + (col0 + cols)[None, :]
-        gl.store(out + at, o.to(out.dtype.element_ty))
+        mask = (h0 + rows)[:, None] < heads
+        gl.store(out + at, o.to(out.dtype.element_ty), mask=mask)
 
     # counts that follow the batch, the context and the splits: one variant for all (Triton
     # specializes an int on == 1 and on divisibility by 16), or a step compiles after ready.
@@ -342,6 +352,7 @@ if HAVE_GLUON:
         selected,
         s_sel_b,
         sel_width,
+        heads,
         STAGES: gl.constexpr,
         SPARSE: gl.constexpr,
     ):
@@ -391,7 +402,7 @@ if HAVE_GLUON:
         lse_base = b.to(gl.int64) * s_ml_b + split
         stages = (kv_s, rope_s, alpha_s, l_s)
         bars = (ready, free, p_ready, done)
-        out = (mid_o, mid_lse, o_base, lse_base, s_mo_h, s_ml_h)
+        out = (mid_o, mid_lse, o_base, lse_base, s_mo_h, s_ml_h, heads)
         span = (h0, start, end, sel_row)
         queries = (q_lat_s, q_rope_s, q_ready)
         if SPARSE:
@@ -458,7 +469,7 @@ def mla_decode(
     queries = [_tma_ready(q) for q in (q_latent, q_rope)]
     queries = [descriptor(q, [1, BLOCK_H.value, q.shape[-1]], kind) for q in queries]
     descs = [descriptor(cache, [1, BLOCK_N, cols], kind) for cols in (512, 64)]
-    grid = (heads // BLOCK_H.value, batch, num_splits)
+    grid = (triton.cdiv(heads, BLOCK_H.value), batch, num_splits)
     _mla_decode_kernel[grid](
         *queries,
         *descs,
@@ -483,6 +494,7 @@ def mla_decode(
         selected if sparse else seq_lens,
         selected.stride(0) if sparse else 0,
         selected.shape[1] if sparse else 0,
+        heads,
         STAGES,
         sparse,
         num_warps=4,

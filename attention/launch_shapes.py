@@ -33,7 +33,7 @@ def mla_splits(batch: int, heads: int, max_len: int, device, gathered=False) -> 
     (2048 positions) batch 80 0.127 -> 0.108; the same where the old rule
     was right (bench/notes/session34-h100-2026-11-27.md)."""
     props = torch.cuda.get_device_properties(device)
-    programs = batch * (heads // MLA_HEADS)
+    programs = batch * -(-heads // MLA_HEADS)
     rounds = (props.multi_processor_count, saturating_programs(props))
     return splits_for(programs, max_len, gathered, rounds)
 

@@ -242,11 +242,11 @@ def indexer_kernel(q, keys, scales, gluon: bool = True):
 
 def mla_decode_kernel(q_latent, cache, sparse: bool, gluon: bool = True):
     """The MLA decode to run, dense or over `sparse` attention's selected positions:
-    Gluon's on Hopper where it serves the shapes (heads a multiple of 64: DP attention's
-    128, GLM-5's 64), else Triton's. Both take `triton_mla.mla_decode`'s arguments."""
+    Gluon's on Hopper where it serves the shapes (any heads: DP attention's 128, GLM-5's
+    64, 16 at TP 8), else Triton's. Both take `triton_mla.mla_decode`'s arguments."""
     from dserve.attention import gluon_mla, triton_mla
 
-    if gluon and gluon_mla.supported(q_latent, cache, q_latent.shape[1]):
+    if gluon and gluon_mla.supported(q_latent, cache):
         return gluon_mla.mla_decode
     return triton_mla.mla_decode
 

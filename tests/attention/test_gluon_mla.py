@@ -19,17 +19,17 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9,
 
 
 def test_it_serves_hopper_shapes_only():
-    """CPU tensors, 16 heads or float32 go to the Triton kernel."""
+    """CPU tensors, float32 or pages of 32 go to the Triton kernel."""
     q = torch.zeros(2, 128, 512, dtype=torch.bfloat16)
     cache = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
-    assert not gluon_mla.supported(q, cache, 128)
+    assert not gluon_mla.supported(q, cache)
     if HOPPER:
         on = dict(device="cuda")
         q, cache = q.to(**on), cache.to(**on)
-        assert gluon_mla.supported(q, cache, 128)
-        assert not gluon_mla.supported(q[:, :16], cache, 16)
-        assert not gluon_mla.supported(q.float(), cache.float(), 128)
-        assert not gluon_mla.supported(q, cache[:, :32], 128)
+        assert gluon_mla.supported(q, cache)
+        assert gluon_mla.supported(q[:, :16], cache)
+        assert not gluon_mla.supported(q.float(), cache.float())
+        assert not gluon_mla.supported(q, cache[:, :32])
 
 
 LENS = [1, 700, 4096, 1025, 64, 65, 3000, 2, 8191, 129, 500, 63]
@@ -45,12 +45,16 @@ LENS = [1, 700, 4096, 1025, 64, 65, 3000, 2, 8191, 129, 500, 63]
         (64, 128, 2, torch.bfloat16),
         (128, 64, 64, torch.float16),
         (128, 64, 1, torch.bfloat16),
+        (16, 64, None, torch.bfloat16),
+        (8, 128, 4, torch.bfloat16),
+        (96, 64, 1, torch.bfloat16),
     ],
 )
 def test_matches_the_reference(heads, page_size, splits, dtype):
     """Within bf16 tolerance of the reference and no further from it than
     the Triton kernel; 64 splits leave the short contexts' later splits
-    empty; one split writes the output itself."""
+    empty; one split writes the output itself; heads that do not fill a
+    program's 64 (16, 8, 96) are padded and only theirs stored."""
     q_latent, q_rope, cache, table, lens = case(
         heads=heads,
         rank=512,
@@ -97,8 +101,8 @@ def test_rows_that_share_a_sequence():
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="a Hopper GPU")
 def test_the_triton_backend_decodes_with_it():
-    """128 heads go to this kernel, and 64 over sparse selections; 16
-    heads and a backend told otherwise to the Triton one."""
+    """128 and 16 heads go to this kernel, and 64 over sparse selections;
+    a backend told otherwise to the Triton one."""
     from dserve.attention import triton_mla
     from dserve.attention.backend import create_backend
     from dserve.memory.kv_pool import KVLayout, KVPool
@@ -110,7 +114,7 @@ def test_the_triton_backend_decodes_with_it():
     cache = pool.buffers[0][0]
     selection = torch.zeros(1, 8, dtype=torch.int32, device="cuda")
     assert backend._decode_kernel(q, cache, None) is gluon_mla.mla_decode
-    assert backend._decode_kernel(q[:, :16], cache, None) is triton_mla.mla_decode
+    assert backend._decode_kernel(q[:, :16], cache, None) is gluon_mla.mla_decode
     assert backend._decode_kernel(q[:, :64], cache, selection) is gluon_mla.mla_decode
     backend.gluon_mla = False
     assert backend._decode_kernel(q, cache, None) is triton_mla.mla_decode

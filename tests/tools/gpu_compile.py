@@ -260,6 +260,8 @@ def gluon_launches(gen: torch.Generator) -> None:
     q, qr = torch.randn(2, 128, 512).to(bf16), torch.randn(2, 128, 64).to(bf16)
     for splits in (2, 1):
         gluon_mla.mla_decode(q, qr, cache, table, lens, 0.1, num_splits=splits)
+    # 16 heads (attention TP 8): one program's 64 rows, padded
+    gluon_mla.mla_decode(q[:, :16], qr[:, :16], cache, table, lens, 0.1, num_splits=2)
     chosen = torch.randint(0, 256, (2, 128), generator=gen)
     sparse = dict(num_splits=2, selected=chosen)
     gluon_mla.mla_decode(q[:, :64], qr[:, :64], cache, table, None, 0.1, **sparse)
