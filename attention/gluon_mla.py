@@ -447,6 +447,8 @@ def mla_decode(
     returns [B, H, 512]. Sparse attention: `selected` [B, K] each row's
     context positions (-1 for none), `seq_lens` not read."""
     batch, heads, rank = q_latent.shape
+    if not batch:  # no rows: nothing to launch (TMA has no box of an empty tensor)
+        return q_latent.new_empty(0, heads, rank)
     sparse = selected is not None
     if sparse:
         selected = selected.contiguous()

@@ -32,6 +32,16 @@ def test_it_serves_hopper_shapes_only():
         assert not gluon_mla.supported(q, cache[:, :32])
 
 
+def test_no_rows_launch_nothing():
+    """A batch of no rows returns an empty output before any launch (the
+    queries' TMA descriptor cannot describe an empty tensor)."""
+    q = torch.zeros(0, 16, 512, dtype=torch.bfloat16)
+    cache = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
+    table, lens = torch.zeros(0, 4, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+    out = gluon_mla.mla_decode(q, q[..., :64], cache, table, lens, 0.1)
+    assert out.shape == (0, 16, 512) and out.dtype == torch.bfloat16
+
+
 LENS = [1, 700, 4096, 1025, 64, 65, 3000, 2, 8191, 129, 500, 63]
 
 
