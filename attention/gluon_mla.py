@@ -186,10 +186,9 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _scores_half(queries, stages, bars, out, span, scale_log2, SPARSE: gl.constexpr):
-        """Default partition (warpgroup 0): the queries into shared memory
-        (while the loader brings the first blocks), then the scores,
-        online softmax, the weights for warpgroup 1, the left 256 value
-        columns."""
+        """Default partition (warpgroup 0): once the queries are in shared
+        memory (`q_ready`: their TMA), the scores, online softmax, the
+        weights for warpgroup 1, the left 256 value columns."""
         q_lat_s, q_rope_s, q_ready = queries
         kv_s, rope_s, alpha_s, l_s = stages
         ready, free, p_ready, done = bars
