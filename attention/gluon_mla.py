@@ -19,25 +19,20 @@ the same partitions with a gathering loader: four warps copy the selected
 rows by cp.async (Hopper's TMA has no gather).
 
 The weights take the place of the block's rope keys, which only the scores
-read. Shared memory: queries 72 KB, two blocks 144 KB. The splits are merged
-by `triton_mla.combine_splits`, the same as the Triton kernel's. Merged in
-the kernel instead, by the last warpgroup to finish (an atomic ticket a
-thread), a launch took 74 us against 48 (batch 32, 4 splits): one
-warpgroup's loads of every split's partials wait for each other.
-
-The queries come by TMA as the program starts, beside the loader's first
-blocks, and the output's stores vectorize (its strides specialized). The
-first blocks of a launch arrive ~6-8 us after it starts on an H100 (every
-SM asks for two blocks at once: ~19 MB at 128 programs), so the queries
-were never what the programs waited for (session 35, per-program clocks).
+read. Shared memory: queries 72 KB (by TMA as the program starts), two
+blocks 144 KB. The splits are merged by `triton_mla.combine_splits`, the
+Triton kernel's (merged in the kernel by the last warpgroup to finish, a
+launch took 74 us against 48: its loads of every split's partials wait for
+each other). With 128 heads both programs of a sequence read each block
+(through the L2: TMA multicast to read it once is not in Triton 3.6).
 
 Each warpgroup waits for its weighted sum before it hands the stage back:
 with two stages the loader's slack is what matters. Issuing block k's sum
-together with block k + 1's scores (FlashAttention-3's overlap) handed the
-stage back later and was slower: 128 heads, batch 32 at 8k, 0.173 ms
-against 0.150. So were blocks of 32 tokens in four stages (0.175 ms): the
-scores read the queries from shared memory twice as often, and that
-bandwidth is the limit (H100, bench/notes/session29-h100-2026-11-26.md).
+with block k + 1's scores (FlashAttention-3's overlap) was slower (128
+heads, batch 32 at 8k: 0.173 ms against 0.150), and so were blocks of 32
+tokens in four stages (0.175 ms): the scores read the queries from shared
+memory twice as often (bench/notes/session29-h100-2026-11-26.md). Where a
+launch's time goes, by per-program clocks: session35-h100-2026-11-27.md.
 
 Written for Triton's Gluon (`triton.experimental.gluon`, Triton 3.6 on the
 GPU hosts). Hopper only, bfloat16 or float16 latents, 512 + 64 columns,
@@ -46,10 +41,9 @@ DeepSeek-V3's attention TP 8, or a count not a multiple of 64) are padded:
 the queries' TMA box fills the missing rows with zeros and their outputs
 are not stored. The kernel reads the cache as fast as at 64 heads, since
 the tensor cores are not what it waits for (H100, 16 heads, batch 32 at
-32k: 0.397 ms against the Triton kernel's 0.481 and FlashInfer's 0.416;
-bench/notes/session35-h100-2026-11-27.md). A page's rows past a
-context's end must hold finite values (the KV pool starts zeroed): they
-are read and weighted by zero.
+32k: 0.397 ms against the Triton kernel's 0.481 and FlashInfer's 0.416).
+A page's rows past a context's end must hold finite values (the KV pool
+starts zeroed): they are read and weighted by zero.
 """
 
 from __future__ import annotations
