@@ -16,12 +16,12 @@ Here a program takes one token and a run of blocks, in three partitions:
   block's scores with the keys' scales.
 
 Each token's positions are split over programs by how well their rounds
-fill the SMs (`launch_shapes.per_program_for`). Until session 34 the loader read each
-block's page as it went and the scorers each block's scales, each read
-waited for before the next step could start, with 4 stages and two
-programs an SM: batch 32 x 32k 0.065 ms (73% of the copy bandwidth), now
-0.057 (84%); batch 128 0.231 -> 0.205 (93%); 128 x 128k 0.985 -> 0.798
-(96%). The same scores, bit for bit (H100,
+fill the SMs (`launch_shapes.per_program_for`). Until session 34 the
+loader read each block's page as it went and the scorers each block's
+scales, each read waited for before the next step could start, with 4
+stages and two programs an SM: batch 32 x 32k 0.065 ms (73% of the copy
+bandwidth), now 0.057 (84%); batch 128 0.231 -> 0.205 (93%); 128 x 128k
+0.985 -> 0.798 (96%). The same scores, bit for bit (H100,
 bench/notes/session34-h100-2026-11-27.md).
 
 Two kinds of queries:
