@@ -74,7 +74,7 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from dserve.attention.gluon_tma import block_page, block_pages, tma_load
+    from dserve.attention.gluon_tma import block_page, block_pages, ring, tma_load
 
 BLOCK_N = BLOCK_TOKENS  # keys a block: one TMA box, within a page
 DIM = 128  # the indexer's head dim
@@ -226,13 +226,6 @@ if HAVE_GLUON:
         w_s.store(w)
         fence_async_shared()
 
-    @gluon.jit
-    def _ring(desc, STAGES: gl.constexpr):
-        """Shared memory for STAGES of a descriptor's blocks."""
-        block = desc.block_type
-        shape: gl.constexpr = [STAGES] + block.shape
-        return gl.allocate_shared_memory(block.element_ty, shape, desc.layout)
-
     # the pass's longest context and the page table's width vary step by step: one variant
     # (Triton specializes an int on == 1 and on divisibility by 16), or a step compiles
     @gluon.jit(do_not_specialize=["s_pt_b", "width"])
@@ -281,8 +274,8 @@ if HAVE_GLUON:
         w_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         w_s = gl.allocate_shared_memory(gl.float32, [H], w_layout)
         row = (q + t64 * s_q_t, s_q_h, weights + t64 * s_w_t)
-        keys_s = _ring(key_desc, STAGES)
-        scales_s = _ring(scale_desc, STAGES)
+        keys_s = ring(key_desc, STAGES)
+        scales_s = ring(scale_desc, STAGES)
         bar: gl.constexpr = mbarrier.MBarrierLayout()
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
         free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)

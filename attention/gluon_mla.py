@@ -67,7 +67,7 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from dserve.attention.gluon_tma import block_page, block_pages, tma_load
+    from dserve.attention.gluon_tma import block_page, block_pages, ring, tma_load
 
     # cp.async: `async_load` in later Tritons (3.9), the older name in 3.6
     cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
@@ -363,12 +363,8 @@ if HAVE_GLUON:
         dtype: gl.constexpr = lat_desc.dtype
         q_lat_s = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
         q_rope_s = gl.allocate_shared_memory(dtype, qr_desc.block_type.shape, qr_desc.layout)
-        kv_s = gl.allocate_shared_memory(
-            dtype, [STAGES] + lat_desc.block_type.shape, lat_desc.layout
-        )
-        rope_s = gl.allocate_shared_memory(
-            dtype, [STAGES] + rope_desc.block_type.shape, rope_desc.layout
-        )
+        kv_s = ring(lat_desc, STAGES)
+        rope_s = ring(rope_desc, STAGES)
         vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         alpha_s = gl.allocate_shared_memory(gl.float32, [STAGES, 64], vec)
         l_s = gl.allocate_shared_memory(gl.float32, [64], vec)

@@ -1,7 +1,8 @@
 """What the Hopper Gluon kernels (`gluon_mla`, `gluon_indexer`) share:
 Triton's Gluon (`HAVE_GLUON` is False on a Triton without it), TMA
-descriptors and the check that TMA can read a tensor, and the loaders'
-page-table reads a group of blocks ahead.
+descriptors and the check that TMA can read a tensor, the stage rings
+the loaders fill, and the loaders' page-table reads a group of blocks
+ahead.
 """
 
 from __future__ import annotations
@@ -38,6 +39,14 @@ def descriptor(x: torch.Tensor, block: list[int], kind):
 
 
 if HAVE_GLUON:
+
+    @gluon.jit
+    def ring(desc, STAGES: gl.constexpr):
+        """Shared memory for STAGES of a descriptor's blocks (its boxes),
+        in the layout its TMA writes."""
+        block = desc.block_type
+        shape: gl.constexpr = [STAGES] + block.shape
+        return gl.allocate_shared_memory(block.element_ty, shape, desc.layout)
 
     @gluon.jit
     def block_pages(run, k0, BLOCK_N: gl.constexpr):
