@@ -20,19 +20,15 @@ rows by cp.async (Hopper's TMA has no gather).
 
 The weights take the place of the block's rope keys, which only the scores
 read. Shared memory: queries 72 KB (by TMA as the program starts), two
-blocks 144 KB. The splits are merged by `triton_mla.combine_splits`, the
-Triton kernel's (merged in the kernel by the last warpgroup to finish, a
-launch took 74 us against 48: its loads of every split's partials wait for
-each other). With 128 heads both programs of a sequence read each block
-(through the L2: TMA multicast to read it once is not in Triton 3.6).
-
-Each warpgroup waits for its weighted sum before it hands the stage back:
-with two stages the loader's slack is what matters. Issuing block k's sum
-with block k + 1's scores (FlashAttention-3's overlap) was slower (128
-heads, batch 32 at 8k: 0.173 ms against 0.150), and so were blocks of 32
-tokens in four stages (0.175 ms): the scores read the queries from shared
-memory twice as often (bench/notes/session29-h100-2026-11-26.md). Where a
-launch's time goes, by per-program clocks: session35-h100-2026-11-27.md.
+blocks 144 KB. The splits are merged by `triton_mla.combine_splits`. With
+128 heads both programs of a sequence read each block (through the L2: TMA
+multicast is not in Triton 3.6), and the tensor cores take about as long as
+the copy: at batch 32 x 8k a launch that reads no block (`read_blocks`)
+takes 0.126 ms, where reading at the copy bandwidth would take 0.104.
+Tried and slower (notes of sessions 29, 33 and 36): block k's sum issued
+with block k + 1's scores (FlashAttention-3), blocks of 16-32 tokens in
+more stages (dense and sparse), the splits merged in the kernel by the
+last warpgroup to finish, an L2 prefetch of the blocks ahead.
 
 Written for Triton's Gluon (`triton.experimental.gluon`, Triton 3.6 on the
 GPU hosts). Hopper only, bfloat16 or float16 latents, 512 + 64 columns,
@@ -120,10 +116,11 @@ if HAVE_GLUON:
         return start, end
 
     @gluon.jit
-    def _loader(descs, stages, bars, table, span, page_size):
+    def _loader(descs, stages, bars, table, span, page_size, READ: gl.constexpr):
         """Worker (one warp): each block's latents and rope keys by
         TMA into the next free stage, its page read a group ahead
-        (`block_page`)."""
+        (`block_page`). Not READ: the stage is handed over unread
+        (`mla_decode`'s `read_blocks`)."""
         lat_desc, rope_desc = descs
         kv_s, rope_s, alpha_s, l_s = stages
         ready, free, p_ready, done = bars
@@ -141,9 +138,12 @@ if HAVE_GLUON:
             off = (start + k * BLOCK_N) % page_size
             mbarrier.wait(free.index(s), ((k // STAGES) & 1) ^ 1)
             bar = ready.index(s)
-            mbarrier.expect(bar, nbytes)
-            tma_load(lat_desc, [page, off, 0], bar, kv_s.index(s))
-            tma_load(rope_desc, [page, off, 512], bar, rope_s.index(s))
+            if READ:
+                mbarrier.expect(bar, nbytes)
+                tma_load(lat_desc, [page, off, 0], bar, kv_s.index(s))
+                tma_load(rope_desc, [page, off, 512], bar, rope_s.index(s))
+            else:
+                mbarrier.arrive(bar)
 
     @gluon.jit
     def _gather_loader(gather, stages, bars, table, span, page_size):
@@ -348,6 +348,7 @@ if HAVE_GLUON:
         heads,
         STAGES: gl.constexpr,
         SPARSE: gl.constexpr,
+        READ: gl.constexpr,
     ):
         h0 = gl.program_id(0) * BLOCK_H
         b, split = gl.program_id(1), gl.program_id(2)
@@ -411,7 +412,7 @@ if HAVE_GLUON:
                 [
                     (_scores_half, (queries, stages, bars, out, span, scale_log2, SPARSE)),
                     (_values_half, (stages, bars, out, span, SPARSE)),
-                    (_loader, (descs, stages, bars, table, span, page_size)),
+                    (_loader, (descs, stages, bars, table, span, page_size, READ)),
                 ],
                 [4, 1],
                 [240, 24],
@@ -430,15 +431,19 @@ def mla_decode(
     row_seqs: torch.Tensor | None = None,
     min_split: int | None = None,
     selected: torch.Tensor | None = None,
+    read_blocks: bool = True,
 ) -> torch.Tensor:
     """`triton_mla.mla_decode`'s contract on this kernel: q_latent [B, H, 512],
     q_rope [B, H, 64], one layer's `cache` [num_pages, page_size, 576];
     returns [B, H, 512]. Sparse attention: `selected` [B, K] each row's
-    context positions (-1 for none), `seq_lens` not read."""
+    context positions (-1 for none), `seq_lens` not read. `read_blocks`
+    False (dense only) times the kernel's own floor: every step but the
+    blocks' copies (the output is then not attention; `bench.mla_decode`)."""
     batch, heads, rank = q_latent.shape
     if not batch:  # no rows: nothing to launch (TMA has no box of an empty tensor)
         return q_latent.new_empty(0, heads, rank)
     sparse = selected is not None
+    assert read_blocks or not sparse, "the floor is the dense kernel's"
     if sparse:
         selected = selected.contiguous()
         max_len = selected.shape[1]
@@ -488,6 +493,7 @@ def mla_decode(
         heads,
         STAGES,
         sparse,
+        read_blocks,
         num_warps=4,
         maxnreg=168,
     )

@@ -1,5 +1,5 @@
 """Timing of GPU work for the benchmarks: CUDA events around a call, median over repeats; the
-device copy bandwidth they compare against.
+device copy bandwidth and bf16 matmul rate they compare against.
 
 A graph replay (`graph_seconds`) is timed behind a short sleep kernel (`LEAD_CYCLES`), so its
 start event runs only once the host has queued the replay: the events then bracket the GPU's
@@ -66,3 +66,11 @@ def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     return 2 * nbytes / median_seconds(lambda: dst.copy_(src), repeats)
+
+
+def matmul_flops(n: int = 8192, repeats: int = 10) -> float:
+    """Floating-point operations per second of a large bf16 matmul (n^3) on the current GPU:
+    the limit the tensor-core-bound kernels are held against."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    return 2 * n**3 / median_seconds(lambda: a @ b, repeats)

@@ -28,13 +28,7 @@ import os
 
 import torch
 
-from bench.cuda_timing import median_seconds
-
-
-def matmul_flops(n: int = 8192, repeats: int = 10) -> float:
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    return 2 * n**3 / median_seconds(lambda: a @ b, repeats)
+from bench.cuda_timing import matmul_flops, median_seconds
 
 
 def span_batch(pool, new: int, prefix: int):

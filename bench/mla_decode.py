@@ -11,6 +11,13 @@ parameters, or a list of them to compare; the table then shows each setting's re
 `--backend gluon` times the warp-specialized Hopper kernel (`dserve.attention.gluon_mla`;
 `--tune '{"num_splits": 2}'`). `--backend flashinfer` times FlashInfer's MLA decode (`BatchMLAPagedAttentionWrapper`) on the same
 cases instead, for the same table.
+
+`--roofs` adds both limits a case is held against, each measured in the run: the copy's time for
+the case's bytes ("copy ms") and the tensor cores' for its products at a large bf16 matmul's
+rate ("mma ms": batch x context x heads x (576 + 512) x 2 operations; at 128 heads they are
+about equal), and with `--backend gluon` the kernel's own floor ("floor ms": the same launch
+with every block's copy left out, `gluon_mla.mla_decode(read_blocks=False)`), so that what
+the reads cost beyond the kernel's compute shows.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import os
 
 import torch
 
-from bench.cuda_timing import copy_bandwidth, graph_seconds, median_seconds
+from bench.cuda_timing import copy_bandwidth, graph_seconds, matmul_flops, median_seconds
 
 
 def flashinfer_seconds(q_latent, q_rope, cache, table, lens, page_size: int, repeats: int) -> float:
@@ -68,6 +75,7 @@ def run_case(
     rope=64,
     page_size=64,
     backend="triton",
+    with_floor=False,
     **tune,
 ) -> dict:
     from dserve.attention.triton_mla import mla_decode
@@ -89,18 +97,21 @@ def run_case(
         from dserve.attention import gluon_mla
 
         decode = gluon_mla.mla_decode if backend == "gluon" else mla_decode
-        seconds = graph_seconds(
-            lambda: decode(q_latent, q_rope, cache, table, lens, 0.07, max_len=context, **tune),
-            repeats,
-        )
+        call = (q_latent, q_rope, cache, table, lens, 0.07)
+        seconds = graph_seconds(lambda: decode(*call, max_len=context, **tune), repeats)
+        if with_floor:  # the same launch, no block read
+            unread = lambda: decode(*call, max_len=context, read_blocks=False, **tune)
+            floor = graph_seconds(unread, repeats)
     nbytes = batch * context * (rank + rope) * 2
-    return {
+    row = {
         "batch": batch,
         "context": context,
         "ms": seconds * 1e3,
         "bytes": nbytes,
+        "flops": batch * context * heads * (rank + rope + rank) * 2,
         "gb_s": nbytes / seconds / 1e9,
     }
+    return {**row, "floor_ms": floor * 1e3} if with_floor else row
 
 
 def kernel_stats(jit_fn) -> dict:
@@ -119,6 +130,13 @@ def kernel_stats(jit_fn) -> dict:
                     "wgmma": "wgmma" in k.asm.get("ptx", ""),
                 }
     return {}
+
+
+def _roofs(row: dict) -> str:
+    """The row's limits (`--roofs`): copy ms, mma ms, the kernel's floor ms (- without)."""
+    floor = row.get("floor_ms")
+    floor = f"{floor:>8.3f}" if floor else f"{'-':>8}"
+    return f" {row['copy_ms']:>8.3f} {row['mma_ms']:>8.3f} {floor}"
 
 
 def main() -> None:
@@ -150,6 +168,12 @@ def main() -> None:
         help="whose MLA decode kernel: ours (triton; gluon: the warp-specialized Hopper kernel, "
         "attention/gluon_mla.py) or FlashInfer's BatchMLAPagedAttentionWrapper",
     )
+    parser.add_argument(
+        "--roofs",
+        action="store_true",
+        help="add the copy's and the tensor cores' time for each case (and the Gluon kernel's "
+        "floor: no block read)",
+    )
     parser.add_argument("--out", default="bench/results/mla_decode.json")
     args = parser.parse_args()
     from dserve.attention import triton_mla
@@ -157,8 +181,13 @@ def main() -> None:
     tunes = args.tune if isinstance(args.tune, list) else [args.tune]
     copy = copy_bandwidth()
     print(f"copy bandwidth (device to device, read + write): {copy / 1e9:.0f} GB/s")
+    mma = matmul_flops() if args.roofs else None
+    if mma:
+        print(f"bf16 matmul (8192^3): {mma / 1e12:.0f} TFLOPS")
+    roofs = f" {'copy ms':>8} {'mma ms':>8} {'floor ms':>8}" if mma else ""
     print(
-        f"{'batch':>5} {'context':>8} {'ms':>8} {'GB/s':>8} {'of copy':>8} {'regs':>5} {'spills':>6}  tune"
+        f"{'batch':>5} {'context':>8} {'ms':>8} {'GB/s':>8} {'of copy':>8}{roofs}"
+        f" {'regs':>5} {'spills':>6}  tune"
     )
     rows = []
     for tune in tunes:
@@ -166,7 +195,13 @@ def main() -> None:
             for c in args.contexts:
                 try:
                     row = run_case(
-                        b, c, args.repeats, heads=args.heads, backend=args.backend, **tune
+                        b,
+                        c,
+                        args.repeats,
+                        heads=args.heads,
+                        backend=args.backend,
+                        with_floor=args.roofs and args.backend == "gluon",
+                        **tune,
                     )
                 except (
                     Exception
@@ -181,10 +216,13 @@ def main() -> None:
                     backend=args.backend,
                     **(kernel_stats(triton_mla._split_kernel) if args.backend == "triton" else {}),
                 )
+                if mma:
+                    row.update(copy_ms=row["bytes"] / copy * 1e3, mma_ms=row["flops"] / mma * 1e3)
                 rows.append(row)
                 print(
-                    f"{b:>5} {c:>8} {row['ms']:>8.3f} {row['gb_s']:>8.0f} {row['of_copy']:>8.1%} "
-                    f"{row.get('regs', '?'):>5} {row.get('spills', '?'):>6}  {json.dumps(tune)}"
+                    f"{b:>5} {c:>8} {row['ms']:>8.3f} {row['gb_s']:>8.0f} {row['of_copy']:>8.1%}"
+                    f"{_roofs(row) if mma else ''}"
+                    f" {row.get('regs', '?'):>5} {row.get('spills', '?'):>6}  {json.dumps(tune)}"
                 )
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
@@ -192,6 +230,7 @@ def main() -> None:
             {
                 "device": torch.cuda.get_device_name(),
                 "copy_gb_s": copy / 1e9,
+                "matmul_tflops": mma / 1e12 if mma else None,
                 "heads": args.heads,
                 "backend": args.backend,
                 "rows": rows,

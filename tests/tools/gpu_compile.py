@@ -248,8 +248,9 @@ def decode_and_gemm_launches(gen: torch.Generator) -> None:
 
 
 def gluon_launches(gen: torch.Generator) -> None:
-    """The Gluon MLA decode: over contexts (two splits; one, which writes the output itself)
-    and over selected positions, with the engine's int64 page tables and lengths."""
+    """The Gluon MLA decode: over contexts (two splits; one, which writes the output itself;
+    no block read, the bench's floor) and over selected positions, with the engine's int64
+    page tables and lengths."""
     from dserve.attention import gluon_mla
 
     if not gluon_mla.HAVE_GLUON:
@@ -262,6 +263,8 @@ def gluon_launches(gen: torch.Generator) -> None:
         gluon_mla.mla_decode(q, qr, cache, table, lens, 0.1, num_splits=splits)
     # 16 heads (attention TP 8): one program's 64 rows, padded
     gluon_mla.mla_decode(q[:, :16], qr[:, :16], cache, table, lens, 0.1, num_splits=2)
+    # bench.mla_decode's floor: no block read
+    gluon_mla.mla_decode(q, qr, cache, table, lens, 0.1, num_splits=2, read_blocks=False)
     chosen = torch.randint(0, 256, (2, 128), generator=gen)
     sparse = dict(num_splits=2, selected=chosen)
     gluon_mla.mla_decode(q[:, :64], qr[:, :64], cache, table, None, 0.1, **sparse)
