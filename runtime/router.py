@@ -43,6 +43,7 @@ from dserve.runtime.router_policy import Backend, Breaker, Picker
 from dserve.runtime.router_tries import STREAM_FIELDS, Failure, PairTries
 from dserve.runtime.server_config import RouterConfig
 from dserve.runtime.sglang_compat import drop_no_op_fields
+from dserve.runtime.upstream import Upstreams
 from dserve.scheduler.request import SamplingParams
 
 log = logging.getLogger("dserve.router")
@@ -75,6 +76,7 @@ class Router(PairTries):
         self.prefills = [self._backend(u, "prefill") for u in prefill_urls]
         self.decodes = [self._backend(u, "decode") for u in decode_urls]
         self.timeout = aiohttp.ClientTimeout(total=c.request_timeout_s, sock_connect=10)
+        self.upstreams = Upstreams(c.request_timeout_s)  # the tries' requests
         self.metrics = RouterMetrics(self.prefills + self.decodes)
         self.app = web.Application(client_max_size=c.max_request_bytes)
         for path in ROUTES:
@@ -105,6 +107,7 @@ class Router(PairTries):
 
     async def _stop(self, _app) -> None:
         self.prober.cancel()
+        self.upstreams.close()
         await self.session.close()
 
     async def _probe_forever(self) -> None:

@@ -18,19 +18,20 @@ import time
 import uuid
 from dataclasses import dataclass
 
-import aiohttp
 from aiohttp import web
 
 from dserve.runtime.protocol import ROUTES, EventStream
 from dserve.runtime.router_policy import Backend
 from dserve.runtime.sse import STREAM_END, EventReader, error_event, event_error, first_event
+from dserve.runtime.upstream import Response, UpstreamError
 
 log = logging.getLogger("dserve.router")
 BLAME_GRACE_S = 1.0  # how long a failed decode waits to learn whether its prefill failed
 # the decode gets them as the client sent them; the prefill too when the pair shares the stream,
 # else it answers whole
 STREAM_FIELDS = ("stream", "stream_options")
-JSON = {"Content-Type": "application/json"}
+FAILED = (UpstreamError, asyncio.TimeoutError)  # a leg to an instance that failed
+CONTINUE = object()  # `_pass_events`: the prefill's stream goes on
 
 
 @dataclass
@@ -52,13 +53,13 @@ class Opened:
     or a shared stream's prefill's): its status and the bytes read so far (a whole body, or a
     stream's first event)."""
 
-    upstream: aiohttp.ClientResponse
+    upstream: Response
     head: bytes
     streamed: bool
 
 
 class PairTries:
-    """The router's tries on a pair (a mixin of `Router`: its `session`, `metrics` and
+    """The router's tries on a pair (a mixin of `Router`: its `upstreams`, `metrics` and
     `config`)."""
 
     async def _try(
@@ -162,8 +163,12 @@ class PairTries:
     ) -> Failure | None:
         """Relay the prefill's events (of the first tokens) until its stream ends: None when
         it ended well (the KV has left), else the Failure; the decode's failure meanwhile ends
-        it at once."""
-        reading = asyncio.ensure_future(self._copy_events(resp, opened, prefill))
+        it at once. The events read with the first go out before anything is awaited."""
+        reader = EventReader(opened.upstream, opened.head)
+        ended = await self._pass_events(resp, reader.ready(), prefill)
+        if ended is not CONTINUE:
+            return ended
+        reading = asyncio.ensure_future(self._copy_events(resp, reader, prefill))
         try:
             await asyncio.wait({reading, decode_task}, return_when=asyncio.FIRST_COMPLETED)
             if not reading.done() and isinstance(decode_task.result(), Failure):
@@ -173,25 +178,31 @@ class PairTries:
             reading.cancel()
             await _closed(reading)
 
-    async def _copy_events(self, resp, opened: Opened, prefill: Backend) -> Failure | None:
-        reader = EventReader(opened.upstream, opened.head)
+    async def _copy_events(self, resp, reader: EventReader, prefill: Backend) -> Failure | None:
         try:
             while events := await reader.batch():
-                ends = [i for i, e in enumerate(events) if e == STREAM_END or event_error(e)]
-                relayed = events[: ends[0]] if ends else events
-                if relayed:
-                    await resp.write(b"".join(relayed))
-                if not ends:
-                    continue
-                error = event_error(events[ends[0]])
-                if error is None:
-                    prefill.breaker.success()
-                    return None
-                return Failure(502, f"prefill {prefill.url}: {error}", False, prefill)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                ended = await self._pass_events(resp, events, prefill)
+                if ended is not CONTINUE:
+                    return ended
+        except FAILED as e:
             return self._lost(prefill, e)
         message = f"prefill {prefill.url}: its stream ended before its last event"
         return Failure(502, message, False, prefill)
+
+    async def _pass_events(self, resp, events: list[bytes], prefill: Backend):
+        """The prefill's `events` to the client up to its stream's end or an error event:
+        then None (it ended well) or the Failure; else CONTINUE."""
+        ends = [i for i, e in enumerate(events) if e == STREAM_END or event_error(e)]
+        relayed = events[: ends[0]] if ends else events
+        if relayed:
+            await resp.write(b"".join(relayed))
+        if not ends:
+            return CONTINUE
+        error = event_error(events[ends[0]])
+        if error is None:
+            prefill.breaker.success()
+            return None
+        return Failure(502, f"prefill {prefill.url}: {error}", False, prefill)
 
     async def _fail_stream(
         self, resp: EventStream, endpoint: str, failure: Failure, start: float, first: float
@@ -230,20 +241,24 @@ class PairTries:
         """None when the prefill succeeded, else its Failure. The prefill answers whole (its
         answer is only a sign that the KV left)."""
         try:
-            async with self.session.post(backend.url + endpoint, data=body, headers=JSON) as r:
-                if r.status == 200:
-                    backend.breaker.success()
-                    return None
-                return _answer_failure(backend, r.status, await r.read())
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            answer = await self.upstreams.post(backend.url + endpoint, body)
+            try:
+                raw = await answer.read()
+            finally:
+                answer.close()
+            if answer.status == 200:
+                backend.breaker.success()
+                return None
+            return _answer_failure(backend, answer.status, raw)
+        except FAILED as e:
             return self._lost(backend, e)
 
     async def _open(self, backend: Backend, endpoint: str, body: bytes) -> Opened | Failure:
         """POST to the decode and read until its answer is sure: a whole body, or a stream's
         first event (an error event instead of tokens is a Failure)."""
         try:
-            upstream = await self.session.post(backend.url + endpoint, data=body, headers=JSON)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            upstream = await self.upstreams.post(backend.url + endpoint, body)
+        except FAILED as e:
             return self._lost(backend, e)
         try:
             streamed = upstream.content_type.startswith("text/event-stream")
@@ -259,7 +274,7 @@ class PairTries:
                 upstream.close()
                 return Failure(500, f"{backend.role} {backend.url}: {error}", True, backend)
             return Opened(upstream, head, True)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except FAILED as e:
             upstream.close()
             return self._lost(backend, e)
         except asyncio.CancelledError:
@@ -302,7 +317,7 @@ class PairTries:
         first = first or time.perf_counter()
         answered = False  # the stream's last event went out: the client may leave now
         try:
-            async for data in upstream.content.iter_any():
+            while data := await upstream.readany():
                 await resp.write(data)
                 if not answered and STREAM_END in data:
                     answered = True
@@ -311,7 +326,7 @@ class PairTries:
             if not answered:
                 self.metrics.requests.labels(ROUTES[endpoint], "client_gone").inc()
             raise
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:  # tokens went out: no retry
+        except FAILED as e:  # tokens went out: no retry
             if answered:
                 return resp  # the upstream failed after its last event: the answer is whole
             outcome = "error"

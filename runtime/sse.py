@@ -10,9 +10,8 @@ from __future__ import annotations
 import contextlib
 import json
 
-import aiohttp
-
 from dserve.runtime.protocol import error_body
+from dserve.runtime.upstream import Response, UpstreamError
 
 STREAM_END = b"data: [DONE]\n\n"  # a stream's last event, the router's and the instances'
 
@@ -21,13 +20,13 @@ def error_event(message: str, status: int) -> bytes:
     return b"data: " + json.dumps(error_body(message, status)).encode() + b"\n\n"
 
 
-async def first_event(upstream: aiohttp.ClientResponse) -> bytes:
+async def first_event(upstream: Response) -> bytes:
     """The bytes of a stream up to the end of its first event (maybe a few more)."""
     head = b""
     while b"\n\n" not in head:
-        chunk = await upstream.content.readany()
+        chunk = await upstream.readany()
         if not chunk:
-            raise aiohttp.ServerDisconnectedError("the stream ended before its first event")
+            raise UpstreamError("the stream ended before its first event")
         head += chunk
     return head
 
@@ -47,15 +46,19 @@ def event_error(head: bytes) -> str | None:
 class EventReader:
     """A stream's whole events, a read at a time, starting with bytes already read."""
 
-    def __init__(self, upstream: aiohttp.ClientResponse, head: bytes = b""):
+    def __init__(self, upstream: Response, head: bytes = b""):
         self.upstream, self.buffer = upstream, head
 
     async def batch(self) -> list[bytes]:
         """The whole events read so far (reading until there is one); [] at the stream's end."""
         while b"\n\n" not in self.buffer:
-            chunk = await self.upstream.content.readany()
+            chunk = await self.upstream.readany()
             if not chunk:
                 return []
             self.buffer += chunk
+        return self.ready()
+
+    def ready(self) -> list[bytes]:
+        """The whole events read so far, without reading (maybe none)."""
         whole, _, self.buffer = self.buffer.rpartition(b"\n\n")
-        return [event + b"\n\n" for event in whole.split(b"\n\n")]
+        return [event + b"\n\n" for event in whole.split(b"\n\n")] if whole else []
