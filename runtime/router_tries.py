@@ -165,7 +165,7 @@ class PairTries:
         it ended well (the KV has left), else the Failure; the decode's failure meanwhile ends
         it at once. The events read with the first go out before anything is awaited."""
         reader = EventReader(opened.upstream, opened.head)
-        ended = await self._pass_events(resp, reader.ready(), prefill)
+        ended = await self._pass_events(resp, reader, reader.ready(), prefill)
         if ended is not CONTINUE:
             return ended
         reading = asyncio.ensure_future(self._copy_events(resp, reader, prefill))
@@ -181,7 +181,7 @@ class PairTries:
     async def _copy_events(self, resp, reader: EventReader, prefill: Backend) -> Failure | None:
         try:
             while events := await reader.batch():
-                ended = await self._pass_events(resp, events, prefill)
+                ended = await self._pass_events(resp, reader, events, prefill)
                 if ended is not CONTINUE:
                     return ended
         except FAILED as e:
@@ -189,9 +189,9 @@ class PairTries:
         message = f"prefill {prefill.url}: its stream ended before its last event"
         return Failure(502, message, False, prefill)
 
-    async def _pass_events(self, resp, events: list[bytes], prefill: Backend):
-        """The prefill's `events` to the client up to its stream's end or an error event:
-        then None (it ended well) or the Failure; else CONTINUE."""
+    async def _pass_events(self, resp, reader: EventReader, events: list[bytes], prefill: Backend):
+        """The prefill's `events` (of `reader`) to the client up to its stream's end or an
+        error event: then None (it ended well) or the Failure; else CONTINUE."""
         ends = [i for i, e in enumerate(events) if e == STREAM_END or event_error(e)]
         relayed = events[: ends[0]] if ends else events
         if relayed:
@@ -201,6 +201,7 @@ class PairTries:
         error = event_error(events[ends[0]])
         if error is None:
             prefill.breaker.success()
+            reader.upstream.keep()  # its connection, for the prefill's next request
             return None
         return Failure(502, f"prefill {prefill.url}: {error}", False, prefill)
 

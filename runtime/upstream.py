@@ -17,10 +17,12 @@ connection: the instance sees its client leave and aborts the request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from urllib.parse import urlsplit
 
 KEEP_IDLE_S = 15.0  # a kept connection idle longer is closed, not reused (aiohttp's default)
+KEEP_WAIT_S = 1.0  # `Response.keep`: how long the end of an answer may take to come
 MAX_HEAD_BYTES = 64 * 1024  # a status line and headers longer than this are not an answer
 
 
@@ -109,7 +111,7 @@ class Response:
         length = self.headers.get("content-length")
         self._left = int(length) if length and not self._chunked else None  # None: not counted
         self._chunk_left = 0  # bytes of the current chunk still to come (chunked)
-        self._done = False
+        self._done = self._keeping = False
         if self._left == 0 or self.status in (204, 304):
             self._finish()
 
@@ -139,11 +141,30 @@ class Response:
         return b"".join(parts)
 
     def close(self) -> None:
-        """Drop the connection unless the answer ended (then it is kept)."""
-        if self._conn is not None and not self._done:
+        """Drop the connection unless the answer ended (then it is kept) or
+        its end is being read (`keep`)."""
+        if self._conn is not None and not self._done and not self._keeping:
             self._timer.cancel()
             self._conn.close()
             self._conn = None
+
+    def keep(self, within_s: float = KEEP_WAIT_S) -> None:
+        """The caller has what it needs (a stream's last event): the rest of
+        the answer (its end) is read in the background, so that the
+        connection is kept; it is dropped if that takes over `within_s`."""
+        if self._conn is None or self._done or self._keeping:
+            return
+        self._keeping = True
+        self._timer.cancel()
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_at(loop.time() + within_s, self._conn.expire)
+        self._pool.track(self._read_to_end())
+
+    async def _read_to_end(self) -> None:
+        with contextlib.suppress(UpstreamError, asyncio.TimeoutError):
+            await self.read()
+        self._keeping = False
+        self.close()
 
     def _take(self, buffer: bytearray) -> bytes:
         """The body bytes `buffer` holds, consumed (the end of the answer
@@ -211,6 +232,7 @@ class Upstreams:
         self.request_timeout_s = request_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.idle: dict[tuple[str, int], list[_Connection]] = {}
+        self.reading: set[asyncio.Task] = set()  # answers' ends read to keep their connections
 
     async def post(self, url: str, body: bytes) -> Response:
         """POST `body` (JSON) to `url` (http://host:port/path); returns
@@ -232,11 +254,18 @@ class Upstreams:
             conn.close()
             raise
 
+    def track(self, reading) -> None:
+        task = asyncio.ensure_future(reading)
+        self.reading.add(task)
+        task.add_done_callback(self.reading.discard)
+
     def release(self, conn: _Connection) -> None:
         conn.idle_since = time.monotonic()
         self.idle.setdefault(conn.key, []).append(conn)
 
     def close(self) -> None:
+        for task in self.reading:
+            task.cancel()
         for conns in self.idle.values():
             for conn in conns:
                 conn.close()

@@ -200,3 +200,38 @@ def test_an_aiohttp_instance_streams_through_kept_connections():
             await runner.cleanup()
 
     asyncio.run(main())
+
+
+def test_a_kept_answer_reads_its_end_in_the_background():
+    """`keep` once the caller has its last event: the end that follows keeps the connection
+    for the next request; an end that does not come in time drops it."""
+    last = b"data: [DONE]\n\n"
+
+    async def answer(head, body, writer):
+        raw = chunked(last)
+        writer.write(b"".join(raw[:2]))
+        await writer.drain()
+        if body == b"late":
+            return "hold"  # its end never comes
+        await asyncio.sleep(0.05)
+        writer.write(raw[2])
+
+    async def main():
+        async with Script(answer) as server:
+            upstreams = Upstreams(request_timeout_s=5)
+            for _ in range(2):
+                resp = await upstreams.post(server.url, b"{}")
+                assert await resp.readany() == last
+                resp.keep()
+                resp.close()  # the caller's usual close: the end is still read
+                await asyncio.sleep(0.2)
+                assert sum(map(len, upstreams.idle.values())) == 1
+            assert server.connections == 1
+            resp = await upstreams.post(server.url, b"late")
+            assert await resp.readany() == last
+            resp.keep(within_s=0.1)
+            await asyncio.wait_for(server.dropped.wait(), 5)
+            assert not any(upstreams.idle.values()) and not upstreams.reading
+            upstreams.close()
+
+    asyncio.run(main())
