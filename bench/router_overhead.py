@@ -1,8 +1,10 @@
 """What the router's hop alone costs a request's first token, with no model behind it (any host):
 
-    python -m bench.router_overhead [--lengths 1024,4096,16384] [--requests 200]
+    python -m bench.router_overhead [--lengths 1024,4096,16384] [--requests 200] [--prefill-ms 17]
 
-One process serves two stub instances that answer at once: a "prefill" that reads the body and
+One process serves two stub instances that answer at once (`--prefill-ms`: the first event after
+that long, a busy wait, as an instance computing a prompt; the router sleeps meanwhile, as it
+does in front of a real pair, and wakes for the event): a "prefill" that reads the body and
 answers 200 (for a stream the pair shares, `shared_stream`: streams the first event and
 `[DONE]`), a "decode" that reads it and streams one event (shared: the next one) and `[DONE]`.
 Another runs the real
@@ -35,15 +37,29 @@ FIRST_EVENT = b'data: {"text": "a"}\n\n'
 NEXT_EVENT = b'data: {"text": "b"}\n\n'
 
 
+COMPUTE_S = 0.0  # `--prefill-ms`: how long the first token takes (set in the stubs' process)
+
+
 async def _prefill(request: web.Request) -> web.StreamResponse:
-    if not _shared(await request.read()):
+    shared = _shared(await request.read())
+    _compute()
+    if not shared:
         return web.json_response({"text": "a"})
     return await _events(request, FIRST_EVENT)
 
 
 async def _decode(request: web.Request) -> web.StreamResponse:
     shared = _shared(await request.read())
+    if not shared:  # the first token is the decode's to send: it waits for it too
+        _compute()
     return await _events(request, NEXT_EVENT if shared else FIRST_EVENT)
+
+
+def _compute() -> None:
+    """The first token's computation: a busy wait (a sleep would add the timer's slack)."""
+    end = time.perf_counter() + COMPUTE_S
+    while time.perf_counter() < end:
+        pass
 
 
 def _shared(body: bytes) -> bool:
@@ -74,8 +90,10 @@ def _stub(answer, bootstrap_port: int) -> web.Application:
     return app
 
 
-def serve_stubs(prefill_port: int, decode_port: int) -> None:
+def serve_stubs(prefill_port: int, decode_port: int, compute_s: float = 0.0) -> None:
     """The two stub instances, until killed (aiohttp alone: this process imports no model code)."""
+    global COMPUTE_S
+    COMPUTE_S = compute_s
 
     async def serve() -> None:
         for answer, port in ((_prefill, prefill_port), (_decode, decode_port)):
@@ -160,12 +178,18 @@ def main(argv: list[str] | None = None) -> None:
         action="store_false",
         help="the router without shared streams (the whole stream from the decode)",
     )
+    parser.add_argument(
+        "--prefill-ms",
+        type=float,
+        default=0.0,
+        help="the stubs' first event after this long (a busy wait), as a prompt's computation",
+    )
     parser.add_argument("--out", default="bench/results/router_overhead.json")
     args = parser.parse_args(argv)
     prefill, decode, router = free_port(), free_port(), free_port()
     ctx = mp.get_context("spawn")
     procs = [
-        ctx.Process(target=serve_stubs, args=(prefill, decode), daemon=True),
+        ctx.Process(target=serve_stubs, args=(prefill, decode, args.prefill_ms / 1e3), daemon=True),
         ctx.Process(target=serve_router, args=(prefill, decode, router, args.shared), daemon=True),
     ]
     for proc in procs:
@@ -186,7 +210,9 @@ def main(argv: list[str] | None = None) -> None:
         )
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"cpus": os.cpu_count(), "rows": rows}, f, indent=1)
+        json.dump(
+            {"cpus": os.cpu_count(), "prefill_ms": args.prefill_ms, "rows": rows}, f, indent=1
+        )
     print(f"wrote {args.out}")
 
 
