@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import deque
 from urllib.parse import urlsplit
 
 KEEP_IDLE_S = 15.0  # a kept connection idle longer is closed, not reused (aiohttp's default)
@@ -231,7 +232,8 @@ class Upstreams:
     def __init__(self, request_timeout_s: float, connect_timeout_s: float = 10.0):
         self.request_timeout_s = request_timeout_s
         self.connect_timeout_s = connect_timeout_s
-        self.idle: dict[tuple[str, int], list[_Connection]] = {}
+        # per instance, its kept connections, the longest idle first
+        self.idle: dict[tuple[str, int], deque[_Connection]] = {}
         self.reading: set[asyncio.Task] = set()  # answers' ends read to keep their connections
 
     async def post(self, url: str, body: bytes) -> Response:
@@ -261,7 +263,10 @@ class Upstreams:
 
     def release(self, conn: _Connection) -> None:
         conn.idle_since = time.monotonic()
-        self.idle.setdefault(conn.key, []).append(conn)
+        conns = self.idle.setdefault(conn.key, deque())
+        conns.append(conn)
+        while conns and not conns[0].reusable:  # idle too long, or closed by the instance
+            conns.popleft().close()
 
     def close(self) -> None:
         for task in self.reading:
@@ -272,7 +277,7 @@ class Upstreams:
         self.idle.clear()
 
     def _kept(self, key) -> _Connection | None:
-        conns = self.idle.get(key, [])
+        conns = self.idle.get(key, ())
         while conns:
             conn = conns.pop()
             if conn.reusable:

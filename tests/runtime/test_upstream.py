@@ -235,3 +235,29 @@ def test_a_kept_answer_reads_its_end_in_the_background():
             upstreams.close()
 
     asyncio.run(main())
+
+
+def test_connections_kept_too_long_or_closed_are_let_go(monkeypatch):
+    """After a burst, the connections the next requests do not take are closed once idle
+    longer than KEEP_IDLE_S (or closed by the instance), not kept for ever."""
+    from dserve.runtime import upstream
+
+    async def answer(head, body, writer):
+        await send(writer, chunked(b"data: [DONE]\n\n"))
+
+    async def main():
+        async with Script(answer) as server:
+            upstreams = Upstreams(request_timeout_s=5)
+            burst = [upstreams.post(server.url, b"{}") for _ in range(5)]
+            for resp in await asyncio.gather(*burst):
+                await resp.read()
+            (conns,) = upstreams.idle.values()
+            assert len(conns) == 5 and server.connections == 5
+            monkeypatch.setattr(upstream, "KEEP_IDLE_S", 0.05)
+            await asyncio.sleep(0.1)
+            resp = await upstreams.post(server.url, b"{}")  # a fresh connection
+            await resp.read()
+            assert len(conns) == 1 and server.connections == 6
+            upstreams.close()
+
+    asyncio.run(main())
