@@ -1,11 +1,13 @@
 """The router's requests to its instances: a lean HTTP/1.1 client on kept connections.
 
 A request's first token waits for one upstream request (the prefill's) and the relay of its
-first event. aiohttp's client spent about 0.12 ms more on a round trip than a bare asyncio
-protocol (session 36's notes). Here a request leaves in one write (head and body, before the
-caller's next await), its answer is parsed by hand (status line, headers, then a body of a
-Content-Length, chunked, or up to the connection's end), and a connection that finished an
-answer is kept for the instance's next request.
+first event. Here a request leaves in one write (head and body, before the caller's next
+await), its answer is parsed by hand (status line, headers, then a body of a Content-Length,
+chunked, or up to the connection's end), and a connection that finished an answer is kept for
+the instance's next request (`Response.keep`: also one whose caller stopped at its last
+event). Against aiohttp's client the router's hop at 1k-token prompts went from 0.74 to 0.53
+ms on a 2-core host, 1.42 to 1.10 at 16k (`bench.router_overhead`,
+bench/notes/session37-h100-2026-11-27.md).
 
 Its scope is the instances' own answers (aiohttp servers: JSON with a Content-Length, event
 streams chunked). Errors: `UpstreamError` (a ConnectionError) for a connection refused or lost
@@ -91,8 +93,9 @@ class _Connection(asyncio.Protocol):
 
 class Response:
     """An instance's answer: `status`, `headers` (lower-case names),
-    `content_type` (without parameters), and its body read by `readany`
-    and `read`."""
+    `content_type` (without parameters), its body read by `readany` and
+    `read`; `close` drops an answer not read to its end, `keep` reads that
+    end in the background."""
 
     def __init__(self, conn: _Connection, pool: Upstreams, head: bytes, timer):
         self._conn, self._pool, self._timer = conn, pool, timer
