@@ -113,6 +113,9 @@ class Response:
         self._keep = parts[0] == "HTTP/1.1" and self.headers.get("connection") != "close"
         self._chunked = "chunked" in self.headers.get("transfer-encoding", "").lower()
         length = self.headers.get("content-length")
+        if length and not length.isdigit():
+            conn.close()
+            raise UpstreamError(f"not a Content-Length: {length[:40]!r}")
         self._left = int(length) if length and not self._chunked else None  # None: not counted
         self._chunk_left = 0  # bytes of the current chunk still to come (chunked)
         self._done = self._keeping = False

@@ -10,6 +10,7 @@ import pytest
 from aiohttp import web
 
 from dserve.runtime.upstream import UpstreamError, Upstreams
+from tests.runtime.stubs import StubInstance
 
 
 class Script:
@@ -135,6 +136,8 @@ def test_failures_are_upstream_errors_or_timeouts():
     async def answer(head, body, writer):
         if body == b"garbage":
             writer.write(b"SSH-2.0-OpenSSH\r\n\r\n")
+        elif body == b"no length":
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: many\r\n\r\n")
         elif body == b"cut":  # the instance dies mid-answer
             writer.write(chunked(b"data: 1\n\n")[0] + b"20\r\npartial")
             await writer.drain()
@@ -147,6 +150,8 @@ def test_failures_are_upstream_errors_or_timeouts():
             upstreams = Upstreams(request_timeout_s=0.5)
             with pytest.raises(UpstreamError, match="not an HTTP answer"):
                 await upstreams.post(server.url, b"garbage")
+            with pytest.raises(UpstreamError, match="not a Content-Length"):
+                await upstreams.post(server.url, b"no length")
             resp = await upstreams.post(server.url, b"cut")
             with pytest.raises(UpstreamError, match="lost"):
                 await resp.read()
@@ -179,13 +184,9 @@ def test_an_aiohttp_instance_streams_through_kept_connections():
         return resp
 
     async def main():
-        app = web.Application()
-        app.router.add_post("/generate", generate)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/generate"
+        instance = StubInstance(generate)
+        await instance.start()
+        url = instance.url + "/generate"
         upstreams = Upstreams(request_timeout_s=5)
         try:
             for n in (1, 5, 200):
@@ -197,7 +198,7 @@ def test_an_aiohttp_instance_streams_through_kept_connections():
             assert sum(len(conns) for conns in upstreams.idle.values()) == 1
         finally:
             upstreams.close()
-            await runner.cleanup()
+            await instance.stop()
 
     asyncio.run(main())
 
