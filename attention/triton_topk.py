@@ -19,15 +19,18 @@ How, per row (`chunk` positions a program in the first two launches):
 - split: every program finds the bin of the k-th score in the row's histogram and writes its
   chunk's positions above it and lists those in it (the candidates, up to `CAP` a row), each
   from where the chunks before it end (one scan a block ranks both): position order;
-- finish, one program a row: the candidates' keys (int32 whose unsigned order is the scores')
-  down to the k-th key a byte digit at a time (up to `SMALL_TILE` candidates read once into
-  registers; more than `CAP` read from the whole row), those above it written, then those
-  equal to it, lowest positions first, as many as slots are left; -1 past the finite scores;
-  the row's histogram zeroed for the next call.
+- finish, one program a row: the k-th of the candidates' keys (int32 whose unsigned order is
+  the scores'): up to `SMALL_TILE` candidates read once into registers and sorted, more a
+  byte digit at a time (more than `CAP` read from the whole row); those above it written,
+  then those equal to it, lowest positions first, as many as slots are left; -1 past the
+  finite scores; the row's histogram zeroed for the next call.
 
 The output is the same on every run, order included. No host synchronisation and shapes
 from the scores alone: CUDA graphs capture it. Triton's `tl.histogram` costs about 80
 instructions per 32 values at 256 bins: the byte digits count candidates only.
+Tried (bench/notes/session38-h100-2026-11-27.md): the three launches as one (rows waiting
+for their chunks' counts): exact, no faster (with dependent launch the launches' gaps
+already overlap).
 """
 
 from __future__ import annotations
@@ -42,8 +45,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 SAMPLE = tl.constexpr(512)  # positions each program's bins come from
 CAP = tl.constexpr(4096)  # candidates a row lists (more: read from the whole row)
 # up to this many candidates (the usual count: a 256th of a row's span of scores holds a few
-# hundred of 32k-128k) are read once into registers, and their byte digits counted over a
-# tile this wide, not the row's
+# hundred of 32k-128k) are read once into registers and sorted (a power of two)
 SMALL_TILE = 512
 
 
@@ -191,14 +193,16 @@ def _candidates(scores, spill, i0, kept, TILE: tl.constexpr):
 @triton.jit
 def _kth_of_tile(key, member, left):
     """The k-th key's (`left`-th from the top) among the members of one
-    tile, a byte a time: (the key, the slots left for the keys equal to it)."""
-    prefix = 0
-    for level in tl.static_range(1, 5):
-        group = _in_group(key, member, prefix, level - 1)
-        hist = tl.histogram(_digit(key, level), 256, mask=group)
-        _, digit, left = _cut(hist, left, False)
-        prefix = (prefix << 8) | digit
-    return prefix, left
+    tile, by a bitonic sort of their keys (`tl.sort`; 2.0-2.3 us less a
+    call than four levels of byte digits, H100, session 38): (the key, the
+    slots left for the keys equal to it)."""
+    low: tl.constexpr = -2147483648  # signed order of keys, non-members last
+    signed = tl.where(member, key ^ low, low)
+    ordered = tl.sort(signed, descending=True)
+    i = tl.arange(0, ordered.shape[0])
+    kth = tl.max(tl.where(i == left - 1, ordered, low), 0)
+    above = tl.sum((member & (signed > kth)).to(tl.int32), 0)
+    return kth ^ low, left - above
 
 
 @triton.jit
