@@ -140,29 +140,36 @@ def _range(scores, end, TILE: tl.constexpr):
 
 
 @triton.jit
-def _count(scores, start, stop, end, low, per, TILE: tl.constexpr):
-    """The histogram [256] of positions start..stop's scores over the bins."""
+def _count(scores, first, span, low, per, TILE: tl.constexpr):
+    """The histogram [256] of positions start..stop's scores over the bins;
+    `first`: the first tile's (`_finite` to stop), loaded ahead by the caller,
+    each next tile's load issued before this one is counted."""
+    start, stop = span
     tile = tl.arange(0, TILE)
     hist = tl.zeros([256], tl.int32)
+    x, finite = first
     for t0 in range(start, stop, TILE):
-        x, finite = _finite(scores, t0 + tile, end)
-        hist += tl.histogram(_bin(x, finite, low, per), 256, mask=finite & (t0 + tile < stop))
+        ahead = _finite(scores, t0 + TILE + tile, stop)
+        hist += tl.histogram(_bin(x, finite, low, per), 256, mask=finite)
+        x, finite = ahead
     return hist
 
 
 @triton.jit
-def _split(scores, out, spill, span, bins, at, slot, count, TILE: tl.constexpr, CAP: tl.constexpr):
+def _split(
+    scores, out, spill, first, span, bins, at, slot, count, TILE: tl.constexpr, CAP: tl.constexpr
+):
     """Positions start..stop in bins above `at` to `out` from `slot` on (position order),
     those in bin `at` (the candidates) to `spill` from `count` on while CAP hold them;
     returns the next of each. One scan a tile ranks both: their counts in the low and high
-    16 bits (a tile is under 65536 wide)."""
-    start, stop, end = span
+    16 bits (a tile is under 65536 wide). `first` as `_count`'s."""
+    start, stop = span
     low, per = bins
     tile = tl.arange(0, TILE)
+    x, finite = first
     for t0 in range(start, stop, TILE):
         pos = t0 + tile
-        x, finite = _finite(scores, pos, end)
-        finite &= pos < stop
+        ahead = _finite(scores, pos + TILE, stop)
         b = _bin(x, finite, low, per)
         above, member = finite & (b > at), finite & (b == at)
         both = above.to(tl.int32) + (member.to(tl.int32) << 16)
@@ -174,6 +181,7 @@ def _split(scores, out, spill, span, bins, at, slot, count, TILE: tl.constexpr, 
         total = tl.sum(both, 0)
         slot += total & 0xFFFF
         count += total >> 16
+        x, finite = ahead
     return slot, count
 
 
@@ -296,15 +304,18 @@ def _chunk_kernel(
     scores, sfx = Scores + row * s_row, Sfx + row * chunks * 256
     end = _row_end(Lens, row, width, LENS)
     start, bins = c * CHUNK, tl.arange(0, 256)
+    stop = tl.minimum(start + CHUNK, end)
+    # the chunk's first scores, their load in flight during the reads they do not need
+    first = _finite(scores, start + tl.arange(0, BLOCK), stop)
     if SPLIT:
         if start < end:
             filled, at, left = _cut(tl.load(Hist + row * 256 + bins), topk, True)
             slot = _before(sfx, c, at + 1)  # the chunks before: above it
             count = _before(sfx, c, at) - slot  # and in it
-            span = (start, tl.minimum(start + CHUNK, end), end)
             out, spill = Out + row * topk, Spill + row * CAP
             row_bins = tl.load(Bins + row * 2), tl.load(Bins + row * 2 + 1)
-            _split(scores, out, spill, span, row_bins, at, slot, count, BLOCK, CAP)
+            where = (out, spill, first, (start, stop), row_bins)
+            _split(scores, *where, at, slot, count, BLOCK, CAP)
     else:
         counts = tl.zeros([256], tl.int32)
         if start < end or c == 0:
@@ -313,8 +324,7 @@ def _chunk_kernel(
                 tl.store(Bins + row * 2, low)
                 tl.store(Bins + row * 2 + 1, per)
             if start < end:
-                stop = tl.minimum(start + CHUNK, end)
-                counts = _count(scores, start, stop, end, low, per, BLOCK)
+                counts = _count(scores, first, (start, stop), low, per, BLOCK)
         at_least = tl.sum(counts, 0) - tl.cumsum(counts, 0) + counts
         tl.store(sfx + c * 256 + bins, at_least)
         tl.atomic_add(Hist + row * 256 + bins, counts, mask=counts > 0, sem="relaxed")
