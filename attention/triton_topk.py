@@ -47,6 +47,9 @@ CAP = tl.constexpr(4096)  # candidates a row lists (more: read from the whole ro
 # up to this many candidates (the usual count: a 256th of a row's span of scores holds a few
 # hundred of 32k-128k) are read once into registers and sorted (a power of two)
 SMALL_TILE = 512
+# the same under the CPU's interpreter, which runs the sort's network an op at a time (a
+# 512-wide sort made the CPU tests 4x slower); both paths still run there
+INTERPRETED_SMALL_TILE = 64
 
 
 @triton.jit
@@ -436,7 +439,8 @@ def select_top_triton(
     for split in (False, True):
         _chunk_kernel[grid](*args, **common, SPLIT=split)
     tile = min(2048, chunk)  # one variant per chunk: `compile_every_chunk` compiles them all
-    finish = dict(TILE=tile, SMALL=min(SMALL_TILE, tile), LENS=lens is not None, num_warps=8)
+    small = SMALL_TILE if device.type == "cuda" else INTERPRETED_SMALL_TILE
+    finish = dict(TILE=tile, SMALL=min(small, tile), LENS=lens is not None, num_warps=8)
     finish.update(pdl)
     launch = (scores, rows, out, hist, spill, bins, stride, width, topk)
     _finish_kernel[(tokens,)](*launch, **finish)

@@ -134,7 +134,7 @@ def test_candidates_past_a_tile_and_past_the_list():
     gen = torch.Generator().manual_seed(6)
     tied = torch.cat([torch.full((1500,), 0.5), torch.randn(500, generator=gen) + 5])
     scores = torch.stack([tied, torch.randn(2000, generator=gen)])
-    assert triton_topk.SMALL_TILE < 1500
+    assert triton_topk.SMALL_TILE < 1500 and triton_topk.INTERPRETED_SMALL_TILE < 1500
     check(scores, 700)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(triton_topk, "CAP", triton_topk.tl.constexpr(8))
