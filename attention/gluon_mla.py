@@ -25,10 +25,12 @@ blocks 144 KB. The splits are merged by `triton_mla.combine_splits`. With
 multicast is not in Triton 3.6), and the tensor cores take about as long as
 the copy: at batch 32 x 8k a launch that reads no block (`read_blocks`)
 takes 0.126 ms, where reading at the copy bandwidth would take 0.104.
-Tried and slower (notes of sessions 29, 33 and 36): block k's sum issued
-with block k + 1's scores (FlashAttention-3), blocks of 16-32 tokens in
-more stages (dense and sparse), the splits merged in the kernel by the
-last warpgroup to finish, an L2 prefetch of the blocks ahead.
+Tried and slower (notes of sessions 29, 33, 36 and 39): block k's sum
+issued with block k + 1's scores (FlashAttention-3), blocks of 16-32
+tokens in more stages (dense and sparse), the splits merged in the kernel
+by the last warpgroup to finish, an L2 prefetch of the blocks ahead,
+FlashMLA's "seesaw" (each warpgroup scores one block of a pair: with the
+two-block ring a pair's blocks come back only at its end, 26-45% slower).
 
 Written for Triton's Gluon (`triton.experimental.gluon`, Triton 3.6 on the
 GPU hosts). Hopper only, bfloat16 or float16 latents, 512 + 64 columns,

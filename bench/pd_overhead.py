@@ -218,9 +218,11 @@ async def prefill_first_token(session, client, ids: list[int], rng) -> dict:
 
 def summary(results: list[dict]) -> dict:
     outside = [x for x in map(outside_s, results) if x is not None]
+    inbound = [x for x in map(inbound_s, results) if x is not None]
     return {
         "ttft_s": percentiles([r["ttft"] for r in results]),
         "outside_s": percentiles(outside) if outside else {},
+        "inbound_s": percentiles(inbound) if inbound else {},
         "itl_s": percentiles([x for r in results for x in r["itl"]]),
         "second_s": percentiles([r["ttft"] + r["itl"][0] for r in results if r["itl"]]),
         "timeline_ms": median_marks(results),
@@ -246,12 +248,12 @@ MARKS = (  # pd_timeline_ms (and the client's own) in the order a request meets 
 def timeline_of(result: dict) -> dict | None:
     """A disaggregated request's `pd_timeline_ms` (ms after the decode got it) with the client's
     marks: when it sent the request and had the first token (on the decode's clock, this host's
-    `perf_counter`: `pd_arrival_s`); None for a colocated instance."""
+    `perf_counter`: the answer's `arrival_s`); None for a colocated instance."""
     meta = result["meta"] or {}
     line = meta.get("pd_timeline_ms")
     if not line:
         return None
-    line, arrival = dict(line), meta.get("pd_arrival_s")
+    line, arrival = dict(line), meta.get("arrival_s")
     if arrival is not None and abs(result["start"] - arrival) < 60:
         line["client_sent"] = (result["start"] - arrival) * 1e3
         line["client_first"] = (result["start"] + result["ttft"] - arrival) * 1e3
@@ -271,6 +273,21 @@ def outside_s(result: dict) -> float | None:
             return None
         return ttft - (marks["prefill_computed"] - marks.get("prefill_arrival", 0)) / 1e3
     return ttft - meta["ttft"] if meta.get("ttft") is not None else None
+
+
+def inbound_s(result: dict) -> float | None:
+    """The first part of `outside_s`: from the client's send to the arrival of the instance
+    that computed the first token (the answer's `arrival_s`; a pair's: the decode's, moved by
+    its prefill's `prefill_arrival` mark), on this host's clock; None without them."""
+    meta = result["meta"] or {}
+    arrival, marks = meta.get("arrival_s"), meta.get("pd_timeline_ms")
+    if arrival is None or abs(result["start"] - arrival) > 60:
+        return None  # no arrival, or the instance's clock is another host's
+    if marks:
+        if "prefill_arrival" not in marks:
+            return None
+        arrival += marks["prefill_arrival"] / 1e3
+    return arrival - result["start"]
 
 
 def median_marks(results: list[dict]) -> dict:
@@ -316,11 +333,12 @@ def model_flags(args) -> list[str]:
 
 def table(rows: list[dict]) -> None:
     """TTFT, its p99, ITL, the time to the second token ("2nd": with shared streams the
-    first token comes from the prefill, the second still waits for the KV transfer) and the
-    part of the TTFT outside the instance that computed the first token ("out", `outside_s`)."""
+    first token comes from the prefill, the second still waits for the KV transfer), the
+    part of the TTFT outside the instance that computed the first token ("out", `outside_s`)
+    and the first part of that, before the instance had the request ("in", `inbound_s`)."""
     head = ("pd", "len", "TTFT co", "TTFT pd", "ratio", "p99 co", "p99 pd", "ITL co", "ITL pd")
-    head += ("2nd co", "2nd pd", "out co", "out pd")
-    widths = (6, 6, 8, 8, 6, 8, 8, 7, 7, 7, 7, 6, 6)
+    head += ("2nd co", "2nd pd", "out co", "out pd", "in co", "in pd")
+    widths = (6, 6, 8, 8, 6, 8, 8, 7, 7, 7, 7, 6, 6, 6, 6)
     line = " ".join(f"{{:>{w}}}" for w in widths)
     print(line.format(*head) + "   (ms, p50 unless p99; out: TTFT outside the instance)")
     for r in rows:
@@ -329,7 +347,8 @@ def table(rows: list[dict]) -> None:
             f"{r['ttft_ratio']:>6.2f} {r['ttft_co_p99']:>8.1f} {r['ttft_pd_p99']:>8.1f} "
             f"{r['itl_co_p50']:>7.2f} {r['itl_pd_p50']:>7.2f} "
             f"{r['second_co_p50']:>7.1f} {r['second_pd_p50']:>7.1f} "
-            f"{r['outside_co_p50']:>6.2f} {r['outside_pd_p50']:>6.2f}",
+            f"{r['outside_co_p50']:>6.2f} {r['outside_pd_p50']:>6.2f} "
+            f"{r['in_co_p50']:>6.2f} {r['in_pd_p50']:>6.2f}",
             flush=True,
         )
 
@@ -365,6 +384,7 @@ def rows_of(results: dict, lengths: list[int], modes: list[str]) -> list[dict]:
                     row[f"itl_{name}_{q}"] = 1e3 * got["itl_s"].get(q, 0.0)
                     row[f"second_{name}_{q}"] = 1e3 * got["second_s"].get(q, 0.0)
                     row[f"outside_{name}_{q}"] = 1e3 * got["outside_s"].get(q, float("nan"))
+                    row[f"in_{name}_{q}"] = 1e3 * got["inbound_s"].get(q, float("nan"))
             row["ttft_co_runs_p50"] = [1e3 * got["ttft_s"]["p50"] for got in runs]
             row["ttft_ratio"] = row["ttft_pd_p50"] / row["ttft_co_p50"]
             row["itl_ratio"] = row["itl_pd_p50"] / max(row["itl_co_p50"], 1e-9)

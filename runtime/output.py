@@ -145,6 +145,9 @@ def make_result(req: Request, text: str) -> GenerateResult:
         "num_preemptions": req.num_preemptions,
         "e2e_latency": (req.finish_time or 0) - req.arrival_time,
         "ttft": (req.first_token_time - req.arrival_time) if req.first_token_time else None,
+        # when the request arrived, on the host's monotonic clock (`time.perf_counter`): a
+        # client on the same host places its own marks against it (bench.pd_overhead)
+        "arrival_s": round(req.arrival_time, 6),
     }
     meta.update(req.extra_meta)
     if req.error:

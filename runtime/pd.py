@@ -18,8 +18,9 @@ decode's agents had every page (`pages_arrived`), the decode's engine thread hea
 (`received`) and joined the first token (`joined`), handed it to the HTTP thread (`published`)
 and that thread wrote it to the client (`sent`, a streamed answer's). Both instances read
 `time.perf_counter`, the host's monotonic clock: on two hosts the prefill's marks are offsets from
-its own arrival instead (`prefill_*` keys are then relative to it). `pd_arrival_s` is the decode's
-arrival on that clock, so a client on the same host can place its own marks (bench.pd_overhead).
+its own arrival instead (`prefill_*` keys are then relative to it). The answer's `arrival_s` (every
+answer has one) is the decode's arrival on that clock, so a client on the same host can place
+its own marks (bench.pd_overhead).
 """
 
 from __future__ import annotations

@@ -207,7 +207,6 @@ class DecodeConnector(PDConnector):
             marks["pages_arrived"] = arrived
         marks["joined"] = time.perf_counter()
         req.extra_meta["pd_timeline_ms"] = timeline(req, marks, handoff.marks)
-        req.extra_meta["pd_arrival_s"] = round(req.arrival_time, 6)
 
     def _drop(self, room: DecodeRoom) -> None:
         self._forget_room(room.req.rid, room.id)

@@ -86,6 +86,9 @@ def test_pd_overhead_benchmark(tiny_dir, tmp_path):
     ]
     assert all(r["ttft_co_p50"] > 0 and r["ttft_pd_p50"] > 0 and r["itl_pd_p50"] > 0 for r in rows)
     assert all(r[f"second_{m}_p50"] > r[f"ttft_{m}_p50"] for r in rows for m in ("co", "pd"))
+    for r in rows:  # the part before the computing instance had the request, in both
+        assert 0 < r["in_co_p50"] < r["outside_co_p50"]
+        assert 0 < r["in_pd_p50"] < r["outside_pd_p50"]
     for r in rows:  # the client's marks on the decode's timeline (0: the decode got it)
         marks = r["pd_timeline_ms"]
         assert marks["client_sent"] < 0 < marks["joined"] < marks["sent"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from dserve.runtime import Engine, SamplingParams
@@ -14,7 +16,9 @@ GREEDY = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
 def test_stream_reassembles_into_the_result(tiny_dir, make_engine):
     path = tiny_dir("deepseek_v3")
     engine = make_engine(path)
+    sent = time.perf_counter()
     chunks = list(engine.generate_stream("Tell me a story about a robot", sampling_params=GREEDY))
+    done = time.perf_counter()
     assert chunks[-1].finished and not any(c.finished for c in chunks[:-1])
     result = chunks[-1].result
     assert "".join(c.text for c in chunks) == result.text
@@ -22,6 +26,8 @@ def test_stream_reassembles_into_the_result(tiny_dir, make_engine):
     ids = engine.tokenizer.encode("Tell me a story about a robot")
     assert result.output_ids == hf_greedy(path, ids, 16)
     assert result.meta["prompt_tokens"] == len(ids) and result.meta["ttft"] > 0
+    # its arrival on the host's clock, for a client's own marks (bench.pd_overhead)
+    assert sent <= result.meta["arrival_s"] + 1e-6 and result.meta["arrival_s"] <= done
 
 
 def test_consumer_that_stops_early_aborts_and_frees(tiny_dir, make_engine):
