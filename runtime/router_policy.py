@@ -143,10 +143,15 @@ class Picker:
         self.config = config
         self.turns = {"prefill": itertools.count(), "decode": itertools.count()}
 
+    @property
+    def reads_prompt(self) -> bool:
+        """Whether the policy reads a request's prompt (`blocks`)."""
+        return self.config.policy == "cache_aware"
+
     def blocks(self, body: dict) -> list[bytes]:
         """The prompt's blocks (`prompt_blocks`) where the policy reads them, else none (hashing
         a 16k-token prompt would add a millisecond before the request leaves)."""
-        return prompt_blocks(body) if self.config.policy == "cache_aware" else []
+        return prompt_blocks(body) if self.reads_prompt else []
 
     def pick(self, role: str, pool: list[Backend], blocks: list[bytes]) -> Backend:
         """One of `pool` (not empty) for a prompt of `blocks`."""

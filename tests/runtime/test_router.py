@@ -2,8 +2,8 @@
 on loopback): the cache_aware policy keeps a prompt prefix on one prefill, power_of_two spreads
 requests over the decodes, 4xx answers do not trip the circuit breaker while a prefill that
 answers 5xx has its requests retried and its circuit opened, `/metrics` has its per-endpoint
-latency histograms filled; and a router checks a body before it picks instances, so bad input
-is a 400 even with every instance down."""
+latency histograms filled; and a router checks every body, so bad input is its 400 with every
+instance up (the check runs once the first try's requests have left) or down."""
 
 from __future__ import annotations
 
@@ -146,6 +146,27 @@ BAD = [
     ({"text": "a", "sampling_params": {"max_new_tokens": "many"}}, "max_new_tokens"),
     ({"text": "a", "sampling_params": {"temprature": 0.5}}, "unknown sampling parameter"),
 ]
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "cache_aware"])
+def test_bad_input_is_the_routers_400_with_instances_up(instances, policy):
+    """Checked after the requests left (round robin) or before the pick (cache aware, which
+    reads the prompt): either way the router's 400, no try counted, no page held."""
+    proc = router(instances, "--policy", policy)
+    try:
+        streamed = [
+            ({**body, "stream": True}, message)
+            for body, message in BAD[2:]
+            if isinstance(body, dict) and "stream" not in body
+        ]
+        for body, message in BAD + streamed:
+            status, answer = post(proc.url + "/generate", body)
+            assert status == 400 and message in answer["error"]["message"], (body, answer)
+        assert sum(tries(proc, "prefill").values()) == 0
+        assert ask(proc.url, [1, 2, 3])[0] == 200  # still serving
+        assert_all_pages_free(*instances[0], *instances[1])
+    finally:
+        proc.stop()
 
 
 def test_bad_input_is_400_with_every_instance_down(tmp_path):
