@@ -105,7 +105,7 @@ def test_pd_overhead_benchmark(tiny_dir, tmp_path):
 @pytest.mark.slow
 def test_pd_overhead_interleaved(tiny_dir, tmp_path):
     """`--interleave`: the colocated instance and the pair run at once, each prompt sent to
-    both in turn; the same rows come out. `--direct-prefill`: the pair's prefill also answers
+    both in turn; the same rows come out (`--starts 2`: twice, the start of the median ratio). `--direct-prefill`: the pair's prefill also answers
     requests of its own (new prompts, its first token only, the room then left), and keeps
     serving the pair after them."""
     pytest.importorskip("ucxx")
@@ -114,11 +114,26 @@ def test_pd_overhead_interleaved(tiny_dir, tmp_path):
     out = tmp_path / "pd.json"
     argv = ["--lengths", "16", "--requests", "2", "--warmup", "1", "--output-len", "4"]
     argv += ["--model-path", tiny_dir("deepseek_v3"), "--device", "cpu", "--vocab", "500"]
-    flags = ["--interleave", "--colocated-runs", "2", "--direct-prefill"]
+    flags = ["--interleave", "--colocated-runs", "2", "--direct-prefill", "--starts", "2"]
     rows = main([*argv, *flags, "--out", str(out)])
     assert [(r["mode"], r["length"]) for r in rows] == [("shared", 16)]
     row = rows[0]
+    ratios = row["ttft_ratio_starts"]  # two starts of every instance: the lower ratio's row
+    assert len(ratios) == 2 and row["ttft_ratio"] == min(ratios)
     assert row["ttft_co_p50"] > 0 and row["ttft_pd_p50"] > 0 and row["itl_pd_p50"] > 0
     assert row["ttft_prefill_p50"] > 0
     assert len(row["ttft_co_runs_p50"]) == 1  # one colocated series, beside the pair's
     assert json.loads(out.read_text())["interleave"] is True
+
+
+def test_median_start_takes_the_row_of_the_median_ratio():
+    from bench.pd_overhead import median_start
+
+    def row(length, ratio):
+        return {"mode": "shared", "length": length, "ttft_ratio": ratio, "start": ratio}
+
+    starts = [[row(1024, r), row(4096, 1.0 + r / 10)] for r in (1.08, 1.01, 1.03)]
+    rows = median_start(starts)
+    assert [r["ttft_ratio"] for r in rows] == [1.03, 1.0 + 1.03 / 10]
+    assert rows[0]["ttft_ratio_starts"] == [1.08, 1.01, 1.03]
+    assert rows[0]["start"] == 1.03  # the whole row of that start
