@@ -5,10 +5,13 @@ The router picks a prefill and a decode instance (`router_policy.py`), adds
 the request to both at once and relays the decode's answer, streamed or whole. The body is
 checked (JSON, field shapes and types, as an instance parses it) once the first try's requests
 have left, while the instances read it too (a cache-aware policy reads the prompt: there, before
-the pick); bad input is a 400 from the router whether or not any instance is up. On the H100
-host the check is 0.17 ms of the router's ~0.8 ms before the prefill has a 1k-token request. A stream is shared by the pair (`SharedStream`): the prefill sends
-the client each request's first token's events as soon as it has computed it, the decode the
-rest, so the first token waits neither for the KV transfer nor for the decode.
+the pick); bad input is a 400 from the router whether or not any instance is up (on the H100
+host the check took 0.17 ms of the router's ~0.8 ms before the prefill had a 1k-token request).
+A stream is shared by the pair (`SharedStream`): the prefill sends the client each request's
+first token's events as soon as it has computed it, the decode the rest, so the first token
+waits neither for the KV transfer nor for the decode. Clients are served by the router's own
+HTTP/1.1 server (`downstream.py`), the instances asked through its own client (`upstream.py`):
+aiohttp only probes the instances and asks them on the admin routes.
 
 Retries: until the client has received a token, nothing is lost by starting again. A try whose
 prefill or decode fails before that (connection refused or lost, a 5xx answer, a KV transfer that
@@ -36,8 +39,8 @@ import time
 
 import aiohttp
 import orjson
-from aiohttp import web
 
+from dserve.runtime.downstream import Reply, Request, Server, json_reply, serve
 from dserve.runtime.metrics import CONTENT_TYPE, RouterMetrics
 from dserve.runtime.openai_protocol import PARSERS
 from dserve.runtime.protocol import ROUTER_FIELDS, ROUTES, GenerateInput, error_body, stream_flag
@@ -80,34 +83,35 @@ class Router(PairTries):
         self.timeout = aiohttp.ClientTimeout(total=c.request_timeout_s, sock_connect=10)
         self.upstreams = Upstreams(c.request_timeout_s)  # the tries' requests
         self.metrics = RouterMetrics(self.prefills + self.decodes)
-        self.app = web.Application(client_max_size=c.max_request_bytes)
-        for path in ROUTES:
-            self.app.router.add_post(path, self.forward)
-        self.app.router.add_get("/health", self.health)
-        self.app.router.add_get("/v1/models", self.models)
-        self.app.router.add_get("/metrics", self.metrics_text)
+        routes = {("POST", path): self.forward for path in ROUTES}
+        routes[("GET", "/health")] = self.health
+        for path in ("/v1/models", "/get_model_info"):
+            routes[("GET", path)] = self.models
+        routes[("GET", "/metrics")] = self.metrics_text
         for path in ("/health_generate", "/flush_cache"):  # SGLang's admin routes: every instance
-            self.app.router.add_get(path, self.fan_out)
+            routes[("GET", path)] = self.fan_out
         for path in ("/flush_cache", "/abort_request"):
-            self.app.router.add_post(path, self.fan_out)
-        self.app.router.add_get("/get_model_info", self.models)
-        self.app.on_startup.append(self._start)
-        self.app.on_cleanup.append(self._stop)
+            routes[("POST", path)] = self.fan_out
+        self.server = Server(routes, c.max_request_bytes)
+        """Its HTTP server for clients (`downstream.py`)."""
 
     def _backend(self, url: str, role: str) -> Backend:
         breaker = Breaker(self.config.cb_failure_threshold, self.config.cb_timeout_s)
         return Backend(url.rstrip("/"), role, breaker)
 
     # ---- lifecycle and health -------------------------------------------------------------------
-    async def _start(self, _app) -> None:
+    async def open(self, sock) -> asyncio.AbstractServer:
+        """Probe the instances once, then serve clients on `sock` (bound)."""
         # no cap on open connections (aiohttp's default is 100: with streams holding one to
         # the decode each, the 101st would wait for one to end; test_router_streams)
         connector = aiohttp.TCPConnector(limit=0)
         self.session = aiohttp.ClientSession(timeout=self.timeout, connector=connector)
         await self.check_all()
         self.prober = asyncio.ensure_future(self._probe_forever())
+        return await serve(self.server, sock)
 
-    async def _stop(self, _app) -> None:
+    async def close(self, server: asyncio.AbstractServer) -> None:
+        server.close()
         self.prober.cancel()
         self.upstreams.close()
         await self.session.close()
@@ -163,38 +167,40 @@ class Router(PairTries):
             decode = self.pick("decode", (), tried)
         return prefill, decode
 
-    async def health(self, _: web.Request) -> web.Response:
+    async def health(self, _: Request) -> Reply:
         ok = any(b.healthy for b in self.prefills) and any(b.healthy for b in self.decodes)
         body = {
             "status": "ok" if ok else "degraded",
             "prefill": {b.url: b.healthy for b in self.prefills},
             "decode": {b.url: b.healthy for b in self.decodes},
         }
-        return web.json_response(body, status=200 if ok else 503)
+        return json_reply(body, 200 if ok else 503)
 
-    async def models(self, request: web.Request) -> web.Response:
+    async def models(self, request: Request) -> Reply:
         """/v1/models and /get_model_info: a decode instance's."""
         backend = self.pick("decode")
         if backend is None:
-            return web.json_response(error_body("no healthy decode instance", 503), status=503)
+            return json_reply(error_body("no healthy decode instance", 503), 503)
         try:
             async with self.session.get(backend.url + request.path) as r:
-                return web.json_response(await r.json(), status=r.status)
+                return json_reply(await r.json(), r.status)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             failure = self._lost(backend, e)
-            return web.json_response(error_body(failure.message, 502), status=502)
+            return json_reply(error_body(failure.message, 502), 502)
 
-    async def fan_out(self, request: web.Request) -> web.Response:
+    async def fan_out(self, request: Request) -> Reply:
         """The same request to every instance: 200 when all answered 200, else the first other
         status; the body has each instance's answer."""
+        if request.too_large:
+            return json_reply(error_body("the body is too large", 400), 400)
         body = await request.read()
         backends = self.prefills + self.decodes
         answers = await asyncio.gather(*(self._ask(b, request, body) for b in backends))
         status = next((code for code, _ in answers if code != 200), 200)
         text = {b.url: answer for b, (_, answer) in zip(backends, answers)}
-        return web.json_response(text, status=status)
+        return json_reply(text, status)
 
-    async def _ask(self, backend: Backend, request: web.Request, body: bytes) -> tuple[int, str]:
+    async def _ask(self, backend: Backend, request: Request, body: bytes) -> tuple[int, str]:
         url = backend.url + request.path
         try:
             async with self.session.request(request.method, url, data=body or None) as r:
@@ -202,19 +208,19 @@ class Router(PairTries):
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             return 502, f"{type(e).__name__}: {e}"
 
-    async def metrics_text(self, _: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+    async def metrics_text(self, _: Request) -> Reply:
+        return Reply(200, self.metrics.render(), CONTENT_TYPE)
 
     # ---- forwarding --------------------------------------------------------------------------------
-    async def forward(self, request: web.Request) -> web.StreamResponse:
+    async def forward(self, request: Request):
         endpoint, start = request.path, time.perf_counter()
+        if request.too_large:
+            return self._error(endpoint, "the body is too large", 400, start)
         try:
             raw = await request.read()
             body = orjson.loads(raw)
             if not isinstance(body, dict):
                 raise ValueError("the body must be a JSON object")
-        except web.HTTPRequestEntityTooLarge:
-            return self._error(endpoint, "the body is too large", 400, start)
         except (ValueError, UnicodeDecodeError) as e:
             return self._error(endpoint, f"the body is not a JSON object: {e}", 400, start)
         try:
@@ -247,14 +253,26 @@ class Router(PairTries):
         failure = ask.check() or failure  # bad input is a 400 with every instance down too
         return self._error(endpoint, failure.message, failure.status, start)
 
-    def _error(self, endpoint: str, message: str, status: int, start: float) -> web.Response:
+    def _error(self, endpoint: str, message: str, status: int, start: float) -> Reply:
         outcome = "bad_request" if status < 500 else "error"
         self.metrics.answered(ROUTES[endpoint], outcome, start)
-        return web.json_response(error_body(message, status), status=status)
+        return json_reply(error_body(message, status), status)
 
 
 def run_router(prefill_urls: list[str], decode_urls: list[str], config: RouterConfig) -> None:
-    from dserve.runtime.startup import run_apps, run_loop
+    from dserve.runtime.startup import run_loop
 
     router = Router(prefill_urls, decode_urls, config)
-    run_loop(run_apps([(router.app, config.host, config.port)]))
+    run_loop(_serve(router, config.host, config.port))
+
+
+async def _serve(router: Router, host: str, port: int) -> None:
+    """Serve until SIGINT/SIGTERM."""
+    from dserve.runtime.startup import listening_socket, stop_signals
+
+    stop = stop_signals()
+    server = await router.open(listening_socket(host, port, "the HTTP API"))
+    log.info("listening on http://%s:%d", host, port)
+    print("dserve: ready", flush=True)
+    await stop.wait()
+    await router.close(server)

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import orjson
-from aiohttp import web
 
+from dserve.runtime.downstream import Reply, Stream
 from dserve.runtime.protocol import ROUTER_FIELDS, ROUTES, EventStream
 from dserve.runtime.router_policy import Backend
 from dserve.runtime.sse import STREAM_END, EventReader, error_event, event_error, first_event
@@ -166,8 +166,7 @@ class PairTries:
                 return Failure(502, message, False, prefill)
             if not opened.streamed:  # a 4xx answer
                 return await self._relay(request, endpoint, opened, prefill, start)
-            resp = EventStream(status=200, headers=EventStream.HEADERS)
-            await resp.prepare(request)
+            resp = await Stream(200, EventStream.HEADERS).prepare(request)
             first = time.perf_counter()
             failure = await self._prefill_events(resp, opened, prefill, decode_task)
             if failure is None:
@@ -217,7 +216,7 @@ class PairTries:
         return await prefill_task
 
     async def _prefill_events(
-        self, resp: EventStream, opened: Opened, prefill: Backend, decode_task
+        self, resp: Stream, opened: Opened, prefill: Backend, decode_task
     ) -> Failure | None:
         """Relay the prefill's events (of the first tokens) until its stream ends: None when
         it ended well (the KV has left), else the Failure; the decode's failure meanwhile ends
@@ -264,8 +263,8 @@ class PairTries:
         return Failure(502, f"prefill {prefill.url}: {error}", False, prefill)
 
     async def _fail_stream(
-        self, resp: EventStream, endpoint: str, failure: Failure, start: float, first: float
-    ) -> EventStream:
+        self, resp: Stream, endpoint: str, failure: Failure, start: float, first: float
+    ) -> Stream:
         """A shared stream that failed after its first events: an error event ends it."""
         self._blame(failure)
         log.warning("a stream failed after its first token: %s", failure.message)
@@ -355,9 +354,9 @@ class PairTries:
         opened: Opened,
         decode: Backend,
         start: float,
-        resp: EventStream | None = None,
+        resp: Stream | None = None,
         first: float | None = None,
-    ) -> web.StreamResponse:
+    ) -> Stream | Reply:
         """The decode's answer to the client; `resp`: a stream the client has its first events
         of already (sent at `first`)."""
         upstream = opened.upstream
@@ -366,12 +365,9 @@ class PairTries:
             decode.breaker.success()
         if not opened.streamed:
             self.metrics.answered(ROUTES[endpoint], outcome, start, first=time.perf_counter())
-            return web.Response(
-                body=opened.head, status=upstream.status, content_type=upstream.content_type
-            )
+            return Reply(upstream.status, opened.head, upstream.content_type or "application/json")
         if resp is None:
-            resp = EventStream(status=upstream.status, headers=EventStream.HEADERS)
-            await resp.prepare(request)
+            resp = await Stream(upstream.status, EventStream.HEADERS).prepare(request)
         await resp.write(opened.head)
         first = first or time.perf_counter()
         answered = False  # the stream's last event went out: the client may leave now

@@ -4,8 +4,8 @@ A `StartupError` (a bad model path, a directory that holds no checkpoint, a CUDA
 host without CUDA, a port in use) ends the command with one line on stderr and exit status 2,
 the status argparse gives a usage error; `cli.main` prints it. `stop_signals` makes the first
 SIGINT/SIGTERM stop the process cleanly and a second one exit at once. `start_site` serves an
-aiohttp app on a listening socket; `run_apps` serves apps until stopped (the router). Nothing
-here imports the engine (or torch): the router starts without it.
+aiohttp app (an instance's) on a listening socket. Nothing here imports the engine (or torch):
+the router starts without it.
 """
 
 from __future__ import annotations
@@ -113,20 +113,6 @@ def run_loop(main: Coroutine) -> None:
     import uvloop
 
     uvloop.run(main)
-
-
-async def run_apps(apps: list[tuple[web.Application, str, int]], on_stop=None) -> None:
-    """Serve each app on its host:port until SIGINT/SIGTERM; clients that leave cancel their handler."""
-    stop = stop_signals()
-    runners = []
-    for app, host, port in apps:
-        runners.append(await start_site(app, listening_socket(host, port, "the HTTP API")))
-    print("dserve: ready", flush=True)
-    await stop.wait()
-    for runner in runners:
-        await runner.cleanup()
-    if on_stop is not None:
-        on_stop()
 
 
 async def start_site(app: web.Application, sock: socket.socket) -> web.AppRunner:

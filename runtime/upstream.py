@@ -203,15 +203,14 @@ class Response:
         """Consumes a chunk's size line (and the line end of the chunk
         before it): False until a whole line is there."""
         start = 2 if buffer[:2] == b"\r\n" else 0
-        end = buffer.find(b"\r\n", start)
-        if end < 0:
-            return False
-        size_text = bytes(buffer[start:end]).split(b";")[0].strip()
         try:
-            size = int(size_text, 16)
-        except ValueError:
+            found = chunk_size(buffer, start)
+        except ValueError as e:
             self._conn.close()
-            raise UpstreamError(f"not a chunk size: {size_text[:40]!r}") from None
+            raise UpstreamError(str(e)) from None
+        if found is None:
+            return False
+        size, end = found
         if size == 0:  # the last chunk: no trailers (the instances send none)
             if len(buffer) < end + 4:
                 return False
@@ -299,6 +298,20 @@ class Upstreams:
         except OSError as e:
             raise UpstreamError(f"cannot connect to {key[0]}:{key[1]}: {e}") from e
         return conn
+
+
+def chunk_size(buffer: bytearray, at: int) -> tuple[int, int] | None:
+    """(the size of the chunk whose size line starts at `at`, where that line ends), None until
+    the line has come; ValueError for a size that is not hexadecimal (chunked HTTP/1.1 bodies:
+    the instances' answers here, the clients' requests in `downstream.py`)."""
+    end = buffer.find(b"\r\n", at)
+    if end < 0:
+        return None
+    size_text = bytes(buffer[at:end]).split(b";")[0].strip()
+    try:
+        return int(size_text, 16), end
+    except ValueError:
+        raise ValueError(f"not a chunk size: {size_text[:40]!r}") from None
 
 
 async def _head(conn: _Connection) -> bytes:

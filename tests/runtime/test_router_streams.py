@@ -14,6 +14,7 @@ from aiohttp import web
 
 from dserve.runtime.router import Router
 from dserve.runtime.server_config import RouterConfig
+from dserve.runtime.startup import listening_socket
 from tests.runtime.stubs import StubInstance
 from tests.servers import free_port
 
@@ -66,10 +67,8 @@ def test_streams_beyond_a_hundred_connections_all_start():
         for stub in (prefill, decode):
             await stub.start()
         router = Router([prefill.url], [decode.url], RouterConfig(health_interval_s=60))
-        runner = web.AppRunner(router.app)
-        await runner.setup()
         port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
+        server = await router.open(listening_socket("127.0.0.1", port, "the router"))
         url = f"http://127.0.0.1:{port}"
         firsts, ends = [], []
         client = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
@@ -91,7 +90,7 @@ def test_streams_beyond_a_hundred_connections_all_start():
         finally:
             release.set()
             await client.close()
-            await runner.cleanup()
+            await router.close(server)
             for stub in (prefill, decode):
                 await stub.stop()
 
