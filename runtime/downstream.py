@@ -45,6 +45,7 @@ class Request:
     method: str
     path: str
     headers: dict[str, str] = field(default_factory=dict)
+    version: str = "HTTP/1.1"
     body: bytes = b""
     too_large: bool = False  # a body over the server's limit, not read
     keep_alive: bool = True
@@ -72,38 +73,44 @@ Handler = Callable[[Request], Awaitable["Reply | Stream"]]
 
 
 class Stream:
-    """An answer sent as it is made, chunked: its head leaves with the first `write` (in one
-    write, as the instances' `EventStream`). A client gone: `write` raises ConnectionResetError."""
+    """An answer sent as it is made, chunked (to an HTTP/1.0 client: up to the connection's
+    end): its head leaves with the first `write` (in one write, as the instances'
+    `EventStream`). A client gone: `write` raises ConnectionResetError."""
 
     def __init__(self, status: int = 200, headers: dict[str, str] | None = None):
         self.status, self.headers = status, headers or {}
         self._conn: Connection | None = None
         self._head_sent = False
+        self._chunked = True
 
     async def prepare(self, request: Request) -> Stream:
         self._conn = request.conn
+        self._chunked = request.version != "HTTP/1.0"
+        if not request.keep_alive:
+            self.headers = {**self.headers, "Connection": "close"}
         return self
 
     async def write(self, data: bytes) -> None:
         conn = self._conn
         if conn is None or conn.closed:
             raise ConnectionResetError("the client left")
-        out = self._head() + b"%x\r\n%b\r\n" % (len(data), data) if data else self._head()
+        if data and self._chunked:
+            data = b"%x\r\n%b\r\n" % (len(data), data)
         conn.answering = True
-        conn.transport.write(out)
+        conn.transport.write(self._head() + data)
         if conn.paused:
             await conn.drained()
 
     def end(self) -> bytes:
         """The last chunk (with the head if nothing was written)."""
-        return self._head() + b"0\r\n\r\n"
+        return self._head() + (b"0\r\n\r\n" if self._chunked else b"")
 
     def _head(self) -> bytes:
         if self._head_sent:
             return b""
         self._head_sent = True
-        lines = [f"{k}: {v}\r\n" for k, v in self.headers.items()]
-        return status_line(self.status) + "".join(lines).encode() + CHUNKED
+        lines = "".join(f"{k}: {v}\r\n" for k, v in self.headers.items()).encode()
+        return status_line(self.status) + lines + (CHUNKED if self._chunked else b"\r\n")
 
 
 CHUNKED = b"Transfer-Encoding: chunked\r\n\r\n"
@@ -139,7 +146,9 @@ class Server:
         handler = self.handler(request)
         if handler is None:
             status = 405 if request.path in self.paths else 404
-            return json_reply(error_body(f"{request.method} {request.path}", status), status)
+            what = "not allowed" if status == 405 else "not found"
+            message = f"{request.method} {request.path}: {what}"
+            return json_reply(error_body(message, status), status)
         return await handler(request)
 
 
@@ -301,7 +310,7 @@ def _head(head: bytes, max_body: int) -> tuple[Request, int | None]:
     keep = "close" not in connection if version == "HTTP/1.1" else "keep-alive" in connection
     if not target.startswith("/"):  # absolute form (through a proxy)
         target = urlsplit(target).path or "/"
-    request = Request(method, target.split("?", 1)[0], headers, keep_alive=keep)
+    request = Request(method, target.split("?", 1)[0], headers, version, keep_alive=keep)
     if "chunked" in headers.get("transfer-encoding", "").lower():
         return request, None
     length = headers.get("content-length", "0")

@@ -187,14 +187,20 @@ def _chunked(data: bytes) -> bytes:
 
 def test_http_1_0_and_connection_close_end_the_connection():
     async def scenario(port, seen):
-        for request in (
-            b"GET /hello HTTP/1.0\r\n\r\n",
-            b"GET /hello HTTP/1.1\r\nConnection: close\r\n\r\n",
-        ):
+        one_zero = b"GET /hello HTTP/1.0\r\n\r\n"
+        close = b"GET /hello HTTP/1.1\r\nConnection: close\r\n\r\n"
+        for request in (one_zero, close):
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(request + b"GET /hello HTTP/1.1\r\n\r\n")  # not answered
             assert (await answer(reader))[0] == 200
             assert await closed(reader)
+        # a stream to HTTP/1.0: not chunked, up to the connection's end
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /events HTTP/1.0\r\n\r\n")
+        got = await asyncio.wait_for(reader.read(), 5)
+        head, _, body = got.partition(b"\r\n\r\n")
+        assert b"chunked" not in head and b"Connection: close" in head
+        assert body == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
 
     run(scenario)
 
