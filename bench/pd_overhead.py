@@ -424,7 +424,7 @@ def plot(rows: list[dict], out: str) -> None:
     fig.savefig(out.replace(".json", ".png"), dpi=120)
 
 
-def run_starts(model: list[str], args, logs: str) -> dict:
+def run_start(model: list[str], args, logs: str) -> dict:
     """One start of every instance (the rounds of `--interleave` or one after another): the
     results per mode (the colocated one a list of runs)."""
     again = 0 if args.interleave else args.colocated_runs - 1
@@ -510,7 +510,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for start in range(args.starts):
             if args.starts > 1:
                 print(f"start {start + 1} of {args.starts}:", flush=True)
-            results = run_starts(model, args, logs)
+            results = run_start(model, args, logs)
             rows = rows_of(results, args.lengths, args.pd_modes)
             table(rows)
             direct_table(rows)

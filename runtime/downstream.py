@@ -11,8 +11,8 @@ after another (pipelined ones too, as HTTP/1.1 has it), and an answer leaves in 
 Its scope is what clients of an inference API send. `Expect: 100-continue` is answered; HTTP/1.0
 and `Connection: close` end the connection after the answer; so do a malformed request (a 400)
 and a body over the limit (the handler gets the request unread, `Request.too_large`). A client
-that leaves cancels its handler (as aiohttp's `handler_cancellation`); a connection idle for
-`IDLE_S` is closed. HEAD is answered as GET without the body.
+that leaves cancels its handler (as aiohttp's `handler_cancellation`), one that reads nothing of
+an answer for `STALL_S` is dropped; a connection idle for `IDLE_S` is closed. HEAD is answered as GET without the body.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from dserve.runtime.upstream import chunk_size
 log = logging.getLogger("dserve.router")
 MAX_HEAD_BYTES = 64 * 1024  # a request line and headers longer than this are a 400
 IDLE_S = 75.0  # a kept connection idle longer is closed (aiohttp's keep-alive timeout)
+STALL_S = 60.0  # a client that takes none of an answer's bytes this long is dropped
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
@@ -209,10 +210,16 @@ class Connection(asyncio.Protocol):
         self._wake_writer()
 
     async def drained(self) -> None:
-        """Until the transport takes writes again (or the client left)."""
+        """Until the transport takes writes again (or the client left); a client that reads
+        nothing for `STALL_S` is dropped, as one that left."""
         if self.paused and not self.closed:
             self._drain = asyncio.get_running_loop().create_future()
-            await self._drain
+            try:
+                await asyncio.wait_for(self._drain, STALL_S)
+            except asyncio.TimeoutError:
+                log.warning("a client read nothing for %.0f s: dropped", STALL_S)
+                self.transport.abort()
+                self.closed = True
         if self.closed:
             raise ConnectionResetError("the client left")
 

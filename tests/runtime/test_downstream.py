@@ -3,7 +3,8 @@ kept connections, pipelined requests answered in order, chunked bodies, `Expect:
 100-continue`, HEAD, 404 / 405, malformed requests and bodies over the limit (a 400 or the
 handler's answer, then the connection closes), HTTP/1.0, a handler's failure (a 500, the
 server goes on), streams (chunked; a client that leaves cancels its handler) and a stream
-written faster than its client reads."""
+written faster than its client reads (it waits) or to one that reads nothing (dropped after
+`STALL_S`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import socket
 
 import orjson
 
+from dserve.runtime import downstream
 from dserve.runtime.downstream import Connection, Reply, Server, Stream, json_reply, serve
 
 LIMIT = 1000
@@ -49,8 +51,12 @@ def handlers(seen: list):
 
     async def big(request):
         resp = await Stream(200).prepare(request)
-        for _ in range(BIG):
-            await resp.write(b"x" * 65536)
+        try:
+            for _ in range(BIG):
+                await resp.write(b"x" * 65536)
+        except ConnectionResetError:
+            seen.append("dropped")
+            raise
         return resp
 
     return {
@@ -239,6 +245,22 @@ def test_a_stream_faster_than_its_client_waits_for_it(monkeypatch):
         status, _, body = await answer(reader)
         assert status == 200 and body == b"x" * (BIG * 65536)
         assert pauses
+        writer.close()
+
+    run(scenario)
+
+
+def test_a_client_that_reads_nothing_is_dropped(monkeypatch):
+    monkeypatch.setattr(downstream, "STALL_S", 0.3)
+
+    async def scenario(port, seen):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /big HTTP/1.1\r\n\r\n")  # and never reads
+        for _ in range(100):
+            if "dropped" in seen:
+                break
+            await asyncio.sleep(0.05)
+        assert seen == ["dropped"]  # its handler's write failed within the deadline
         writer.close()
 
     run(scenario)
