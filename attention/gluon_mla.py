@@ -30,7 +30,10 @@ issued with block k + 1's scores (FlashAttention-3), blocks of 16-32
 tokens in more stages (dense and sparse), the splits merged in the kernel
 by the last warpgroup to finish, an L2 prefetch of the blocks ahead,
 FlashMLA's "seesaw" (each warpgroup scores one block of a pair: with the
-two-block ring a pair's blocks come back only at its end, 26-45% slower).
+two-block ring a pair's blocks come back only at its end, 26-45% slower),
+a warpgroup that only scores beside two that each take a value half (the
+scores' softmax off the MMAs' path; 4-11% slower, its floor too: 12 warps
+hold 168 registers a thread and spill; session 41).
 
 Written for Triton's Gluon (`triton.experimental.gluon`, Triton 3.6 on the
 GPU hosts). Hopper only, bfloat16 or float16 latents, 512 + 64 columns,
@@ -50,6 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dserve.attention.dependent_launch import dependent_launch
 from dserve.attention.gluon_tma import HAVE_GLUON, descriptor, tma_readable
 from dserve.attention.launch_shapes import BLOCK_TOKENS, MLA_HEADS, mla_splits
 from dserve.attention.triton_mla import combine_splits
@@ -65,7 +69,14 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from dserve.attention.gluon_tma import block_page, block_pages, ring, tma_load
+    from dserve.attention.gluon_tma import (
+        block_page,
+        block_pages,
+        ring,
+        start_next,
+        tma_load,
+        wait_previous,
+    )
 
     # cp.async: `async_load` in later Tritons (3.9), the older name in 3.6
     cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
@@ -351,10 +362,14 @@ if HAVE_GLUON:
         STAGES: gl.constexpr,
         SPARSE: gl.constexpr,
         READ: gl.constexpr,
+        PDL: gl.constexpr,
     ):
         h0 = gl.program_id(0) * BLOCK_H
         b, split = gl.program_id(1), gl.program_id(2)
         BLOCK_N: gl.constexpr = lat_desc.block_type.shape[1]
+        if PDL:  # a dependent launch, as is the merge after it
+            start_next()
+            wait_previous()
         start, end = _block_range(
             seq_lens, b, split, min_split, num_splits, BLOCK_N, sel_width, SPARSE
         )
@@ -440,7 +455,9 @@ def mla_decode(
     returns [B, H, 512]. Sparse attention: `selected` [B, K] each row's
     context positions (-1 for none), `seq_lens` not read. `read_blocks`
     False (dense only) times the kernel's own floor: every step but the
-    blocks' copies (the output is then not attention; `bench.mla_decode`)."""
+    blocks' copies (the output is then not attention; `bench.mla_decode`).
+    A dependent launch on Hopper (`dependent_launch`), as is the merge of
+    its splits."""
     batch, heads, rank = q_latent.shape
     if not batch:  # no rows: nothing to launch (TMA has no box of an empty tensor)
         return q_latent.new_empty(0, heads, rank)
@@ -498,6 +515,7 @@ def mla_decode(
         read_blocks,
         num_warps=4,
         maxnreg=168,
+        **dependent_launch(q_latent.device),
     )
     if num_splits == 1:
         return out

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dserve.attention.dependent_launch import dependent_launch, follow
+
 
 @triton.jit(
     do_not_specialize=[
@@ -235,17 +237,23 @@ def _combine_kernel(
     R: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Out = the splits' outputs weighted by softmax(lse); the [splits, R] partial outputs are read
     CHUNK splits at a time, so many splits do not spill registers. NUM_SPLITS stays a
     compile-time value (an unrolled loop overlaps the chunks' loads: batch 1 at 32k took 32
     against 38 us with a runtime count, H200), so `compile_every_split_count` compiles each."""
     b, h = tl.program_id(0), tl.program_id(1)
+    follow(PDL)  # a dependent launch: the splits' kernel may still be running
     r = tl.arange(0, R)
     lse_row = MidLse + b * s_ml_b + h * s_ml_h
     lse = tl.load(lse_row + tl.arange(0, NUM_SPLITS))
     top = tl.max(lse, 0)
-    total = tl.sum(tl.exp(lse - top), 0)  # empty splits (-inf) weigh nothing
+    # empty splits (-inf) weigh nothing; a row no split saw a position of
+    # (a sparse row selecting none) is zeros, as one split writes it
+    top = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.sum(tl.exp(lse - top), 0)
+    total = tl.where(total == 0.0, 1.0, total)
     out = tl.zeros([R], tl.float32)
     for c in tl.static_range(0, NUM_SPLITS, CHUNK):
         splits = c + tl.arange(0, CHUNK)
@@ -497,4 +505,5 @@ def _launch_combine(mid_out, mid_lse, out) -> None:
         R=rank,
         NUM_SPLITS=num_splits,
         CHUNK=min(num_splits, 16),
+        **dependent_launch(out.device),
     )

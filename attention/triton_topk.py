@@ -40,7 +40,8 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from dserve.attention.dependent_launch import dependent_launch, follow
 
 SAMPLE = tl.constexpr(512)  # positions each program's bins come from
 CAP = tl.constexpr(4096)  # candidates a row lists (more: read from the whole row)
@@ -271,15 +272,6 @@ def _row_end(Lens, row, width, LENS: tl.constexpr):
     return end
 
 
-@triton.jit
-def _follow(PDL: tl.constexpr):
-    """With programmatic dependent launch (`PDL`): let the next launch start its programs,
-    then wait until the launch before this one has finished (its writes visible)."""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-
-
 @triton.jit(do_not_specialize=["s_row", "width", "topk", "chunks"])
 def _chunk_kernel(
     Scores,
@@ -302,7 +294,7 @@ def _chunk_kernel(
     """Program (row, c) over chunk c of the row: its counts (`Sfx`, and added into `Hist`;
     chunk 0 keeps the row's bins in `Bins`), or, once `Hist` holds the row's (SPLIT), its
     positions above the k-th's bin and its candidates."""
-    _follow(PDL)
+    follow(PDL)
     row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     scores, sfx = Scores + row * s_row, Sfx + row * chunks * 256
     end = _row_end(Lens, row, width, LENS)
@@ -349,7 +341,7 @@ def _finish_kernel(
     LENS: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    _follow(PDL)
+    follow(PDL)
     row = tl.program_id(0).to(tl.int64)
     scores = Scores + row * s_row
     end = _row_end(Lens, row, width, LENS)
@@ -378,19 +370,6 @@ def default_chunk(tokens: int, width: int) -> int:
     (H100, k 2048: within 10% of the best of 1k-8k at 1 to 128 rows of 32k and 128k)."""
     per_program = triton.next_power_of_2(triton.cdiv(tokens * width, 512))
     return min(max(per_program, CHUNKS[0]), CHUNKS[-1])
-
-
-@functools.lru_cache(maxsize=None)
-def dependent_launch(device: torch.device) -> dict:
-    """The launches' programmatic dependent launch (Hopper on): each kernel's programs start
-    as the one before it ends, and wait for its writes (`_follow`). About 0.6-0.9 us a launch:
-    the select at 32 x 32k took 25.7 against 27.3 us in CUDA graphs (H100,
-    bench/notes/session33-h100-2026-11-27.md). Off on the CPU (the interpreter has none).
-    Not the rest of the sparse step: the indexer's scores letting the top-k start at once cost
-    6-15 us (the later launches' waiting programs fill the SMs while it runs); the MLA and the
-    merge of its splits gained about 1 us at 32 and 128 rows (session 34's notes)."""
-    on = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
 @functools.lru_cache(maxsize=None)

@@ -130,6 +130,63 @@ def test_the_triton_backend_decodes_with_it():
     assert backend._decode_kernel(q, cache, None) is triton_mla.mla_decode
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="a Hopper GPU")
+@pytest.mark.parametrize("sparse", [False, True])
+def test_a_dependent_launch_reads_what_the_launch_before_wrote(sparse, monkeypatch):
+    """On Hopper the decode and the merge of its splits are dependent
+    launches (they may start while the launch before runs): in a CUDA
+    graph where a copy writes the queries, a new cache row and the
+    selection just before the decode, each replay's output is the one an
+    ordinary launch gives after the same writes, bit for bit."""
+    from dserve.attention import triton_mla
+    from dserve.attention.dependent_launch import dependent_launch
+
+    assert dependent_launch(torch.device("cuda"))["PDL"]
+    q_latent, q_rope, cache, table, lens = case(
+        heads=64 if sparse else 128,
+        rank=512,
+        rope=64,
+        page_size=64,
+        seq_lens=LENS,
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
+    table, lens = table.long(), lens.long()
+    last = lens - 1  # each sequence's newest row
+    slots = (table.gather(1, (last // 64)[:, None])[:, 0], last % 64)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    picks = torch.randint(0, 8191, (len(LENS), 512), device="cuda", generator=gen)
+    chosen = torch.where(picks < lens[:, None], picks, -1)
+    fresh = [q_latent.clone(), cache[slots].clone(), chosen.clone()]
+
+    def step():
+        q_latent.copy_(fresh[0])
+        cache[slots] = fresh[1]
+        if sparse:
+            chosen.copy_(fresh[2])
+        picked = {"selected": chosen} if sparse else {}
+        return gluon_mla.mla_decode(
+            q_latent, q_rope, cache, table, None if sparse else lens, 0.07, num_splits=4, **picked
+        )
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    off = lambda device: {"PDL": False}  # noqa: E731
+    for _ in range(3):
+        fresh[0].normal_(generator=gen)
+        fresh[1].normal_(generator=gen)
+        fresh[2].copy_(fresh[2].roll(1, dims=0))
+        graph.replay()
+        with monkeypatch.context() as m:
+            m.setattr(gluon_mla, "dependent_launch", off)
+            m.setattr(triton_mla, "dependent_launch", off)
+            ordinary = step()
+        assert torch.equal(out, ordinary)
+
+
 def selected_reference(q_latent, q_rope, cache, table, selected, scale):
     """Absorbed MLA over each row's selected positions (-1: none)."""
     out, page_size = [], cache.shape[1]

@@ -128,6 +128,30 @@ def test_rows_of_shared_sequences_and_short_contexts():
     assert torch.allclose(ours, ref, atol=1e-4, rtol=1e-4), (ours - ref).abs().max()
 
 
+def test_a_sparse_row_selecting_nothing_is_zeros_at_any_split_count():
+    """A row whose selection is all -1 has no position in any split: the
+    merge of its splits gives zeros (not the NaN of 0/0), as one split
+    writes them; the other rows are unchanged by the split count."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q_latent, q_rope, cache, table, _ = case(
+        heads=4,
+        rank=32,
+        rope=16,
+        page_size=4,
+        seq_lens=[12, 9],
+        dtype=torch.float32,
+        device=device,
+    )
+    selected = torch.tensor([[0, 5, 11, -1, 7, 3, -1, 2], [-1] * 8], device=device)
+    outs = [
+        mla_decode(q_latent, q_rope, cache, table, None, 0.3, num_splits=n, selected=selected)
+        for n in (1, 4)
+    ]
+    for out in outs:
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.allclose(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="DeepSeek-V3 shapes run on a GPU")
 @pytest.mark.parametrize(
