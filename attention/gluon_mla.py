@@ -4,23 +4,30 @@ The Triton kernel (`triton_mla`) runs every step of a block in every warp:
 scores, softmax and the weighted sum one after another, so the tensor
 cores wait while the softmax runs and the loads wait for both. With 128
 heads a rank (DeepSeek-V3 with DP attention) that kept it at about a third
-of the copy bandwidth. Here a program takes 64 heads of one sequence and
-one split of its context, in three partitions:
+of the copy bandwidth. Here a program takes 64 heads and a run of the
+batch's blocks (`mla_runs`: each row in equal parts, or every row's blocks
+end to end cut evenly over one program an SM, a run then holding the end
+of one row, whole rows and the start of another), segment by segment, in
+three partitions:
 
 - a loader warp brings each block of 64 tokens (latents and rope keys)
   into shared memory by TMA, two blocks in flight;
 - warpgroup 0 computes the scores of a block (64 heads x 64 tokens over
   the 576 columns), their online softmax, writes the weights to shared
   memory, and accumulates the left half of the value columns (256);
-- warpgroup 1 takes the weights and accumulates the right half.
+- warpgroup 1 takes the weights and accumulates the right half;
+- after a segment's blocks, warpgroup 0 loads the next row's queries while
+  both store their halves: a whole row's output, or a partial (float32,
+  normalised, with its log-sum-exp) that `combine_splits` (rows in parts)
+  or `mla_runs.merge_runs` (the even cut) merges.
 
 Sparse attention (GLM-5's 64 heads over 2048 selected positions) takes
 the same partitions with a gathering loader: four warps copy the selected
 rows by cp.async (Hopper's TMA has no gather).
 
 The weights take the place of the block's rope keys, which only the scores
-read. Shared memory: queries 72 KB (by TMA as the program starts), two
-blocks 144 KB. The splits are merged by `triton_mla.combine_splits`. With
+read. Shared memory: queries 72 KB (by TMA as a segment starts), two
+blocks 144 KB. With
 128 heads both programs of a sequence read each block (through the L2: TMA
 multicast is not in Triton 3.6), and the tensor cores take about as long as
 the copy: at batch 32 x 8k a launch that reads no block (`read_blocks`)
@@ -55,13 +62,13 @@ import triton.language as tl
 
 from dserve.attention.dependent_launch import dependent_launch
 from dserve.attention.gluon_tma import HAVE_GLUON, descriptor, tma_readable
-from dserve.attention.launch_shapes import BLOCK_TOKENS, MLA_HEADS, mla_splits
+from dserve.attention.launch_shapes import BLOCK_TOKENS, MLA_HEADS
+from dserve.attention.mla_runs import compile_merge, launch_cut, merge_runs, min_blocks
 from dserve.attention.triton_mla import combine_splits
 
 if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
@@ -69,17 +76,14 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
+    from dserve.attention.gluon_mla_loaders import gather_loader, tma_loader
     from dserve.attention.gluon_tma import (
-        block_page,
-        block_pages,
         ring,
         start_next,
         tma_load,
         wait_previous,
     )
-
-    # cp.async: `async_load` in later Tritons (3.9), the older name in 3.6
-    cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+    from dserve.attention.mla_runs import schedule, segment
 
 BLOCK_H = tl.constexpr(MLA_HEADS)  # heads a program: one warpgroup's MMA rows
 BLOCK_N = BLOCK_TOKENS  # tokens a block: one TMA box, within a page
@@ -106,101 +110,14 @@ def supported(q_latent, cache) -> bool:
 if HAVE_GLUON:
 
     @gluon.jit
-    def _block_range(
-        seq_lens,
-        b,
-        split,
-        min_split,
-        num_splits,
-        BLOCK_N: gl.constexpr,
-        width,
-        SPARSE: gl.constexpr,
-    ):
-        """[start, end) of this split's context positions (a whole number of
-        blocks from start), as the Triton kernel splits them."""
-        if SPARSE:  # the row's selection, -1 where it has no position
-            seq_len = width
-        else:
-            seq_len = gl.load(seq_lens + b).to(gl.int32)  # the engine's are int64
-        per = gl.maximum(gl.cdiv(seq_len, num_splits), min_split)
-        per = gl.cdiv(per, BLOCK_N) * BLOCK_N
-        start = split * per
-        end = gl.minimum(start + per, seq_len)
-        return start, end
-
-    @gluon.jit
-    def _loader(descs, stages, bars, table, span, page_size, READ: gl.constexpr):
-        """Worker (one warp): each block's latents and rope keys by
-        TMA into the next free stage, its page read a group ahead
-        (`block_page`). Not READ: the stage is handed over unread
-        (`mla_decode`'s `read_blocks`)."""
-        lat_desc, rope_desc = descs
+    def _scores_half(queries, stages, bars, out, rows_at, run, scale_log2, SPARSE: gl.constexpr):
+        """Default partition (warpgroup 0), segment by segment: once the
+        row's queries are in shared memory (`q_ready`: their TMA), the
+        scores, online softmax, the weights for warpgroup 1, the left 256
+        value columns; then the next row's queries' TMA and the outputs."""
+        q_lat_s, q_rope_s, q_ready, q_descs, h0 = queries
         kv_s, rope_s, alpha_s, l_s = stages
-        ready, free, p_ready, done = bars
-        h0, start, end, sel_row = span
-        STAGES: gl.constexpr = kv_s.shape[0]
-        BLOCK_N: gl.constexpr = kv_s.shape[2]
-        nbytes: gl.constexpr = lat_desc.block_type.nbytes + rope_desc.block_type.nbytes
-        blocks = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
-        run = (table, start, blocks, page_size)
-        pages = block_pages(run, 0, BLOCK_N)
-        ahead = pages
-        for k in range(blocks):
-            s = k % STAGES
-            page, pages, ahead = block_page(run, k, pages, ahead, BLOCK_N)
-            off = (start + k * BLOCK_N) % page_size
-            mbarrier.wait(free.index(s), ((k // STAGES) & 1) ^ 1)
-            bar = ready.index(s)
-            if READ:
-                mbarrier.expect(bar, nbytes)
-                tma_load(lat_desc, [page, off, 0], bar, kv_s.index(s))
-                tma_load(rope_desc, [page, off, 512], bar, rope_s.index(s))
-            else:
-                mbarrier.arrive(bar)
-
-    @gluon.jit
-    def _gather_loader(gather, stages, bars, table, span, page_size):
-        """Worker (four warps) for sparse attention: each block's selected
-        positions' latents and rope keys, row by row (cp.async: Hopper's
-        TMA has no gather), into the next free stage. A position of -1
-        reads zeros."""
-        cache, s_c_page, s_c_tok = gather
-        kv_s, rope_s, alpha_s, l_s = stages
-        ready, free, p_ready, done = bars
-        h0, start, end, sel_row = span
-        STAGES: gl.constexpr = kv_s.shape[0]
-        BLOCK_N: gl.constexpr = kv_s.shape[2]
-        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
-        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
-        blocks = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
-        for k in range(blocks):
-            s = k % STAGES
-            idx = start + k * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
-            pos = gl.load(sel_row + idx, mask=idx < end, other=-1)
-            valid = pos >= 0
-            pos = gl.maximum(pos, 0)
-            page = gl.load(table + pos // page_size, mask=valid, other=0).to(gl.int64)
-            row = page * s_c_page + (pos % page_size) * s_c_tok
-            at = cache + row[:, None] + cols[None, :]
-            mbarrier.wait(free.index(s), ((k // STAGES) & 1) ^ 1)
-            keys = kv_s.index(s).reshape([BLOCK_N, 512])
-            for c in gl.static_range(8):
-                dst = keys.slice(c * 64, 64, dim=1)
-                cp_async(dst, at + c * 64, valid[:, None])
-            ropes = rope_s.index(s).reshape([BLOCK_N, 64])
-            cp_async(ropes, at + 512, valid[:, None])
-            async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
-
-    @gluon.jit
-    def _scores_half(queries, stages, bars, out, span, scale_log2, SPARSE: gl.constexpr):
-        """Default partition (warpgroup 0): once the queries are in shared
-        memory (`q_ready`: their TMA), the scores, online softmax, the
-        weights for warpgroup 1, the left 256 value columns."""
-        q_lat_s, q_rope_s, q_ready = queries
-        kv_s, rope_s, alpha_s, l_s = stages
-        ready, free, p_ready, done = bars
-        mid_o, mid_lse, o_base, lse_base, s_mo_h, s_ml_h, heads = out
-        h0, start, end, sel_row = span
+        ready, free, p_ready, done, l_free = bars
         STAGES: gl.constexpr = kv_s.shape[0]
         BLOCK_N: gl.constexpr = kv_s.shape[2]
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -211,89 +128,106 @@ if HAVE_GLUON:
         )
         rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        m = gl.full([64], float("-inf"), gl.float32, rows_s)
-        l = gl.zeros([64], gl.float32, rows_s)
-        o = gl.zeros([64, 256], gl.float32, o_layout)
         zeros = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
-        blocks = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
         q_lat = q_lat_s.reshape([64, 512])
         q_rope = q_rope_s.reshape([64, 64])
-        mbarrier.wait(q_ready, 0)
-        for k in range(blocks):
-            s = k % STAGES
-            mbarrier.wait(ready.index(s), (k // STAGES) & 1)
-            if SPARSE:  # copied by threads (cp.async), read by the tensor cores
+        first, lo0, last, hi0, alone = run
+        n = 0
+        for r in range(first, last + 1):
+            seg_i = r - first
+            start, end, table, sel_row, whole = segment(rows_at, run, r, SPARSE, BLOCK_N)
+            blocks = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+            m = gl.full([64], float("-inf"), gl.float32, rows_s)
+            l = gl.zeros([64], gl.float32, rows_s)
+            o = gl.zeros([64, 256], gl.float32, o_layout)
+            mbarrier.wait(q_ready, seg_i & 1)
+            for k in range(blocks):
+                i = n + k
+                s = i % STAGES
+                mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+                if SPARSE:  # copied by threads (cp.async), read by the tensor cores
+                    fence_async_shared()
+                keys = kv_s.index(s).reshape([BLOCK_N, 512])
+                ropes = rope_s.index(s).reshape([BLOCK_N, 64])
+                acc = warpgroup_mma(
+                    q_lat, keys.permute((1, 0)), zeros, use_acc=False, is_async=True
+                )
+                acc = warpgroup_mma(q_rope, ropes.permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+                cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+                cols += start + k * BLOCK_N
+                seen = cols < end
+                if SPARSE:
+                    seen &= gl.load(sel_row + cols, mask=seen, other=-1) >= 0
+                x = gl.where(seen[None, :], acc * scale_log2, float("-inf"))
+                m_new = gl.maximum(m, gl.max(x, 1))
+                # rows that have seen no position yet (a sparse split can start
+                # with blocks of -1) stay at zero instead of NaN
+                m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = gl.exp2(m - m_safe)
+                p = gl.exp2(x - m_safe[:, None])
+                l = l * alpha + gl.sum(p, 1)
+                m = m_new
+                # the weights replace the rope keys, which the scores were the last to read
+                weights = _weights(rope_s, s)
+                weights.store(p.to(weights.dtype))
+                alpha_s.index(s).store(alpha)
                 fence_async_shared()
-            keys = kv_s.index(s).reshape([BLOCK_N, 512])
-            ropes = rope_s.index(s).reshape([BLOCK_N, 64])
-            acc = warpgroup_mma(q_lat, keys.permute((1, 0)), zeros, use_acc=False, is_async=True)
-            acc = warpgroup_mma(q_rope, ropes.permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            cols += start + k * BLOCK_N
-            seen = cols < end
-            if SPARSE:
-                seen &= gl.load(sel_row + cols, mask=seen, other=-1) >= 0
-            x = gl.where(seen[None, :], acc * scale_log2, float("-inf"))
-            m_new = gl.maximum(m, gl.max(x, 1))
-            # rows that have seen no position yet (a sparse split can start
-            # with blocks of -1) stay at zero instead of NaN
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m - m_safe)
-            p = gl.exp2(x - m_safe[:, None])
-            l = l * alpha + gl.sum(p, 1)
-            m = m_new
-            # the weights replace the rope keys, which the scores were the last to read
-            weights = _weights(rope_s, s)
-            weights.store(p.to(weights.dtype))
-            alpha_s.index(s).store(alpha)
-            fence_async_shared()
-            mbarrier.arrive(p_ready.index(s))
-            o = o * gl.convert_layout(alpha, rows_o)[:, None]
-            o = warpgroup_mma(weights, keys.slice(0, 256, dim=1), o, is_async=True)
-            o = warpgroup_mma_wait(0, deps=(o,))
-            mbarrier.arrive(free.index(s))
-        l_s.store(l)
-        mbarrier.arrive(done)
-        rows = h0 + gl.arange(0, 64, layout=rows_s)
-        filled = l > 0
-        lse = (m + gl.log2(gl.where(filled, l, 1.0))) / LOG2E
-        lse = gl.where(filled, lse, float("-inf"))
-        # one split: the output itself, no log-sum-exp to merge by
-        if mid_o.dtype.element_ty == gl.float32:
-            gl.store(mid_lse + lse_base + rows * s_ml_h, lse, mask=rows < heads)
-        _store_half(mid_o + o_base, o, l, (s_mo_h, h0, heads), 0)
+                mbarrier.arrive(p_ready.index(s))
+                o = o * gl.convert_layout(alpha, rows_o)[:, None]
+                o = warpgroup_mma(weights, keys.slice(0, 256, dim=1), o, is_async=True)
+                o = warpgroup_mma_wait(0, deps=(o,))
+                mbarrier.arrive(free.index(s))
+            n += blocks
+            if r < last:  # the next row's queries (their buffers read for the last time above)
+                _load_queries(q_descs, (q_lat_s, q_rope_s, q_ready), r + 1, h0)
+            if seg_i > 0:  # warpgroup 1 has read the last segment's sums
+                mbarrier.wait(l_free, (seg_i - 1) & 1)
+            l_s.store(l)
+            mbarrier.arrive(done)
+            filled = l > 0
+            lse = (m + gl.log2(gl.where(filled, l, 1.0))) / LOG2E
+            lse = gl.where(filled, lse, float("-inf"))
+            where = (r, whole, (r != first).to(gl.int32))
+            _store_half(out, o, l, lse, where, 0)
 
     @gluon.jit
-    def _values_half(stages, bars, out, span, SPARSE: gl.constexpr):
+    def _values_half(stages, bars, out, rows_at, run, SPARSE: gl.constexpr):
         """Worker (warpgroup 1): the right 256 value columns, weighted by
-        what warpgroup 0 left in shared memory."""
+        what warpgroup 0 left in shared memory, segment by segment."""
         kv_s, rope_s, alpha_s, l_s = stages
-        ready, free, p_ready, done = bars
-        mid_o, mid_lse, o_base, lse_base, s_mo_h, s_ml_h, heads = out
-        h0, start, end, sel_row = span
+        ready, free, p_ready, done, l_free = bars
         STAGES: gl.constexpr = kv_s.shape[0]
         BLOCK_N: gl.constexpr = kv_s.shape[2]
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16]
         )
         rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        o = gl.zeros([64, 256], gl.float32, o_layout)
-        blocks = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
-        for k in range(blocks):
-            s = k % STAGES
-            mbarrier.wait(p_ready.index(s), (k // STAGES) & 1)
-            if SPARSE:
-                fence_async_shared()
-            alpha = alpha_s.index(s).load(rows_o)
-            weights = _weights(rope_s, s)
-            values = kv_s.index(s).reshape([BLOCK_N, 512]).slice(256, 256, dim=1)
-            o = warpgroup_mma(weights, values, o * alpha[:, None], is_async=True)
-            o = warpgroup_mma_wait(0, deps=(o,))
-            mbarrier.arrive(free.index(s))
-        mbarrier.wait(done, 0)
-        l = l_s.load(rows_o)
-        _store_half(mid_o + o_base, o, l, (s_mo_h, h0, heads), 256)
+        first, lo0, last, hi0, alone = run
+        n = 0
+        for r in range(first, last + 1):
+            seg_i = r - first
+            start, end, table, sel_row, whole = segment(rows_at, run, r, SPARSE, BLOCK_N)
+            blocks = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+            o = gl.zeros([64, 256], gl.float32, o_layout)
+            for k in range(blocks):
+                i = n + k
+                s = i % STAGES
+                mbarrier.wait(p_ready.index(s), (i // STAGES) & 1)
+                if SPARSE:
+                    fence_async_shared()
+                alpha = alpha_s.index(s).load(rows_o)
+                weights = _weights(rope_s, s)
+                values = kv_s.index(s).reshape([BLOCK_N, 512]).slice(256, 256, dim=1)
+                o = warpgroup_mma(weights, values, o * alpha[:, None], is_async=True)
+                o = warpgroup_mma_wait(0, deps=(o,))
+                mbarrier.arrive(free.index(s))
+            n += blocks
+            mbarrier.wait(done, seg_i & 1)
+            l = l_s.load(rows_o)
+            mbarrier.arrive(l_free)
+            where = (r, whole, (r != first).to(gl.int32))
+            _store_half(out, o, l, l, where, 256)
 
     @gluon.jit
     def _weights(rope_s, s):
@@ -302,32 +236,52 @@ if HAVE_GLUON:
         return rope_s.index(s).reshape([64, 64])
 
     @gluon.jit
-    def _store_half(out, o, l, rows_at, col0: gl.constexpr):
-        """A half's normalised output: rows h0.. below `heads` (`rows_at`:
-        their stride, h0, heads), columns col0.. (zero where the split saw
-        no token)."""
-        s_mo_h, h0, heads = rows_at
+    def _load_queries(q_descs, q_bufs, r, h0):
+        """Row r's queries of heads h0.. by TMA (`q_ready` counts their bytes)."""
+        q_desc, qr_desc = q_descs
+        q_lat_s, q_rope_s, q_ready = q_bufs
+        q_bytes: gl.constexpr = q_desc.block_type.nbytes + qr_desc.block_type.nbytes
+        mbarrier.expect(q_ready, q_bytes)
+        tma_load(q_desc, [r, h0, 0], q_ready, q_lat_s)
+        tma_load(qr_desc, [r, h0, 0], q_ready, q_rope_s)
+
+    @gluon.jit
+    def _store_half(out, o, l, lse, where, col0: gl.constexpr):
+        """A half's normalised output (zero where the segment saw no
+        position), `where` = (row, whole, slot): a whole row's own output
+        (heads h0.. below `heads`), else the run's partial in `slot`, with
+        its log-sum-exp (`lse`, from the left half's call)."""
+        final, s_f_b, s_f_h, mid_o, mid_lse, part, h0, heads = out
+        padded = gl.num_programs(0) * 64  # the partials' heads: every group's 64
+        r, whole, slot = where
         o_layout: gl.constexpr = o.type.layout
         rows = gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
         cols = gl.arange(0, 256, layout=gl.SliceLayout(0, o_layout))
         l = gl.convert_layout(l, gl.SliceLayout(1, o_layout))
         o = o / gl.where(l > 0, l, 1.0)[:, None]
-        at = (h0 + rows)[:, None] * s_mo_h + (col0 + cols)[None, :]
-        mask = (h0 + rows)[:, None] < heads
-        gl.store(out + at, o.to(out.dtype.element_ty), mask=mask)
+        if whole:
+            at = r.to(gl.int64) * s_f_b + (h0 + rows)[:, None] * s_f_h
+            at += (col0 + cols)[None, :]
+            mask = (h0 + rows)[:, None] < heads
+            gl.store(final + at, o.to(final.dtype.element_ty), mask=mask)
+        else:
+            block = (part + slot) * padded + h0
+            gl.store(mid_o + ((block + rows) * 512)[:, None] + (col0 + cols)[None, :], o)
+            if col0 == 0:
+                lse_rows = gl.arange(0, 64, layout=lse.type.layout)
+                gl.store(mid_lse + block + lse_rows, lse)
 
-    # counts that follow the batch, the context and the splits: one variant for all (Triton
-    # specializes an int on == 1 and on divisibility by 16), or a step compiles after ready.
-    # The output's strides stay specialized: multiples of 512 whatever the splits (`mla_decode`
-    # makes them so), and the stores vectorize only where Triton knows that (unspecialized,
-    # every element was its own store: 11 us more a launch at batch 32, H100)
+    # counts that follow the batch and the launch: one variant for all (Triton specializes an
+    # int on == 1 and on divisibility by 16), or a step compiles after ready. The output's
+    # strides stay specialized: multiples of 512 (unspecialized, every element was its own
+    # store: 11 us more a launch at batch 32, H100)
     @gluon.jit(
         do_not_specialize=[
+            "rows",
+            "programs",
+            "least",
+            "parts",
             "s_pt_b",
-            "s_ml_b",
-            "s_ml_h",
-            "min_split",
-            "num_splits",
             "s_sel_b",
             "sel_width",
         ]
@@ -340,18 +294,19 @@ if HAVE_GLUON:
         page_table,
         row_seqs,
         seq_lens,
+        final,
+        s_f_b,
+        s_f_h,
         mid_o,
         mid_lse,
+        row_meta,
+        rows,
+        programs,
+        least,
+        parts,
         s_pt_b,
-        s_mo_b,
-        s_mo_h,
-        s_mo_s,
-        s_ml_b,
-        s_ml_h,
         scale_log2,
         page_size,
-        min_split,
-        num_splits,
         cache,
         s_c_page,
         s_c_tok,
@@ -364,20 +319,15 @@ if HAVE_GLUON:
         READ: gl.constexpr,
         PDL: gl.constexpr,
     ):
-        h0 = gl.program_id(0) * BLOCK_H
-        b, split = gl.program_id(1), gl.program_id(2)
+        g, p = gl.program_id(0), gl.program_id(1)
+        h0 = g * BLOCK_H
         BLOCK_N: gl.constexpr = lat_desc.block_type.shape[1]
         if PDL:  # a dependent launch, as is the merge after it
             start_next()
             wait_previous()
-        start, end = _block_range(
-            seq_lens, b, split, min_split, num_splits, BLOCK_N, sel_width, SPARSE
-        )
-        if SPARSE:
-            sel_row = selected + b.to(gl.int64) * s_sel_b
-        else:  # nothing to read
-            sel_row: gl.constexpr = 0
-        table = page_table + gl.load(row_seqs + b).to(gl.int64) * s_pt_b
+        lens = (seq_lens, rows, sel_width)
+        run = schedule(lens, p, (programs, least, parts), row_meta, SPARSE, BLOCK_N)
+        first, lo0, last, hi0, alone = run
         dtype: gl.constexpr = lat_desc.dtype
         q_lat_s = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
         q_rope_s = gl.allocate_shared_memory(dtype, qr_desc.block_type.shape, qr_desc.layout)
@@ -391,6 +341,7 @@ if HAVE_GLUON:
         free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
         p_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
         done = gl.allocate_shared_memory(gl.int64, [1], bar)
+        l_free = gl.allocate_shared_memory(gl.int64, [1], bar)
         q_ready = gl.allocate_shared_memory(gl.int64, [1], bar)
         for i in gl.static_range(STAGES):
             # the TMA's bytes, or each of the four gathering warps' threads
@@ -398,38 +349,35 @@ if HAVE_GLUON:
             mbarrier.init(free.index(i), count=2)
             mbarrier.init(p_ready.index(i), count=1)
         mbarrier.init(done, count=1)
+        mbarrier.init(l_free, count=1)
         mbarrier.init(q_ready, count=1)
         fence_async_shared()  # the barriers, before the partitions use them
-        # the queries by TMA, while the loader brings the first blocks
-        q_bytes: gl.constexpr = q_desc.block_type.nbytes + qr_desc.block_type.nbytes
-        mbarrier.expect(q_ready, q_bytes)
-        tma_load(q_desc, [b, h0, 0], q_ready, q_lat_s)
-        tma_load(qr_desc, [b, h0, 0], q_ready, q_rope_s)
-        o_base = b.to(gl.int64) * s_mo_b + split * s_mo_s
-        lse_base = b.to(gl.int64) * s_ml_b + split
+        q_descs = (q_desc, qr_desc)
+        if first <= last:  # the first row's queries, while the loader brings its first blocks
+            _load_queries(q_descs, (q_lat_s, q_rope_s, q_ready), first, h0)
         stages = (kv_s, rope_s, alpha_s, l_s)
-        bars = (ready, free, p_ready, done)
-        out = (mid_o, mid_lse, o_base, lse_base, s_mo_h, s_ml_h, heads)
-        span = (h0, start, end, sel_row)
-        queries = (q_lat_s, q_rope_s, q_ready)
+        bars = (ready, free, p_ready, done, l_free)
+        out = (final, s_f_b, s_f_h, mid_o, mid_lse, p * 2, h0, heads)
+        rows_at = (seq_lens, row_seqs, page_table, s_pt_b, selected, s_sel_b, sel_width)
+        queries = (q_lat_s, q_rope_s, q_ready, q_descs, h0)
         if SPARSE:
-            gather = (cache, s_c_page, s_c_tok)
+            gather = ((cache, s_c_page, s_c_tok), stages, bars, rows_at, run, page_size)
             gl.warp_specialize(
                 [
-                    (_scores_half, (queries, stages, bars, out, span, scale_log2, SPARSE)),
-                    (_values_half, (stages, bars, out, span, SPARSE)),
-                    (_gather_loader, (gather, stages, bars, table, span, page_size)),
+                    (_scores_half, (queries, stages, bars, out, rows_at, run, scale_log2, True)),
+                    (_values_half, (stages, bars, out, rows_at, run, True)),
+                    (gather_loader, gather),
                 ],
                 [4, 4],
                 [192, 80],
             )
         else:
-            descs = (lat_desc, rope_desc)
+            load = ((lat_desc, rope_desc), stages, bars, rows_at, run, page_size, READ)
             gl.warp_specialize(
                 [
-                    (_scores_half, (queries, stages, bars, out, span, scale_log2, SPARSE)),
-                    (_values_half, (stages, bars, out, span, SPARSE)),
-                    (_loader, (descs, stages, bars, table, span, page_size, READ)),
+                    (_scores_half, (queries, stages, bars, out, rows_at, run, scale_log2, False)),
+                    (_values_half, (stages, bars, out, rows_at, run, False)),
+                    (tma_loader, load),
                 ],
                 [4, 1],
                 [240, 24],
@@ -456,53 +404,60 @@ def mla_decode(
     context positions (-1 for none), `seq_lens` not read. `read_blocks`
     False (dense only) times the kernel's own floor: every step but the
     blocks' copies (the output is then not attention; `bench.mla_decode`).
-    A dependent launch on Hopper (`dependent_launch`), as is the merge of
-    its splits."""
+    The batch's blocks are cut into one run a program (`mla_runs`): each
+    row in parts, or the batch's blocks evenly over one program an SM
+    (`launch_cut`, from the longest row's `max_len`); `num_splits` sets the
+    parts, `min_split` the shortest run in positions. A dependent launch on Hopper
+    (`dependent_launch`), as is the merge of the split rows."""
     batch, heads, rank = q_latent.shape
     if not batch:  # no rows: nothing to launch (TMA has no box of an empty tensor)
         return q_latent.new_empty(0, heads, rank)
     sparse = selected is not None
     assert read_blocks or not sparse, "the floor is the dense kernel's"
+    device = q_latent.device
     if sparse:
         selected = selected.contiguous()
-        max_len = selected.shape[1]
-    if num_splits is None:
-        longest = max_len or 1 << 16
-        num_splits = mla_splits(batch, heads, longest, q_latent.device, sparse)
+    groups = triton.cdiv(heads, BLOCK_H.value)
+    least = min_blocks(sparse) if min_split is None else max(1, min_split // BLOCK_N)
+    if num_splits is not None:  # each row in as many parts
+        programs, parts = batch * num_splits, num_splits
+    else:
+        longest = selected.shape[1] if sparse else max_len or 1 << 16
+        programs, parts = launch_cut(batch, heads, longest, device, sparse)
     if row_seqs is None:
-        row_seqs = torch.arange(batch, device=q_latent.device)
+        row_seqs = torch.arange(batch, device=device)
     assert q_latent.stride(-1) == 1 and q_rope.stride(-1) == 1
     assert cache.stride(-1) == 1 and page_table.stride(-1) == 1
-    f32 = dict(dtype=torch.float32, device=q_latent.device)
-    out = torch.empty(batch, heads, rank, dtype=q_latent.dtype, device=q_latent.device)
-    if num_splits == 1:  # the kernel writes the output: nothing to merge
-        mid_out, mid_lse = out.unsqueeze(2), out[:, :, :1]
-    else:
-        mid_out = torch.empty(batch, heads, num_splits, rank, **f32)
-        mid_lse = torch.empty(batch, heads, num_splits, **f32)
+    f32 = dict(dtype=torch.float32, device=device)
+    out = torch.empty(batch, heads, rank, dtype=q_latent.dtype, device=device)
+    runs = 1 if parts == 1 else programs  # one part a row: no partial outputs
+    padded = groups * BLOCK_H.value
+    mid_out = torch.empty(runs, 2, padded, rank, **f32)
+    mid_lse = torch.empty(runs, 2, padded, **f32)
+    row_meta = torch.empty(batch, 2, dtype=torch.int32, device=device)
     kind = gl.bfloat16 if cache.dtype == torch.bfloat16 else gl.float16
     queries = [_tma_ready(q) for q in (q_latent, q_rope)]
     queries = [descriptor(q, [1, BLOCK_H.value, q.shape[-1]], kind) for q in queries]
     descs = [descriptor(cache, [1, BLOCK_N, cols], kind) for cols in (512, 64)]
-    grid = (triton.cdiv(heads, BLOCK_H.value), batch, num_splits)
-    _mla_decode_kernel[grid](
+    _mla_decode_kernel[(groups, programs)](
         *queries,
         *descs,
         page_table,
         row_seqs,
         seq_lens if seq_lens is not None else selected,
+        out,
+        out.stride(0),
+        out.stride(1),
         mid_out,
         mid_lse,
+        row_meta,
+        batch,
+        programs,
+        least,
+        parts,
         page_table.stride(0),
-        mid_out.stride(0),
-        mid_out.stride(1),
-        mid_out.stride(2),
-        mid_lse.stride(0),
-        mid_lse.stride(1),
         scale * LOG2E.value,
         cache.shape[1],
-        2 * BLOCK_N if min_split is None else min_split,
-        num_splits,
         cache,
         cache.stride(0),
         cache.stride(1),
@@ -515,11 +470,18 @@ def mla_decode(
         read_blocks,
         num_warps=4,
         maxnreg=168,
-        **dependent_launch(q_latent.device),
+        **dependent_launch(device),
     )
-    if num_splits == 1:
+    if not torch.cuda.is_current_stream_capturing():
+        compile_merge(rank, out.dtype, str(device))
+    if parts == 1:  # every row whole in one run: written by the decode
         return out
-    return combine_splits(mid_out, mid_lse, out)
+    if parts:  # row b's part s in run b * parts + s, slot 0: the merge of equal splits
+        split = (batch, parts, 2, padded)
+        mid_out = mid_out.view(*split, rank)[:, :, 0, :heads].transpose(1, 2)
+        mid_lse = mid_lse.view(*split)[:, :, 0, :heads].transpose(1, 2)
+        return combine_splits(mid_out, mid_lse, out)
+    return merge_runs(mid_out, mid_lse, row_meta, out)
 
 
 def _tma_ready(x: torch.Tensor) -> torch.Tensor:

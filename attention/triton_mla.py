@@ -222,7 +222,7 @@ def _store_split(MidO, MidLse, heads, cols, written, s_mo_h, s_ml_h, m, l, acc):
     tl.store(MidLse + heads * s_ml_h, lse, mask=written)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_ml_b", "s_ml_h", "s_ml_s"])
 def _combine_kernel(
     MidO,
     MidLse,
@@ -232,6 +232,7 @@ def _combine_kernel(
     s_mo_s,
     s_ml_b,
     s_ml_h,
+    s_ml_s,
     s_o_b,
     s_o_h,
     R: tl.constexpr,
@@ -242,12 +243,14 @@ def _combine_kernel(
     """Out = the splits' outputs weighted by softmax(lse); the [splits, R] partial outputs are read
     CHUNK splits at a time, so many splits do not spill registers. NUM_SPLITS stays a
     compile-time value (an unrolled loop overlaps the chunks' loads: batch 1 at 32k took 32
-    against 38 us with a runtime count, H200), so `compile_every_split_count` compiles each."""
+    against 38 us with a runtime count, H200), so `compile_every_split_count` compiles each.
+    The log-sum-exps' strides are not specialized: `gluon_mla`'s partials (a split's one run
+    slot apart) take the variant this module's contiguous ones compile."""
     b, h = tl.program_id(0), tl.program_id(1)
     follow(PDL)  # a dependent launch: the splits' kernel may still be running
     r = tl.arange(0, R)
     lse_row = MidLse + b * s_ml_b + h * s_ml_h
-    lse = tl.load(lse_row + tl.arange(0, NUM_SPLITS))
+    lse = tl.load(lse_row + tl.arange(0, NUM_SPLITS) * s_ml_s)
     top = tl.max(lse, 0)
     # empty splits (-inf) weigh nothing; a row no split saw a position of
     # (a sparse row selecting none) is zeros, as one split writes it
@@ -257,7 +260,7 @@ def _combine_kernel(
     out = tl.zeros([R], tl.float32)
     for c in tl.static_range(0, NUM_SPLITS, CHUNK):
         splits = c + tl.arange(0, CHUNK)
-        weights = tl.exp(tl.load(lse_row + splits) - top) / total
+        weights = tl.exp(tl.load(lse_row + splits * s_ml_s) - top) / total
         parts = tl.load(MidO + b * s_mo_b + h * s_mo_h + splits[:, None] * s_mo_s + r[None, :])
         out += tl.sum(parts * weights[:, None], 0)
     tl.store(Out + b * s_o_b + h * s_o_h + r, out.to(Out.dtype.element_ty))
@@ -500,6 +503,7 @@ def _launch_combine(mid_out, mid_lse, out) -> None:
         mid_out.stride(2),
         mid_lse.stride(0),
         mid_lse.stride(1),
+        mid_lse.stride(2),
         out.stride(0),
         out.stride(1),
         R=rank,

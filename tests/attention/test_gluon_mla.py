@@ -88,6 +88,37 @@ def test_matches_the_reference(heads, page_size, splits, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="a Hopper GPU")
+@pytest.mark.parametrize(
+    "rows,length,uniform",
+    [(64, 1024, True), (40, 8192, True), (32, 2048, True), (100, 700, False), (3, 8000, False)],
+)
+def test_the_launch_cut_matches_the_reference(rows, length, uniform):
+    """The default launch (`mla_runs.launch_cut`, H100): a program a row
+    (64 rows of 1k), every row in halves (32 of 2k), the even cut across
+    rows (40 of 8k; 100 rows of many lengths), a few long rows in 16
+    parts."""
+    seq_lens = [
+        length if uniform else 1 + (length * (i * 7 + 3)) % length // (1 + i % 3)
+        for i in range(rows)
+    ]
+    q_latent, q_rope, cache, table, lens = case(
+        heads=128,
+        rank=512,
+        rope=64,
+        page_size=64,
+        seq_lens=seq_lens,
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
+    ours = gluon_mla.mla_decode(
+        q_latent, q_rope, cache, table.long(), lens.long(), 0.07, max_len=max(seq_lens)
+    ).float()
+    ref = reference(q_latent, q_rope, cache, table, lens, 0.07).float()
+    assert (ours - ref).abs().max() / ref.abs().max() < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="a Hopper GPU")
 def test_rows_that_share_a_sequence():
     """Speculative verification's rows: several query rows read one
     sequence's pages up to their own lengths."""
