@@ -64,9 +64,15 @@ def launch_cut(batch: int, heads: int, max_len: int, device, gathered: bool) -> 
     `mla_splits`' parts (rows end on runs' ends; one part: no merge), unless
     the even cut is more than 5% faster by a model of the rounds
     (`cut_costs`): at 128 heads and 8k the parts left SMs idle at batch
-    40-56 and 80-112 (H100, session 41)."""
+    40-56 and 80-112, and sparse rows at batch 70-140 (H100, session 41).
+    Not where one head group reads at the memory's bandwidth (up to 64
+    heads, dense): there a later round's few programs still read at the
+    memory's rate, and the even cut's merges made it 6-8% slower (16 and 64
+    heads at 8k, batch 40-100)."""
     props = torch.cuda.get_device_properties(device)
     parts = mla_splits(batch, heads, max_len, device, gathered)
+    if heads <= MLA_HEADS and not gathered:
+        return batch * parts, parts
     blocks = max(1, -(-max_len // BLOCK_TOKENS))
     shape = (batch, -(-heads // MLA_HEADS), blocks, min_blocks(gathered))
     by_rows, even = cut_costs(shape, parts, props.multi_processor_count)

@@ -218,6 +218,33 @@ def test_a_dependent_launch_reads_what_the_launch_before_wrote(sparse, monkeypat
         assert torch.equal(out, ordinary)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="a Hopper GPU")
+def test_selected_positions_cut_evenly_match_the_reference():
+    """80 sparse rows (GLM-5's 64 heads) take the even cut of their blocks
+    (`mla_runs.launch_cut`): a run holds parts of several rows."""
+    from dserve.attention import mla_runs
+
+    rows, context, top = 80, 4096, 2048
+    assert mla_runs.launch_cut(rows, 64, top, torch.device("cuda"), True)[1] == 0
+    q_latent, q_rope, cache, table, _ = case(
+        heads=64,
+        rank=512,
+        rope=64,
+        page_size=64,
+        seq_lens=[context] * rows,
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
+    gen = torch.Generator().manual_seed(2)
+    picks = torch.stack([torch.randperm(context, generator=gen)[:top] for _ in range(rows)])
+    picks[::3, top // 2 :] = -1  # some rows select fewer
+    selected = picks.cuda()
+    ours = gluon_mla.mla_decode(q_latent, q_rope, cache, table, None, 0.07, selected=selected)
+    ref = selected_reference(q_latent, q_rope, cache, table, selected, 0.07)
+    assert (ours.float() - ref).abs().max() / ref.abs().max() < 2e-2
+
+
 def selected_reference(q_latent, q_rope, cache, table, selected, scale):
     """Absorbed MLA over each row's selected positions (-1: none)."""
     out, page_size = [], cache.shape[1]

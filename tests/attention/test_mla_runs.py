@@ -61,6 +61,11 @@ class H100:
         (32, 64, 2048, True, False),  # sparse: every row as wide as the selection
         (128, 64, 2048, True, False),
         (1, 64, 2048, True, False),
+        (80, 64, 2048, True, True),  # sparse, 80 programs: the even cut
+        (140, 64, 2048, True, True),
+        (40, 16, 8192, False, False),  # one head group, dense: reads at the memory's rate
+        (80, 64, 8192, False, False),
+        (20, 128, 8192, False, True),
     ],
 )
 def test_the_even_cut_where_parts_leave_sms_idle(
@@ -69,7 +74,9 @@ def test_the_even_cut_where_parts_leave_sms_idle(
     """The cut a launch takes (H100): rows in parts where they fill the
     SMs' rounds, the even cut where its one round is more than 5% shorter
     (the cases session 41 measured at 128 heads and 8k: 52-72% of the
-    copy bandwidth in parts at batch 40-112, 70-79% cut evenly)."""
+    copy bandwidth in parts at batch 40-112, 70-79% cut evenly; sparse
+    batch 140 200 -> 170 us), never for one dense head group (16 and 64
+    heads: 6-8% slower cut evenly)."""
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: H100())
     programs, parts = mla_runs.launch_cut(batch, heads, max_len, "cuda", gathered)
     assert (parts == 0) == even
