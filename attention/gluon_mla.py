@@ -472,7 +472,7 @@ def mla_decode(
         maxnreg=168,
         **dependent_launch(device),
     )
-    if not torch.cuda.is_current_stream_capturing():
+    if out.is_cuda and not torch.cuda.is_current_stream_capturing():
         compile_merge(rank, out.dtype, str(device))
     if parts == 1:  # every row whole in one run: written by the decode
         return out
