@@ -407,8 +407,8 @@ def mla_decode(
     The batch's blocks are cut into one run a program (`mla_runs`): each
     row in parts, or the batch's blocks evenly over one program an SM
     (`launch_cut`, from the longest row's `max_len`); `num_splits` sets the
-    parts, `min_split` the shortest run in positions. A dependent launch on Hopper
-    (`dependent_launch`), as is the merge of the split rows."""
+    parts, `min_split` the shortest run in positions. A dependent launch
+    on Hopper (`dependent_launch`), as is the merge of the split rows."""
     batch, heads, rank = q_latent.shape
     if not batch:  # no rows: nothing to launch (TMA has no box of an empty tensor)
         return q_latent.new_empty(0, heads, rank)

@@ -1,24 +1,27 @@
-"""The Gluon MLA decode's schedule: every row's blocks laid end to end and
-cut into one equal run a program, as FlashMLA's tile scheduler splits a
-batch; and the merge of the rows that more than one run holds a part of.
+"""What each program of the Gluon MLA decode reads (its run), and the
+merge of the rows that more than one run holds a part of.
 
-Before (session 41's notes): each row's context was cut into the same
-power-of-two count of splits, a program a split, so the programs filled
-the SMs in whole rounds or left them idle: at 128 heads and 8k, batch 40
-ran at 52% of the copy bandwidth (80 programs on 132 SMs; batch 64 at
-78%), batch 80 at 64%. Here a launch has one program an SM for each head
-group, each reading the same number of blocks whatever the batch.
+Two cuts of a batch (`launch_cut` picks one per launch):
+- each row in equal parts, a program a part (`launch_shapes.mla_splits`'
+  count, as before session 41); rows end on runs' ends, and one part a row
+  needs no merge;
+- every row's blocks laid end to end and cut into one equal run a program,
+  one program an SM for each head group (FlashMLA's tile scheduler): a
+  run may hold the end of one row, whole rows and the start of another.
+  Parts came in whole rounds of programs or left SMs idle: at 128 heads
+  and 8k, batch 40 ran at 52% of the copy bandwidth (80 programs on 132
+  SMs), batch 80 at 64%; cut evenly 69% and 75% (H100, session 41).
 
-A run (`schedule`, in the kernel) is [x, x + per) of the batch's blocks,
-`per` = the blocks over the programs (at least `min_blocks`); its part of
-a row is a segment. A segment that is its whole row writes the row's
-output itself; the others write a partial output (normalised, float32)
-and its log-sum-exp into the program's slot 0 (its run's first segment)
-or 1 (its last), and `merge_runs` combines each split row's partials. The
-program that holds a row's first block notes for the merge how many runs
-the row spans and which slot its first partial is in (`row_meta`).
-A row has at least one block (an empty row: one block of no position,
-zeros). `runs_reference` is the same cut in torch, for the tests.
+A run's part of a row is a segment. A segment that is its whole row writes
+the row's output itself (unless the row is in parts, whose merge reads
+every part); the others write a partial output (normalised, float32) and
+its log-sum-exp into the program's slot 0 (its run's first segment) or 1
+(its last). Parts merge by `triton_mla.combine_splits`, the even cut's
+split rows by `merge_runs`, from what the program holding a row's first
+block notes (`row_meta`: how many runs the row spans, the slot of its
+first). A row has at least one block (an empty row: one block of no
+position, zeros). `runs_reference` is the even cut in Python, for the
+tests.
 """
 
 from __future__ import annotations
@@ -134,10 +137,11 @@ if HAVE_GLUON:
     def schedule(lens, p, runs, row_meta, SPARSE: gl.constexpr, BLOCK_N: gl.constexpr):
         """Program p's run: (its first row, that row's first block, its last
         row, the block after that row's last, whether a whole row's segment
-        writes the row's output); no rows (last < first) when it has none. `lens` = (seq_lens, rows, width), `runs` = (programs,
-        least blocks a run, parts a row or 0 for the even cut). Writes
-        `row_meta` for the rows whose first block is in the run: [the runs
-        the row spans, p * 2 + the slot of its part in p]."""
+        writes the row's output); no rows (last < first) when it has none.
+        `lens` = (seq_lens, rows, width), `runs` = (programs, least blocks a
+        run, parts a row or 0 for the even cut). Writes `row_meta` for the
+        rows whose first block is in the run: [the runs the row spans,
+        p * 2 + the slot of its part in p]."""
         seq_lens, rows, width = lens
         programs, least, parts = runs
         even = parts == 0
