@@ -97,10 +97,8 @@ def test_the_launch_cut_matches_the_reference(rows, length, uniform):
     (64 rows of 1k), every row in halves (32 of 2k), the even cut across
     rows (40 of 8k; 100 rows of many lengths), a few long rows in 16
     parts."""
-    seq_lens = [
-        length if uniform else 1 + (length * (i * 7 + 3)) % length // (1 + i % 3)
-        for i in range(rows)
-    ]
+    # mixed rows: from half the length up to all of it
+    seq_lens = [length - (i * 977) % (length // 2) * (not uniform) for i in range(rows)]
     q_latent, q_rope, cache, table, lens = case(
         heads=128,
         rank=512,
