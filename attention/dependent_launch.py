@@ -1,6 +1,6 @@
 """Programmatic dependent launch (Hopper on): a kernel's programs start
 while the launch before it ends, and wait for its writes before they read
-anything (`follow`; Gluon's `gluon_tma.start_next` and `wait_previous`).
+anything (`follow`; Gluon kernels call its two instructions directly).
 
 Who launches so (H100): the top-k's three launches (the select at 32 x
 32k 25.7 against 27.3 us, bench/notes/session33-h100-2026-11-27.md), the

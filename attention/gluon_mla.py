@@ -75,14 +75,10 @@ if HAVE_GLUON:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     from dserve.attention.gluon_mla_loaders import gather_loader, tma_loader
-    from dserve.attention.gluon_tma import (
-        ring,
-        start_next,
-        tma_load,
-        wait_previous,
-    )
+    from dserve.attention.gluon_tma import ring, tma_load
     from dserve.attention.mla_runs import schedule, segment
 
 BLOCK_H = tl.constexpr(MLA_HEADS)  # heads a program: one warpgroup's MMA rows
@@ -323,8 +319,8 @@ if HAVE_GLUON:
         h0 = g * BLOCK_H
         BLOCK_N: gl.constexpr = lat_desc.block_type.shape[1]
         if PDL:  # a dependent launch, as is the merge after it
-            start_next()
-            wait_previous()
+            gdc_launch_dependents()
+            gdc_wait()
         lens = (seq_lens, rows, sel_width)
         run = schedule(lens, p, (programs, least, parts), row_meta, SPARSE, BLOCK_N)
         first, lo0, last, hi0, alone = run

@@ -1,8 +1,9 @@
 """What the Hopper Gluon kernels (`gluon_mla`, `gluon_indexer`) share:
 Triton's Gluon (`HAVE_GLUON` is False on a Triton without it), TMA
 descriptors and the check that TMA can read a tensor, the stage rings
-the loaders fill, the loaders' page-table reads a group of blocks
-ahead, and the dependent launch's wait and trigger (`dependent_launch`).
+the loaders fill, and the loaders' page-table reads a group of blocks
+ahead. (The dependent launch's wait and trigger are Triton's own
+`gdc_wait` / `gdc_launch_dependents`, which Gluon kernels call too.)
 """
 
 from __future__ import annotations
@@ -74,23 +75,3 @@ if HAVE_GLUON:
         if j == 31:
             pages = ahead
         return page, pages, ahead
-
-    @gluon.jit
-    def wait_previous():
-        """Dependent launch: wait until the launch before has finished (its
-        writes visible to this grid)."""
-        gl.inline_asm_elementwise(
-            "griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-        )
-
-    @gluon.jit
-    def start_next():
-        """Dependent launch: let the next launch start its programs."""
-        gl.inline_asm_elementwise(
-            "griddepcontrol.launch_dependents; // dummy $0",
-            "=r",
-            [],
-            dtype=gl.int32,
-            is_pure=False,
-            pack=1,
-        )

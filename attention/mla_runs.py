@@ -173,7 +173,7 @@ if HAVE_GLUON:
             slot = gl.where(starts == x, 0, 1)
             gl.store(row_meta + r * 2, spans, mask=mine)
             gl.store(row_meta + r * 2 + 1, p * 2 + slot, mask=mine)
-        b, lo, b_last, hi = _row_part(lens, p, (least, parts), row_meta, SPARSE, BLOCK_N)
+        b, lo, b_last, hi = _row_part(lens, p, (least, parts), SPARSE, BLOCK_N)
         first = gl.where(even, first, b)
         last = gl.where(even, last, b_last)
         # a whole row's segment writes its output, but for parts of a row,
@@ -183,14 +183,14 @@ if HAVE_GLUON:
         return first, lo, last, gl.where(even, e - below_e, hi), alone
 
     @gluon.jit
-    def _row_part(lens, p, cut, row_meta, SPARSE: gl.constexpr, BLOCK_N: gl.constexpr):
+    def _row_part(lens, p, cut, SPARSE: gl.constexpr, BLOCK_N: gl.constexpr):
         """`schedule` with each row in `parts` equal parts (at least `least`
         blocks), a program a part: row p // parts, part p % parts (every
-        part written, as the merge of equal splits reads them all)."""
+        part written, as the merge of equal splits reads them all; it
+        needs no `row_meta`)."""
         seq_lens, rows, width = lens
         least, parts = cut
-        split = parts > 0  # else the even cut's: nothing written here
-        parts = gl.maximum(parts, 1)
+        parts = gl.maximum(parts, 1)  # 0: the even cut's, not used
         b, part = p // parts, p % parts
         if SPARSE:
             seq_len = width
@@ -200,9 +200,6 @@ if HAVE_GLUON:
         per = gl.maximum(gl.cdiv(blocks, parts), least)
         lo = part * per
         hi = gl.minimum(lo + per, blocks)
-        if split & (part == 0) & (b < rows):
-            gl.store(row_meta + b * 2, gl.cdiv(blocks, per))
-            gl.store(row_meta + b * 2 + 1, p * 2)
         # a part past the row's end is a segment of no block: its partial is
         # zeros with a log-sum-exp of -inf, which the merge weighs as nothing
         return b, lo, gl.where(b >= rows, b - 1, b), hi
