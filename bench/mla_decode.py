@@ -10,7 +10,9 @@ as a CUDA graph replay (the kernels' GPU time, as in a captured decode step). `-
 parameters, or a list of them to compare; the table then shows each setting's registers and spills.
 `--backend gluon` times the warp-specialized Hopper kernel (`dserve.attention.gluon_mla`;
 `--tune '{"num_splits": 2}'`). `--backend flashinfer` times FlashInfer's MLA decode (`BatchMLAPagedAttentionWrapper`) on the same
-cases instead, for the same table.
+cases instead, for the same table; `--backend flashmla` FlashMLA's (DeepSeek's Hopper kernel, its dense
+bf16 decode as SGLang's wheel `sgl-flash-mla` keeps it, `use_legacy=True`; the wheel serves torch
+2.10+ by its README though its metadata asks for 2.14: install it with `--no-deps`).
 
 `--roofs` adds both limits a case is held against, each measured in the run: the copy's time for
 the case's bytes ("copy ms") and the tensor cores' for its products at a large bf16 matmul's
@@ -66,6 +68,24 @@ def flashinfer_seconds(q_latent, q_rope, cache, table, lens, page_size: int, rep
         return median_seconds(run, repeats)
 
 
+def flashmla_seconds(q_latent, q_rope, cache, table, lens, repeats: int) -> float:
+    """One FlashMLA dense decode over the same cache (its queries' 576
+    columns in one tensor, as it takes them), its split schedule made by a
+    first call outside the timed graph, as SGLang plans it once a batch."""
+    from flash_mla import flash_mla_with_kvcache, get_mla_metadata
+
+    batch, heads = q_latent.shape[:2]
+    q = torch.cat([q_latent, q_rope], -1).view(batch, 1, heads, -1)
+    pages, page_size, width = cache.shape
+    kv = cache.view(pages, page_size, 1, width)
+    meta, _ = get_mla_metadata()
+    run = lambda: flash_mla_with_kvcache(  # noqa: E731
+        q, kv, table, lens, q_latent.shape[-1], meta, softmax_scale=0.07, use_legacy=True
+    )
+    run()  # the schedule
+    return graph_seconds(run, repeats)
+
+
 def run_case(
     batch: int,
     context: int,
@@ -93,11 +113,16 @@ def run_case(
     q_rope = torch.randn(batch, heads, rope, device="cuda", dtype=torch.bfloat16)
     if backend == "flashinfer":
         seconds = flashinfer_seconds(q_latent, q_rope, cache, table, lens, page_size, repeats)
+    elif backend == "flashmla":
+        seconds = flashmla_seconds(q_latent, q_rope, cache, table, lens, repeats)
     else:
         from dserve.attention import gluon_mla
 
         decode = gluon_mla.mla_decode if backend == "gluon" else mla_decode
         call = (q_latent, q_rope, cache, table, lens, 0.07)
+        # each row's page-table row, as the engine passes its batch's
+        # (else the wrapper launches an arange inside the timed graph)
+        tune = {"row_seqs": torch.arange(batch, device="cuda"), **tune}
         seconds = graph_seconds(lambda: decode(*call, max_len=context, **tune), repeats)
         if with_floor:  # the same launch, no block read
             unread = lambda: decode(*call, max_len=context, read_blocks=False, **tune)
@@ -163,10 +188,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--backend",
-        choices=["triton", "gluon", "flashinfer"],
+        choices=["triton", "gluon", "flashinfer", "flashmla"],
         default="triton",
         help="whose MLA decode kernel: ours (triton; gluon: the warp-specialized Hopper kernel, "
-        "attention/gluon_mla.py) or FlashInfer's BatchMLAPagedAttentionWrapper",
+        "attention/gluon_mla.py), FlashInfer's BatchMLAPagedAttentionWrapper or FlashMLA's "
+        "dense decode (sgl-flash-mla)",
     )
     parser.add_argument(
         "--roofs",
