@@ -99,18 +99,7 @@ def test_the_launch_cut_matches_the_reference(rows, length, uniform):
     parts."""
     # mixed rows: from half the length up to all of it
     seq_lens = [length - (i * 977) % (length // 2) * (not uniform) for i in range(rows)]
-    q_latent, q_rope, cache, table, lens = case(
-        heads=128,
-        rank=512,
-        rope=64,
-        page_size=64,
-        seq_lens=seq_lens,
-        dtype=torch.bfloat16,
-        device="cuda",
-    )
-    ours = gluon_mla.mla_decode(
-        q_latent, q_rope, cache, table.long(), lens.long(), 0.07, max_len=max(seq_lens)
-    ).float()
+    q_latent, q_rope, cache, table, lens, ours = _decoded(128, seq_lens)
     ref = reference(q_latent, q_rope, cache, table, lens, 0.07).float()
     assert (ours - ref).abs().max() / ref.abs().max() < 2e-2
 
@@ -304,18 +293,7 @@ def test_as_close_to_the_reference_as_flashmla(heads, seq_lens):
     rounding of its output and no further from the reference (rows of
     many lengths in parts, 40 rows of 8k cut evenly)."""
     flash_mla = pytest.importorskip("flash_mla")
-    q_latent, q_rope, cache, table, lens = case(
-        heads=heads,
-        rank=512,
-        rope=64,
-        page_size=64,
-        seq_lens=seq_lens,
-        dtype=torch.bfloat16,
-        device="cuda",
-    )
-    ours = gluon_mla.mla_decode(
-        q_latent, q_rope, cache, table.long(), lens.long(), 0.07, max_len=max(seq_lens)
-    ).float()
+    q_latent, q_rope, cache, table, lens, ours = _decoded(heads, seq_lens)
     batch = len(seq_lens)
     q = torch.cat([q_latent, q_rope], -1).view(batch, 1, heads, 576)
     pages = cache.contiguous().view(cache.shape[0], 64, 1, 576)
@@ -329,3 +307,22 @@ def test_as_close_to_the_reference_as_flashmla(heads, seq_lens):
     assert (ours - theirs).abs().max() / top < 1e-2
     error = (ours - ref).abs().max() / top
     assert error <= 1.5 * (theirs - ref).abs().max() / top + 1e-3
+
+
+def _decoded(heads: int, seq_lens: list[int]):
+    """A bf16 case of pages of 64 (`case`) and its Gluon decode at the
+    default launch (scale 0.07), as float32: the case's five tensors and
+    the output."""
+    q_latent, q_rope, cache, table, lens = case(
+        heads=heads,
+        rank=512,
+        rope=64,
+        page_size=64,
+        seq_lens=seq_lens,
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
+    ours = gluon_mla.mla_decode(
+        q_latent, q_rope, cache, table.long(), lens.long(), 0.07, max_len=max(seq_lens)
+    ).float()
+    return q_latent, q_rope, cache, table, lens, ours
