@@ -131,8 +131,7 @@ if HAVE_GLUON:
         n = 0
         for r in range(first, last + 1):
             seg_i = r - first
-            start, end, table, sel_row, whole = segment(rows_at, run, r, SPARSE, BLOCK_N)
-            blocks = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+            start, end, blocks, table, sel_row, whole = segment(rows_at, run, r, SPARSE, BLOCK_N)
             m = gl.full([64], float("-inf"), gl.float32, rows_s)
             l = gl.zeros([64], gl.float32, rows_s)
             o = gl.zeros([64, 256], gl.float32, o_layout)
@@ -203,8 +202,7 @@ if HAVE_GLUON:
         n = 0
         for r in range(first, last + 1):
             seg_i = r - first
-            start, end, table, sel_row, whole = segment(rows_at, run, r, SPARSE, BLOCK_N)
-            blocks = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+            start, end, blocks, table, sel_row, whole = segment(rows_at, run, r, SPARSE, BLOCK_N)
             o = gl.zeros([64, 256], gl.float32, o_layout)
             for k in range(blocks):
                 i = n + k

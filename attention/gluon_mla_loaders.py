@@ -35,8 +35,7 @@ if HAVE_GLUON:
         first, lo0, last, hi0, alone = run
         n = 0  # blocks before this segment: the stages' count goes on
         for r in range(first, last + 1):
-            start, end, table, sel_row, whole = segment(rows_at, run, r, False, BLOCK_N)
-            blocks = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+            start, end, blocks, table, sel_row, whole = segment(rows_at, run, r, False, BLOCK_N)
             seg = (table, start, blocks, page_size)
             pages = block_pages(seg, 0, BLOCK_N)
             ahead = pages
@@ -71,8 +70,7 @@ if HAVE_GLUON:
         first, lo0, last, hi0, alone = run
         n = 0
         for r in range(first, last + 1):
-            start, end, table, sel_row, whole = segment(rows_at, run, r, True, BLOCK_N)
-            blocks = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+            start, end, blocks, table, sel_row, whole = segment(rows_at, run, r, True, BLOCK_N)
             for k in range(blocks):
                 i = n + k
                 s = i % STAGES

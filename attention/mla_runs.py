@@ -207,9 +207,9 @@ if HAVE_GLUON:
     @gluon.jit
     def segment(rows_at, run, r, SPARSE: gl.constexpr, BLOCK_N: gl.constexpr):
         """Row r's segment of this program's run (`run`: `schedule`'s five
-        values): [start, end) of its positions, its page-table row, its
-        selection (sparse), and whether it writes the row's output (a whole
-        row, where the run may)."""
+        values): [start, end) of its positions, its blocks of them, its
+        page-table row, its selection (sparse), and whether it writes the
+        row's output (a whole row, where the run may)."""
         seq_lens, row_seqs, page_table, s_pt_b, selected, s_sel_b, width = rows_at
         first, lo0, last, hi0, alone = run
         if SPARSE:
@@ -222,8 +222,9 @@ if HAVE_GLUON:
         lo = gl.where(r == first, lo0, 0)
         hi = gl.where(r == last, hi0, blocks)
         table = page_table + gl.load(row_seqs + r).to(gl.int64) * s_pt_b
-        end = gl.minimum(hi * BLOCK_N, seq_len)
-        return lo * BLOCK_N, end, table, sel_row, alone & (lo == 0) & (hi == blocks)
+        start, end = lo * BLOCK_N, gl.minimum(hi * BLOCK_N, seq_len)
+        count = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)  # none: an empty row
+        return start, end, count, table, sel_row, alone & (lo == 0) & (hi == blocks)
 
 
 @triton.jit

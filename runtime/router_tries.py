@@ -195,9 +195,9 @@ class PairTries:
     async def _sent(self, ask: Ask, pair: tuple[Backend, Backend]) -> Failure | None:
         """Once the try's two requests have left (on a kept connection each task writes its
         request on its first step: one turn of the loop; a new connection is still being made),
-        the body's check if it is still to run (`Ask.check`): a bad body fails the try. The check's time so overlaps the instances' own reading of the
-        body instead of delaying it (0.17 ms of the router's 0.8 on the way in at 1k tokens,
-        H100 host)."""
+        the body's check if it is still to run (`Ask.check`): a bad body fails the try. The
+        check's time so overlaps the instances' own reading of the body instead of delaying it
+        (0.17 ms of the router's 0.8 on the way in at 1k tokens, H100 host)."""
         await asyncio.sleep(0)
         bad = ask.check()
         if bad is None:
