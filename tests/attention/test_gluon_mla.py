@@ -65,14 +65,8 @@ def test_matches_the_reference(heads, page_size, splits, dtype):
     the Triton kernel; 64 splits leave the short contexts' later splits
     empty; one split writes the output itself; heads that do not fill a
     program's 64 (16, 8, 96) are padded and only theirs stored."""
-    q_latent, q_rope, cache, table, lens = case(
-        heads=heads,
-        rank=512,
-        rope=64,
-        page_size=page_size,
-        seq_lens=LENS,
-        dtype=dtype,
-        device="cuda",
+    q_latent, q_rope, cache, table, lens = latent_case(
+        heads, LENS, page_size=page_size, dtype=dtype
     )
     scale = 192**-0.5
     # the engine's page tables and lengths are int64
@@ -109,15 +103,7 @@ def test_the_launch_cut_matches_the_reference(rows, length, uniform):
 def test_rows_that_share_a_sequence():
     """Speculative verification's rows: several query rows read one
     sequence's pages up to their own lengths."""
-    q_latent, q_rope, cache, table, lens = case(
-        heads=128,
-        rank=512,
-        rope=64,
-        page_size=64,
-        seq_lens=[300, 1000],
-        dtype=torch.bfloat16,
-        device="cuda",
-    )
+    q_latent, q_rope, cache, table, lens = latent_case(128, [300, 1000])
     row_seqs = torch.tensor([0, 0, 1, 1, 1], device="cuda")
     row_lens = torch.tensor([299, 300, 998, 999, 1000], device="cuda", dtype=torch.int32)
     q_l, q_r = q_latent[row_seqs].contiguous(), q_rope[row_seqs].contiguous()
@@ -161,15 +147,7 @@ def test_a_dependent_launch_reads_what_the_launch_before_wrote(sparse, monkeypat
     from dserve.attention.dependent_launch import dependent_launch
 
     assert dependent_launch(torch.device("cuda"))["PDL"]
-    q_latent, q_rope, cache, table, lens = case(
-        heads=64 if sparse else 128,
-        rank=512,
-        rope=64,
-        page_size=64,
-        seq_lens=LENS,
-        dtype=torch.bfloat16,
-        device="cuda",
-    )
+    q_latent, q_rope, cache, table, lens = latent_case(64 if sparse else 128, LENS)
     table, lens = table.long(), lens.long()
     last = lens - 1  # each sequence's newest row
     slots = (table.gather(1, (last // 64)[:, None])[:, 0], last % 64)
@@ -214,15 +192,7 @@ def test_selected_positions_cut_evenly_match_the_reference():
 
     rows, context, top = 80, 4096, 2048
     assert mla_runs.launch_cut(rows, 64, top, torch.device("cuda"), True)[1] == 0
-    q_latent, q_rope, cache, table, _ = case(
-        heads=64,
-        rank=512,
-        rope=64,
-        page_size=64,
-        seq_lens=[context] * rows,
-        dtype=torch.bfloat16,
-        device="cuda",
-    )
+    q_latent, q_rope, cache, table, _ = latent_case(64, [context] * rows)
     gen = torch.Generator().manual_seed(2)
     picks = torch.stack([torch.randperm(context, generator=gen)[:top] for _ in range(rows)])
     picks[::3, top // 2 :] = -1  # some rows select fewer
@@ -252,15 +222,7 @@ def test_selected_positions_match_the_reference(top, splits):
     at the end (fewer positions than the top-k), whole splits of them."""
     gen = torch.Generator().manual_seed(3)
     rows, context, page_size = 5, 8192, 64
-    q_latent, q_rope, cache, table, _ = case(
-        heads=64,
-        rank=512,
-        rope=64,
-        page_size=page_size,
-        seq_lens=[context] * rows,
-        dtype=torch.bfloat16,
-        device="cuda",
-    )
+    q_latent, q_rope, cache, table, _ = latent_case(64, [context] * rows, page_size=page_size)
     picks = [torch.randperm(context, generator=gen)[:top] for _ in range(rows)]
     selected = torch.stack(picks).cuda()
     selected[0, :7] = -1
@@ -309,19 +271,25 @@ def test_as_close_to_the_reference_as_flashmla(heads, seq_lens):
     assert error <= 1.5 * (theirs - ref).abs().max() / top + 1e-3
 
 
-def _decoded(heads: int, seq_lens: list[int]):
-    """A bf16 case of pages of 64 (`case`) and its Gluon decode at the
-    default launch (scale 0.07), as float32: the case's five tensors and
-    the output."""
-    q_latent, q_rope, cache, table, lens = case(
+def latent_case(heads, seq_lens, page_size=64, dtype=torch.bfloat16):
+    """`case` at the MLA latent's shapes (512 + 64) on the GPU: queries,
+    rope queries, the paged cache, its page table and the lengths."""
+    return case(
         heads=heads,
         rank=512,
         rope=64,
-        page_size=64,
+        page_size=page_size,
         seq_lens=seq_lens,
-        dtype=torch.bfloat16,
+        dtype=dtype,
         device="cuda",
     )
+
+
+def _decoded(heads: int, seq_lens: list[int]):
+    """A bf16 case of pages of 64 (`latent_case`) and its Gluon decode at the
+    default launch (scale 0.07), as float32: the case's five tensors and
+    the output."""
+    q_latent, q_rope, cache, table, lens = latent_case(heads, seq_lens)
     ours = gluon_mla.mla_decode(
         q_latent, q_rope, cache, table.long(), lens.long(), 0.07, max_len=max(seq_lens)
     ).float()
