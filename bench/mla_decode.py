@@ -68,24 +68,6 @@ def flashinfer_seconds(q_latent, q_rope, cache, table, lens, page_size: int, rep
         return median_seconds(run, repeats)
 
 
-def flashmla_seconds(q_latent, q_rope, cache, table, lens, repeats: int) -> float:
-    """One FlashMLA dense decode over the same cache (its queries' 576
-    columns in one tensor, as it takes them), its split schedule made by a
-    first call outside the timed graph, as SGLang plans it once a batch."""
-    from flash_mla import flash_mla_with_kvcache, get_mla_metadata
-
-    batch, heads = q_latent.shape[:2]
-    q = torch.cat([q_latent, q_rope], -1).view(batch, 1, heads, -1)
-    pages, page_size, width = cache.shape
-    kv = cache.view(pages, page_size, 1, width)
-    meta, _ = get_mla_metadata()
-    run = lambda: flash_mla_with_kvcache(  # noqa: E731
-        q, kv, table, lens, q_latent.shape[-1], meta, softmax_scale=0.07, use_legacy=True
-    )
-    run()  # the schedule
-    return graph_seconds(run, repeats)
-
-
 def run_case(
     batch: int,
     context: int,
@@ -114,7 +96,9 @@ def run_case(
     if backend == "flashinfer":
         seconds = flashinfer_seconds(q_latent, q_rope, cache, table, lens, page_size, repeats)
     elif backend == "flashmla":
-        seconds = flashmla_seconds(q_latent, q_rope, cache, table, lens, repeats)
+        from bench.flashmla import dense_seconds
+
+        seconds = dense_seconds(q_latent, q_rope, cache, table, lens, repeats)
     else:
         from dserve.attention import gluon_mla
 

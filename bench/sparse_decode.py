@@ -19,7 +19,10 @@ the same run. Both MLA decodes are the triton backend's (Gluon's kernel on Hoppe
 `--triton-mla`: the Triton kernel's). Beside the backend's scores: the Triton kernel's and,
 with FP8 keys on Hopper, the Gluon kernel's with 16-bit and with FP8 queries. `same` says
 whether our top-k chose torch's set in every row (random scores: no ties). The issue's goal at 32k: the sparse step <= 0.25x the dense
-one, within 2x of its roofline. Prints a table and writes JSON.
+one, within 2x of its roofline. `--flashmla`: FlashMLA's sparse kernels beside our sparse MLA,
+over the same selections (`bench.flashmla`: `fm16` its bf16 kernel on the same cache, `fm8` its
+FP8 decode over DeepSeek-V3.2's 656-byte layout), with the rooflines of the selected rows'
+bytes (`mla roof` bf16, `fp8 roof`). Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import os
 import torch
 
 from bench.cuda_timing import copy_bandwidth, graph_seconds
+from bench.flashmla import FP8_TOKEN_BYTES
 
 HEADS, RANK, ROPE, PAGE = 64, 512, 64, 64
 INDEX_HEADS, INDEX_DIM, TOPK = 32, 128, 2048
@@ -115,6 +119,7 @@ def scores_part(c: dict, context: int, kernel: str = "backend") -> torch.Tensor:
 NAN = float("nan")  # a column this case has not (Gluon's scores: FP8 keys, Hopper)
 TOP_LAUNCH = {"chunk": None, "block": 2048, "num_warps": 4}  # `--topk-*`
 MLA_LAUNCH: dict = {}  # `--mla-launch`: mla_decode's keyword arguments (else its defaults)
+FLASHMLA = False  # `--flashmla`: FlashMLA's sparse kernels beside our sparse MLA
 TRITON_MLA = False  # `--triton-mla` (or `--mla-launch`): the Triton MLA kernels, not Gluon's
 SCORES_LAUNCH: dict = {}  # `--scores-launch`: indexer_scores' block_n, num_warps
 
@@ -158,6 +163,20 @@ def sparse_step(c: dict, context: int) -> torch.Tensor:
     return sparse_mla_part(c, top_part(c, scores_part(c, context)))
 
 
+def flashmla_parts(c: dict, chosen: torch.Tensor) -> dict:
+    """FlashMLA's two sparse kernels over `chosen`, callables by name."""
+    from bench import flashmla
+
+    slots = flashmla.pool_slots(c["table"], c["rows"], chosen, PAGE)
+    q = torch.cat([c["q_latent"], c["q_rope"]], -1)
+    kv_fp8 = flashmla.fp8_cache(c["cache"])
+    fp8 = flashmla.sparse_fp8_decode(q, kv_fp8, slots, 0.07)
+    return {
+        "fm16_ms": lambda: flashmla.sparse_bf16(q, c["cache"], slots, 0.07),
+        "fm8_ms": fp8,
+    }
+
+
 def same_sets(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two selections hold the same positions in every row."""
     return torch.equal(a.sort(-1).values, b.sort(-1).values)
@@ -188,9 +207,19 @@ def row(batch: int, context: int, repeats: int, copy: float, fp8_keys: bool) -> 
     if gluon_indexer.supported(c["q_index"], c["keys"], c["key_scales"]):
         times["gluon_scores_ms"] = lambda: scores_part(c, context, "gluon16")
         times["gluon8_scores_ms"] = lambda: scores_part(c, context, "gluon8")
+    if FLASHMLA:
+        peers = flashmla_parts(c, chosen)
+        ours = sparse_mla_part(c, chosen).float()
+        for name, fn in peers.items():  # how far each is from our output
+            diff = (fn().float() - ours).abs().max() / ours.abs().max()
+            r[name.replace("_ms", "_diff")] = diff.item()
+        times.update(peers)
     for name, fn in times.items():
         r[name] = graph_seconds(fn, repeats) * 1e3
-    nbytes = batch * (context * key_bytes + min(TOPK, context) * (RANK + ROPE) * 2)
+    picked = batch * min(TOPK, context)
+    nbytes = batch * context * key_bytes + picked * (RANK + ROPE) * 2
+    r["mla_roof_ms"] = picked * (RANK + ROPE) * 2 / copy * 1e3
+    r["fp8_roof_ms"] = picked * FP8_TOKEN_BYTES / copy * 1e3
     c.clear()  # the pools go before the next case's
     torch.cuda.empty_cache()
     r["sparse_over_dense"] = r["sparse_ms"] / r["dense_ms"]
@@ -215,6 +244,10 @@ COLUMNS = [
     ("torch_top_ms", "torch", "{:>8.3f}"),
     ("sorted_top_ms", "sorted", "{:>8.3f}"),
     ("mla_ms", "mla", "{:>8.3f}"),
+    ("mla_roof_ms", "mla roof", "{:>8.3f}"),
+    ("fm16_ms", "fm16", "{:>8.3f}"),
+    ("fm8_ms", "fm8", "{:>8.3f}"),
+    ("fp8_roof_ms", "fp8 roof", "{:>8.3f}"),
     ("same", "same", "{!s:>5}"),
 ]
 
@@ -243,12 +276,18 @@ def main() -> None:
     parser.add_argument(
         "--scores-launch", type=json.loads, default={}, help="the indexer scores', as JSON"
     )
+    parser.add_argument(
+        "--flashmla",
+        action="store_true",
+        help="FlashMLA's sparse kernels (the sgl-flash-mla wheel) beside our sparse MLA",
+    )
     parser.add_argument("--out", default="bench/results/sparse_decode.json")
     args = parser.parse_args()
     TOP_LAUNCH.update(chunk=args.topk_chunk, block=args.topk_block, num_warps=args.topk_warps)
     MLA_LAUNCH.update(args.mla_launch)
-    global TRITON_MLA
+    global TRITON_MLA, FLASHMLA
     TRITON_MLA = args.triton_mla or bool(MLA_LAUNCH)
+    FLASHMLA = args.flashmla
     SCORES_LAUNCH.update(args.scores_launch)
     copy = copy_bandwidth()
     rows = []
@@ -263,7 +302,7 @@ def main() -> None:
     with open(args.out, "w") as f:
         meta = {"device": torch.cuda.get_device_name(), "copy_gb_s": copy / 1e9}
         meta.update(fp8_keys=args.fp8_keys, topk_launch=TOP_LAUNCH, mla_launch=MLA_LAUNCH)
-        meta.update(scores_launch=SCORES_LAUNCH, triton_mla=TRITON_MLA)
+        meta.update(scores_launch=SCORES_LAUNCH, triton_mla=TRITON_MLA, flashmla=FLASHMLA)
         json.dump({**meta, "rows": rows}, f, indent=2)
     print(f"wrote {args.out}")
 

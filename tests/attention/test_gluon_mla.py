@@ -271,6 +271,35 @@ def test_as_close_to_the_reference_as_flashmla(heads, seq_lens):
     assert error <= 1.5 * (theirs - ref).abs().max() / top + 1e-3
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="a Hopper GPU")
+def test_selected_as_close_to_the_reference_as_flashmla():
+    """FlashMLA's bf16 sparse kernel (SGLang's `flashmla_sparse`, the
+    peer in `bench.sparse_decode --flashmla`) over the same selected
+    positions of GLM-5's 64 heads: ours within bf16 rounding of its output
+    and no further from the reference (one row with -1 holes)."""
+    pytest.importorskip("flash_mla")
+    from bench.flashmla import pool_slots, sparse_bf16
+
+    gen = torch.Generator().manual_seed(5)
+    rows, context = 6, 8192
+    q_latent, q_rope, cache, table, _ = latent_case(64, [context] * rows)
+    picks = [torch.randperm(context, generator=gen)[:2048] for _ in range(rows)]
+    selected = torch.stack(picks).cuda()
+    selected[1, -100:] = -1
+    ours = gluon_mla.mla_decode(
+        q_latent, q_rope, cache, table.long(), None, 0.07, selected=selected
+    ).float()
+    slots = pool_slots(table, torch.arange(rows, device="cuda"), selected, 64)
+    q = torch.cat([q_latent, q_rope], -1)
+    theirs = sparse_bf16(q, cache.contiguous(), slots, 0.07).float()
+    ref = selected_reference(q_latent, q_rope, cache, table, selected, 0.07)
+    top = ref.abs().max()
+    assert (ours - theirs).abs().max() / top < 1e-2
+    error = (ours - ref).abs().max() / top
+    assert error <= 1.5 * (theirs - ref).abs().max() / top + 1e-3
+
+
 def latent_case(heads, seq_lens, page_size=64, dtype=torch.bfloat16):
     """`case` at the MLA latent's shapes (512 + 64) on the GPU: queries,
     rope queries, the paged cache, its page table and the lengths."""
