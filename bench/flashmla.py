@@ -23,21 +23,33 @@ TILE = 128  # the FP8 cache's columns a float32 scale covers
 FP8_TOKEN_BYTES = 512 + 4 * 4 + 64 * 2  # e4m3 latents, 4 scales, bf16 rope
 
 
-def dense_seconds(q_latent, q_rope, cache, table, lens, repeats: int) -> float:
-    """One FlashMLA dense decode over the same cache (its queries' 576
-    columns in one tensor, as it takes them), its split schedule made by a
-    first call outside the timed graph, as SGLang plans it once a batch."""
+def dense_decode(q_latent, q_rope, cache, table, lens, scale: float):
+    """FlashMLA's dense decode over the same pages, a callable: q_latent
+    [B, H, 512] and q_rope [B, H, 64] (in one tensor of 576 columns, as it
+    takes them), `cache` [pages, page size, 576] (copied where it is not
+    contiguous), `lens` int32 -> [B, H, 512]. Its split schedule is made
+    by a first call, outside any graph, as SGLang plans it once a batch."""
     from flash_mla import flash_mla_with_kvcache, get_mla_metadata
 
-    batch, heads = q_latent.shape[:2]
+    batch, heads, rank = q_latent.shape
     q = torch.cat([q_latent, q_rope], -1).view(batch, 1, heads, -1)
     pages, page_size, width = cache.shape
-    kv = cache.view(pages, page_size, 1, width)
+    kv = cache.contiguous().view(pages, page_size, 1, width)
     meta, _ = get_mla_metadata()
-    run = lambda: flash_mla_with_kvcache(  # noqa: E731
-        q, kv, table, lens, q_latent.shape[-1], meta, softmax_scale=0.07, use_legacy=True
-    )
-    run()  # the schedule
+
+    def run() -> torch.Tensor:
+        out, _ = flash_mla_with_kvcache(
+            q, kv, table, lens, rank, meta, softmax_scale=scale, use_legacy=True
+        )
+        return out.view(batch, heads, rank)
+
+    run()
+    return run
+
+
+def dense_seconds(q_latent, q_rope, cache, table, lens, repeats: int) -> float:
+    """`dense_decode`'s time (scale 0.07), as a CUDA graph replay."""
+    run = dense_decode(q_latent, q_rope, cache, table, lens, 0.07)
     return graph_seconds(run, repeats)
 
 

@@ -217,8 +217,9 @@ def row(batch: int, context: int, repeats: int, copy: float, fp8_keys: bool) -> 
     for name, fn in times.items():
         r[name] = graph_seconds(fn, repeats) * 1e3
     picked = batch * min(TOPK, context)
-    nbytes = batch * context * key_bytes + picked * (RANK + ROPE) * 2
-    r["mla_roof_ms"] = picked * (RANK + ROPE) * 2 / copy * 1e3
+    latent_bytes = picked * (RANK + ROPE) * 2
+    nbytes = batch * context * key_bytes + latent_bytes
+    r["mla_roof_ms"] = latent_bytes / copy * 1e3
     r["fp8_roof_ms"] = picked * FP8_TOKEN_BYTES / copy * 1e3
     c.clear()  # the pools go before the next case's
     torch.cuda.empty_cache()

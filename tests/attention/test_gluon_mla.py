@@ -254,16 +254,11 @@ def test_as_close_to_the_reference_as_flashmla(heads, seq_lens):
     `sgl-flash-mla` wheel keeps it) on the same pages: ours within bf16
     rounding of its output and no further from the reference (rows of
     many lengths in parts, 40 rows of 8k cut evenly)."""
-    flash_mla = pytest.importorskip("flash_mla")
+    pytest.importorskip("flash_mla")
+    from bench.flashmla import dense_decode
+
     q_latent, q_rope, cache, table, lens, ours = _decoded(heads, seq_lens)
-    batch = len(seq_lens)
-    q = torch.cat([q_latent, q_rope], -1).view(batch, 1, heads, 576)
-    pages = cache.contiguous().view(cache.shape[0], 64, 1, 576)
-    meta, _ = flash_mla.get_mla_metadata()
-    theirs, _ = flash_mla.flash_mla_with_kvcache(
-        q, pages, table, lens.int(), 512, meta, softmax_scale=0.07, use_legacy=True
-    )
-    theirs = theirs.view(batch, heads, 512).float()
+    theirs = dense_decode(q_latent, q_rope, cache, table, lens.int(), 0.07)().float()
     ref = reference(q_latent, q_rope, cache, table, lens, 0.07).float()
     assert_as_close_as_flashmla(ours, theirs, ref)
 
