@@ -50,11 +50,21 @@ def test_parallel_greedy_matches_single_rank_and_transformers(
     check_parallel_parity(tiny_dir(arch_name), make_engine, SHAPES[shape], device="cpu")
 
 
+# every shape of both MoE models, and sparse attention (GLM-5's indexer, DeepSeek-V3.2's) split
+GPU_CASES = [(a, s) for a in ("deepseek_v3", "glm4_moe") for s in SHAPES] + [
+    ("glm_moe_dsa", "tp2"),
+    ("deepseek_v32", "tp2-dp2"),
+]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
-@pytest.mark.parametrize("shape", ["tp2", "tp2-dp2", "ep2"])
-@pytest.mark.parametrize("arch_name", ["deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("arch_name,shape", GPU_CASES, ids=[f"{a}-{s}" for a, s in GPU_CASES])
 def test_parallel_greedy_on_gpus_with_nccl(tiny_dir, make_engine, arch_name, shape):
+    """Each shape on as many GPUs as it has ranks (tp4-dp2: four), CUDA graphs on."""
+    ranks = SHAPES[shape]["tp_size"]
+    if torch.cuda.device_count() < ranks:
+        pytest.skip(f"{shape} needs {ranks} GPUs")
     check_parallel_parity(tiny_dir(arch_name), make_engine, SHAPES[shape], device="cuda")
 
 

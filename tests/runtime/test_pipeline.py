@@ -95,12 +95,17 @@ def test_bad_pipeline_settings_fail_before_loading(kwargs, message, tiny_dir):
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)"
 )
+@pytest.mark.parametrize("shape", ["pp2", "pp2-tp2"])
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
-def test_stages_on_gpus_with_nccl(arch, tiny_dir, make_engine):
-    """pp 2 on two GPUs (hidden states over NCCL), float32: transformers' tokens; with MTP the
-    same tokens (the draft on the second GPU)."""
-    path = tiny_dir(arch, mtp=True)
-    kwargs = dict(device="cuda", dtype="float32", max_total_tokens=4096, pp_size=2)
+def test_stages_on_gpus_with_nccl(arch, shape, tiny_dir, make_engine):
+    """pp 2 on two GPUs (hidden states over NCCL), and pp 2 x tp 2 on four, float32:
+    transformers' tokens; with MTP the same tokens (the draft on the last stage's GPUs)."""
+    layers, shape_kwargs = SHAPES[shape]
+    ranks = shape_kwargs["pp_size"] * shape_kwargs.get("tp_size", 1)
+    if torch.cuda.device_count() < ranks:
+        pytest.skip(f"{shape} needs {ranks} GPUs")
+    path = tiny_dir(arch, layers=layers, mtp=True)
+    kwargs = dict(device="cuda", dtype="float32", max_total_tokens=4096, **shape_kwargs)
     prompts = random_prompts(4, 512, [5, 23, 40, 17], seed=41)
     plain = make_engine(path, **kwargs).generate(input_ids=prompts, sampling_params=GREEDY)
     for prompt, result in zip(prompts, plain):
