@@ -5,9 +5,11 @@ decode` + `dserve router`) on the same device(s), per prompt length, and their r
     python -m bench.pd_overhead [--lengths 1024,4096,16384] [--requests 8] [--output-len 32]
                                 [--model-path DIR | --layers 4 --experts 32] [--device cuda]
                                 [--prefill-env CUDA_VISIBLE_DEVICES=0 --decode-env ...=1]
-                                [--server-args '...' --router-args '...']
+                                [--server-args='...' --router-args='...']
                                 [--pd-modes shared,whole] [--colocated-runs 2] [--starts 3]
 
+`--server-args` and `--router-args` take one string of flags; write it after `=` when it starts
+with `--` (`--server-args=--no-kv-streaming`), or argparse reads it as a flag of its own.
 `--interleave` starts them all at once and sends each prompt to each in turn (the GPU's drift
 then weighs on every mode alike; all instances must fit the device together).
 `--direct-prefill` also sends each pair's prefill a request of its own (a new prompt, the fields
@@ -42,7 +44,6 @@ import os
 import random
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -51,7 +52,8 @@ import urllib.request
 
 import aiohttp
 
-from bench.serving import one, percentiles
+from bench.pd_marks import summary, timeline_table
+from bench.serving import one
 
 
 def free_port() -> int:
@@ -218,107 +220,6 @@ async def prefill_first_token(session, client, ids: list[int], rng) -> dict:
     return {"start": start, "ttft": ttft, "itl": [], "meta": None, "error": error}
 
 
-def summary(results: list[dict]) -> dict:
-    outside = [x for x in map(outside_s, results) if x is not None]
-    inbound = [x for x in map(inbound_s, results) if x is not None]
-    return {
-        "ttft_s": percentiles([r["ttft"] for r in results]),
-        "outside_s": percentiles(outside) if outside else {},
-        "inbound_s": percentiles(inbound) if inbound else {},
-        "itl_s": percentiles([x for r in results for x in r["itl"]]),
-        "second_s": percentiles([r["ttft"] + r["itl"][0] for r in results if r["itl"]]),
-        "timeline_ms": median_marks(results),
-    }
-
-
-MARKS = (  # pd_timeline_ms (and the client's own) in the order a request meets them
-    "client_sent",
-    "prefill_arrival",
-    "registered",
-    "prefill_registered",
-    "prefill_computed",
-    "prefill_push",
-    "pages_arrived",
-    "received",
-    "joined",
-    "published",
-    "sent",
-    "client_first",
-)
-
-
-def timeline_of(result: dict) -> dict | None:
-    """A disaggregated request's `pd_timeline_ms` (ms after the decode got it) with the client's
-    marks: when it sent the request and had the first token (on the decode's clock, this host's
-    `perf_counter`: the answer's `arrival_s`); None for a colocated instance."""
-    meta = result["meta"] or {}
-    line = meta.get("pd_timeline_ms")
-    if not line:
-        return None
-    line, arrival = dict(line), meta.get("arrival_s")
-    if arrival is not None and abs(result["start"] - arrival) < 60:
-        line["client_sent"] = (result["start"] - arrival) * 1e3
-        line["client_first"] = (result["start"] + result["ttft"] - arrival) * 1e3
-    return line
-
-
-def outside_s(result: dict) -> float | None:
-    """The part of a request's TTFT outside the instance that computed its first token (the
-    client's and the router's HTTP hops, the instance's parsing): the client's TTFT less that
-    instance's time from the request's creation (`Request.arrival_time`) to its first token:
-    colocated, the answer's `ttft`; a pair, the prefill's arrival to its computed first
-    token (`pd_timeline_ms`)."""
-    meta, ttft = result["meta"] or {}, result["ttft"]
-    marks = meta.get("pd_timeline_ms")
-    if marks:
-        if "prefill_computed" not in marks:
-            return None
-        return ttft - (marks["prefill_computed"] - marks.get("prefill_arrival", 0)) / 1e3
-    return ttft - meta["ttft"] if meta.get("ttft") is not None else None
-
-
-def inbound_s(result: dict) -> float | None:
-    """The first part of `outside_s`: from the client's send to the arrival of the instance
-    that computed the first token (the answer's `arrival_s`; a pair's: the decode's, moved by
-    its prefill's `prefill_arrival` mark), on this host's clock; None without them."""
-    meta = result["meta"] or {}
-    arrival, marks = meta.get("arrival_s"), meta.get("pd_timeline_ms")
-    if arrival is None or abs(result["start"] - arrival) > 60:
-        return None  # no arrival, or the instance's clock is another host's
-    if marks:
-        if "prefill_arrival" not in marks:
-            return None
-        arrival += marks["prefill_arrival"] / 1e3
-    return arrival - result["start"]
-
-
-def median_marks(results: list[dict]) -> dict:
-    """Per mark (`timeline_of`), the median over the requests; {} for a colocated instance."""
-    lines = [x for x in map(timeline_of, results) if x]
-    keys = [k for k in MARKS if lines and all(k in x for x in lines)]
-    return {k: statistics.median(x[k] for x in lines) for k in keys}
-
-
-def timeline_table(results: dict, lengths: list[int], mode: str) -> None:
-    """Where a disaggregated request's time to first token goes: a row per mark, with the
-    step from the mark before (with shared streams the client's first token comes before the
-    pages arrive at the decode: it came from the prefill)."""
-    print(
-        f"disaggregated ({mode}), ms after the decode instance got the request (median; the "
-        "step from the mark above):"
-    )
-    print(f"{'mark':>20} " + " ".join(f"{n:>16}" for n in lengths))
-    lines = [results[mode][n]["timeline_ms"] for n in lengths]
-    for i, k in enumerate(MARKS):
-        cells = []
-        for marks in lines:
-            value = marks.get(k, float("nan"))
-            before = marks.get(MARKS[i - 1], float("nan")) if i else float("nan")
-            step = f"({value - before:+.2f})" if i and value == value and before == before else ""
-            cells.append(f"{value:>8.2f} {step:>7}")
-        print(f"{k:>20} " + " ".join(f"{c:>16}" for c in cells))
-
-
 def model_flags(args) -> list[str]:
     if args.model_path:
         path, dummy = args.model_path, []
@@ -336,8 +237,8 @@ def model_flags(args) -> list[str]:
 def table(rows: list[dict]) -> None:
     """TTFT, its p99, ITL, the time to the second token ("2nd": with shared streams the
     first token comes from the prefill, the second still waits for the KV transfer), the
-    part of the TTFT outside the instance that computed the first token ("out", `outside_s`)
-    and the first part of that, before the instance had the request ("in", `inbound_s`)."""
+    part of the TTFT outside the instance that computed the first token ("out", `pd_marks.outside_s`)
+    and the first part of that, before the instance had the request ("in", `pd_marks.inbound_s`)."""
     head = ("pd", "len", "TTFT co", "TTFT pd", "ratio", "p99 co", "p99 pd", "ITL co", "ITL pd")
     head += ("2nd co", "2nd pd", "out co", "out pd", "in co", "in pd")
     widths = (6, 6, 8, 8, 6, 8, 8, 7, 7, 7, 7, 6, 6, 6, 6)
