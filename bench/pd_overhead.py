@@ -11,7 +11,7 @@ decode` + `dserve router`) on the same device(s), per prompt length, and their r
 `--server-args` and `--router-args` take one string of flags; write it after `=` when it starts
 with `--` (`--server-args=--no-kv-streaming`), or argparse reads it as a flag of its own.
 `--interleave` starts them all at once and sends each prompt to each in turn (the GPU's drift
-then weighs on every mode alike; all instances must fit the device together).
+then weighs on every mode alike; all instances must fit their devices together).
 `--direct-prefill` also sends each pair's prefill a request of its own (a new prompt, the fields
 its router adds, no decode to meet) and times its first token: the pair's TTFT without the router
 and the decode, printed beside the pair's.
