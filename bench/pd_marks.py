@@ -12,6 +12,9 @@ from bench.serving import percentiles
 
 
 def summary(results: list[dict]) -> dict:
+    """One served mode's requests at one length: percentiles of the TTFT, of its part outside
+    the instance and of that part's inbound half, of the ITL and of the second token's time, and
+    the pair's median timeline."""
     outside = [x for x in map(outside_s, results) if x is not None]
     inbound = [x for x in map(inbound_s, results) if x is not None]
     return {
