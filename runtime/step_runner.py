@@ -59,6 +59,10 @@ class HostCopy:
             self.event = torch.cuda.Event()
             self.event.record()
 
+    def done(self) -> bool:
+        """Whether the tensors are on the host (never waits)."""
+        return self.event is None or self.event.query()
+
     def wait(self) -> list[torch.Tensor | None]:
         if self.event is not None:
             self.event.synchronize()
@@ -183,6 +187,12 @@ class StepRunner:
             self._speculate(plan, pending, logits[:n], logits[n:])
         pending.static_passes = self.runner.static_passes - static_before
         return pending
+
+    def ready(self, pending: PendingStep) -> bool:
+        """Whether `finish(pending)` would return without waiting for the device."""
+        if any(not work.is_completed() for work, _ in pending.sends):
+            return False
+        return pending.copy is None or pending.resolved or pending.copy.done()
 
     def finish(self, pending: PendingStep) -> StepResult | None:
         """The step's result (waits for its tokens to reach the host); None on a pipeline stage

@@ -1,15 +1,19 @@
-"""Steps run on the ranks: under TP 2 only plans and tokens cross the pipes (no logits), and
-sampling with seeds, penalties and logprobs gives what one rank gives."""
+"""Steps run on the ranks: under TP 2 only plans and tokens cross the pipes (no logits),
+sampling with seeds, penalties and logprobs gives what one rank gives, and a rank answers a
+step whose tokens are on the host before it launches the next plan."""
 
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing as mp
 import pickle
+import threading
 
 import pytest
 import torch
 
-from dserve.step.plan import StepPlan, StepResult
+from dserve.runtime.worker import run_steps
+from dserve.step.plan import GroupPlan, Settle, StepPlan, StepResult
 from tests.conftest import random_prompts
 
 MIXED = [
@@ -105,3 +109,63 @@ def test_sampling_under_tp2_equals_one_rank(shape, tiny_dir, make_engine):
         assert token == want_token and lp == pytest.approx(want, abs=1e-4)
     for top, want in zip(ours["output_top_logprobs"], theirs["output_top_logprobs"]):
         assert [t for t, _ in top] == [t for t, _ in want]
+
+
+class RecordedSteps:
+    """`run_steps`' side of a `StepRunner`, recording the order of its calls; a step's
+    tokens are on the host once the test says so (`on_host`)."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+        self.on_host: set[int] = set()
+
+    def launch(self, plan: StepPlan) -> int:
+        self.calls.append(f"launch {plan.step}")
+        return plan.step
+
+    def ready(self, step: int) -> bool:
+        return step in self.on_host
+
+    def finish(self, step: int) -> StepResult:
+        self.calls.append(f"finish {step}")
+        return StepResult(step, [])
+
+
+def test_a_held_result_is_answered_once_on_the_host():
+    """Overlapped plans: the rank holds a step's result (the device runs it while the front
+    reads the one before) and answers it as soon as its tokens are on the host, without
+    waiting for the next plan; when the next plan comes first, it launches that plan, then
+    answers (the device keeps a step queued). Answers leave in step order."""
+    front, rank = mp.Pipe()
+    steps = RecordedSteps()
+    loop = threading.Thread(target=run_steps, args=(steps, rank, True), daemon=True)
+    loop.start()
+
+    def send(message):
+        front.send_bytes(pickle.dumps(message))
+
+    def plan(step):
+        send(StepPlan(step, [GroupPlan()], overlaps=True))
+
+    plan(1)
+    assert not front.poll(0.2), "held while its tokens are on the device"
+    steps.on_host.add(1)
+    assert front.poll(2) and front.recv()[1].step == 1  # no plan needed
+    plan(2)
+    plan(3)  # before step 2's tokens reach the host
+    assert front.recv()[1].step == 2
+    steps.on_host.add(3)
+    assert front.recv()[1].step == 3
+    send(Settle())  # nothing left to answer
+    send(None)
+    loop.join(timeout=5)
+    assert not loop.is_alive()
+    assert not front.poll(0.1), "one answer a step"
+    assert steps.calls == [
+        "launch 1",
+        "finish 1",  # on the host while the rank waited
+        "launch 2",
+        "launch 3",
+        "finish 2",  # plan 3 came first
+        "finish 3",
+    ]
