@@ -1,6 +1,7 @@
 """Steps run on the ranks: under TP 2 only plans and tokens cross the pipes (no logits),
 sampling with seeds, penalties and logprobs gives what one rank gives, and a rank answers a
-step whose tokens are on the host before it launches the next plan."""
+held step as soon as its tokens are on the host, launching first only a plan that comes before
+them."""
 
 from __future__ import annotations
 
