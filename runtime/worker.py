@@ -156,8 +156,10 @@ def run_steps(steps, conn, leader: bool) -> None:
     next plan, or after that plan's launch if the plan comes first (the device then always has
     a step queued). So the front never waits for the rank's launch to read a result that was
     ready before it: their host work no longer adds up where it, not the device, sets the pace
-    (a 4-layer model at TP 2, batch 128, 2x H200: 7.2 -> 5.7 ms a step; at batch 32 2.6 ->
-    2.8, not yet explained: session 47's notes). Answers leave in step order."""
+    (a 4-layer model at TP 2, 2x H200, runs in both orders: batch 32 3.5-3.6 -> 2.9-3.1 ms a
+    step, batch 128 8.1-9.7 -> 5.3-6.0; launching first when a plan finds a step ready gave
+    3.4 and 6.4-6.6: bench/notes/session48-h200x2-2026-11-28.md). Answers leave in step
+    order."""
     from dserve.runtime.executor import result_digest
     from dserve.step.plan import StepPlan
 
