@@ -92,20 +92,7 @@ class CausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         """Hidden states after the final norm for every new token of the batch, [T, hidden]."""
-        return self.forward_with_aux(batch, backend, ())[0]
-
-    def forward_with_aux(
-        self,
-        batch: ForwardBatch,
-        backend: AttentionBackend,
-        aux_layers: tuple[int, ...],
-        hidden: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The final hidden states, and the outputs of layers `aux_layers` (-1: the embedding)
-        side by side, [T, len(aux_layers) * hidden] (None when none are asked for)."""
-        hidden, outputs = self.run_layers(batch, backend, aux_layers, hidden)
-        aux = torch.cat([outputs[i] for i in aux_layers], dim=-1) if aux_layers else None
-        return hidden, aux
+        return self.run_layers(batch, backend, ())[0]
 
     def run_layers(
         self,

@@ -38,6 +38,12 @@ graphs keep beside the KV pool, and `output_bytes` counts them before the pool i
 are captured at start, largest first, into one memory pool: a capture's temporaries die with it and
 the next capture reuses their memory.
 
+A pipeline stage captures its own layers the same way: a stage after the first copies what the
+previous stage sent into a static input before the replay (pad rows keep earlier rows' states:
+their tokens write only the scratch page and reach no expert), and a stage before the last sends
+a copy of its static output (the next pass reuses the buffer while the send may still read it).
+The sends and receives stay outside the graphs; the last stage's LM head runs as without stages.
+
 On a CPU (tests under the Triton interpreter) nothing is captured: the same static buffers,
 padding and row selection run eagerly, so the CPU suite checks all but the capture.
 """
@@ -109,6 +115,8 @@ def output_widths(runner, hidden_width: int | None) -> dict[str, tuple[int, torc
     dtype = runner.config.torch_dtype
     if hidden_width is not None:  # draft passes: the draft's hidden states
         return {"hidden": (runner.draft.cfg.hidden_size, dtype)}
+    if not runner.ctx.stage.last:  # what the next stage receives
+        return {"hidden": (runner.stage_output_width(), dtype)}
     cfg = runner.model_config
     if runner.config.speculative_naive:  # the target's logits, the draft's hidden states
         return {
@@ -121,9 +129,21 @@ def output_widths(runner, hidden_width: int | None) -> dict[str, tuple[int, torc
     return widths
 
 
+def received_width(runner, hidden_width: int | None) -> int | None:
+    """The row width of a set's static input from the previous pipeline stage: the target's
+    passes on a stage after the first (None elsewhere)."""
+    if hidden_width is not None or runner.ctx.stage.first:
+        return None
+    return runner.stage_input_width()
+
+
 def output_bytes(runner, max_tokens: int, hidden_width: int | None) -> int:
-    """What a set's shared outputs take: counted before the KV pool is sized."""
-    widths = output_widths(runner, hidden_width).values()
+    """What a set's shared buffers take (its outputs, and a later stage's input): counted
+    before the KV pool is sized."""
+    widths = list(output_widths(runner, hidden_width).values())
+    received = received_width(runner, hidden_width)
+    if received is not None:
+        widths.append((received, runner.config.torch_dtype))
     return sum(max_tokens * w * torch.empty((), dtype=d).element_size() for w, d in widths)
 
 
@@ -154,6 +174,7 @@ class StaticSteps:
         sparse = runner.index_pool is not None
         self.contexts = context_buckets(self.max_context, sparse)
         self.fused = runner.config.speculative_naive and hidden_width is None
+        self.fused = self.fused and runner.draft is not None  # the last stage's
         if hidden_width is not None:
             self.backends = [runner.draft_backend]
         else:
@@ -172,9 +193,13 @@ class StaticSteps:
             name: torch.zeros(most, width, dtype=dtype, device=self.device)
             for name, (width, dtype) in output_widths(runner, hidden_width).items()
         }
+        dtype = runner.config.torch_dtype
         if hidden_width is not None:  # the draft's input states, gathered before each replay
-            dtype = runner.config.torch_dtype
             self.hidden = torch.zeros(most, hidden_width, dtype=dtype, device=self.device)
+        self.received = None  # a later stage: what the previous one sent, copied in
+        width = received_width(runner, hidden_width)
+        if width is not None:
+            self.received = torch.zeros(most, width, dtype=dtype, device=self.device)
         pad = dict(out_slots=self.scratch_slot, token_ctx_lens=1, from_target=-1)  # the rest 0
         self.pad = np.array([pad.get(name, 0) for name in FIELDS], dtype=np.int64)[:, None]
         self.copied = torch.cuda.Event() if pinned else None  # the host buffer is free again
@@ -239,12 +264,13 @@ class StaticSteps:
         if self.hidden_width is not None:
             out["hidden"][:n].copy_(self.runner.draft_layers(batch, self.hidden[:n]))
             return
+        received = None if self.received is None else self.received[:n]
         if self.fused:
-            logits, draft_hidden, _ = self.runner.fused_layers(batch)
+            logits, draft_hidden, _ = self.runner.fused_layers(batch, received)
             out["logits"][:n].copy_(logits)
             out["hidden"][:n].copy_(draft_hidden)
             return
-        hidden, feed = self.runner.target_layers(batch)
+        hidden, feed = self.runner.target_layers(batch, received)
         out["hidden"][:n].copy_(hidden)
         if "feed" in out:
             out["feed"][:n].copy_(feed)
@@ -284,10 +310,12 @@ class StaticSteps:
         return graph
 
     def run(
-        self, batch: ForwardBatch, bucket: tuple[int, int]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, batch: ForwardBatch, bucket: tuple[int, int], received: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logits at the batch's rows, hidden states at every padded row) of one pass padded to
-        the `bucket`'s tokens; a draft pass reads `states` rows named by `batch.hidden_rows`."""
+        the `bucket`'s tokens; a draft pass reads `states` rows named by `batch.hidden_rows`. A
+        pipeline stage: `received` is what the previous stage sent (its batch's rows); before the
+        last stage, (what the next one receives, None)."""
         n, context = bucket
         if self.copied is not None:
             self.copied.synchronize()  # the last pass's copy has left the pinned buffer
@@ -300,6 +328,8 @@ class StaticSteps:
         if self.hidden_width is not None and batch.num_tokens:  # padding only: nothing to read
             rows = self.ints[ROW["hidden_rows"], :n]
             torch.index_select(self.runner.last_hidden, 0, rows, out=self.hidden[:n])
+        if self.received is not None and batch.num_tokens:
+            self.received[: batch.num_tokens].copy_(received)
         if bucket in self.graphs:
             self.graphs[bucket].replay()
         else:  # the CPU: the same buffers, run eagerly
@@ -319,6 +349,8 @@ class StaticSteps:
         if self.hidden_width is not None:
             logits = runner.draft.compute_logits(out["hidden"][select])
             return logits, out["hidden"][:n]
+        if not runner.ctx.stage.last:  # a copy: the next pass writes the buffer as it is sent
+            return out["hidden"][: batch.num_tokens].clone(), None
         if not self.fused:
             logits = runner.model.compute_logits(out["hidden"][select])
             return logits, out.get("feed", out["hidden"])[:n]

@@ -137,9 +137,10 @@ def aux_layers(config: EngineConfig, num_layers: int) -> tuple[int, ...]:
 
 def uses_static_steps(config: EngineConfig) -> bool:
     """Decode-like passes from static buffers (CUDA graphs on a GPU): the triton and flashinfer
-    backends, one pipeline stage (stages run eagerly so far)."""
+    backends (a pipeline stage's too: its layers, between what it receives and what it
+    sends)."""
     backend = config.attention_backend in ("triton", "flashinfer")
-    return backend and not config.disable_cuda_graph and config.pp_size == 1
+    return backend and not config.disable_cuda_graph
 
 
 def tokens_per_seq(config: EngineConfig) -> int:
@@ -314,9 +315,18 @@ class ModelRunner:
         return parameter_bytes(self.model)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, shapes: list[PassShape] | None = None):
-        """Logits [N, vocab] (float32, on the rank's device) at the batch's `logits_rows` rows
-        (with naive speculation, the target's rows then the draft's). `shapes` are every DP
+    def forward(
+        self,
+        batch: ForwardBatch,
+        shapes: list[PassShape] | None = None,
+        received: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One pass of this rank's layers. On the last pipeline stage (every rank, without
+        stages): logits [N, vocab] (float32, on the rank's device) at the batch's `logits_rows`
+        rows (with naive speculation, the target's rows then the draft's); it keeps what a draft
+        pass reads next. On a stage before the last: what the next stage receives (its hidden
+        states, then the outputs of the draft's aux layers so far), a tensor of its own.
+        `received`: what the previous stage sent (None on the first). `shapes` are every DP
         group's parts of this pass (default: this batch alone): all ranks run the pass statically
         or all eagerly, each group padded to the same bucket."""
         shapes = shapes or [PassShape.of(batch)]
@@ -325,47 +335,28 @@ class ModelRunner:
             if steps.fused == (batch.fused_draft is not None) and self._reads(steps, draft_pass):
                 bucket = steps.bucket_for(shapes)
                 if bucket is not None:
-                    logits, feed = steps.run(batch, bucket)
+                    out, feed = steps.run(batch, bucket, received)
                     self.static_passes += 1
                     break
         else:
             if self.ctx.dp.size > 1:
                 batch.dp_num_tokens = [shape.tokens for shape in shapes]
-            logits, feed = self.run_model(batch.to(self.device))
+            out, feed = self.run_model(batch.to(self.device), received)
         if self.draft is not None:
             self.last_hidden = feed
-        return logits
-
-    @torch.inference_mode()
-    def stage_forward(self, batch: ForwardBatch, shapes: list[PassShape], received=None):
-        """One pipeline stage's part of a pass: from the token ids (first stage) or what the
-        previous stage sent (`received`: its hidden states, then the outputs of the draft's aux
-        layers so far), through this stage's layers. The last stage returns the logits at the
-        batch's rows (with naive speculation, then the draft's) and keeps what a draft pass
-        reads; the others what the next stage receives."""
-        if self.ctx.dp.size > 1:
-            batch.dp_num_tokens = [shape.tokens for shape in shapes]
-        batch = batch.to(self.device)
-        batch = replace(batch, input_ids=self.read_pending(batch.input_ids))
-        hidden, carried = self._unpack(received)
-        hidden, outputs = self.model.run_layers(batch, self.backend, self.aux_layers, hidden)
-        outputs = {**carried, **outputs}
-        aux = [outputs[i] for i in self.aux_layers if i in outputs]
-        if not self.ctx.stage.last:
-            return torch.cat([hidden, *aux], dim=-1) if aux else hidden
-        feed = torch.cat(aux, dim=-1) if aux else hidden
-        if self.draft is not None:
-            self.last_hidden = feed
-        if batch.fused_draft is None:
-            return self.model.compute_logits(hidden[batch.logits_rows])
-        logits, draft_hidden = self._fused_tail(batch, hidden, feed)
-        draft = self.draft.compute_logits(draft_hidden[batch.fused_draft.logits_rows])
-        return torch.cat([logits, draft])
+        return out
 
     def stage_input_width(self) -> int:
         """The width of what this stage receives: hidden states and the aux layers' outputs
         computed on the stages before it."""
         return self.model_config.hidden_size * (1 + len(self._carried_ids()))
+
+    def stage_output_width(self) -> int:
+        """The width of what a stage before the last sends: hidden states and the aux layers'
+        outputs computed on it and the stages before it."""
+        stop = self.ctx.stage.layer_range(self.model_config.num_hidden_layers).stop
+        sent = [i for i in self.aux_layers if i < stop]
+        return self.model_config.hidden_size * (1 + len(sent))
 
     def _carried_ids(self) -> list[int]:
         """The aux layers the stages before this one computed (in `aux_layers` order)."""
@@ -392,19 +383,27 @@ class ModelRunner:
         slots = (-ids - 1).clamp(min=0)
         return torch.where(ids >= 0, ids, self.last_token[slots])
 
-    def target_layers(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The target's final hidden states, and the states a following draft pass reads."""
-        hidden, aux = self.model.forward_with_aux(batch, self.backend, self.aux_layers)
-        return hidden, hidden if aux is None else aux
+    def target_layers(self, batch: ForwardBatch, received: torch.Tensor | None = None):
+        """This rank's layers of the target over what the previous stage sent (`received`;
+        None on the first stage). On the last stage: (the final hidden states, the states a
+        following draft pass reads); on a stage before it: (what the next stage receives,
+        None)."""
+        hidden, carried = self._unpack(received)
+        hidden, outputs = self.model.run_layers(batch, self.backend, self.aux_layers, hidden)
+        outputs = {**carried, **outputs}
+        aux = [outputs[i] for i in self.aux_layers if i in outputs]
+        if not self.ctx.stage.last:
+            return (torch.cat([hidden, *aux], dim=-1) if aux else hidden), None
+        return hidden, torch.cat(aux, dim=-1) if aux else hidden
 
     def draft_layers(self, batch: ForwardBatch, states: torch.Tensor) -> torch.Tensor:
         """The two-pass draft's hidden states over `states`, the rows its tokens read."""
         return self.draft(batch, states, self.draft_backend)
 
-    def fused_layers(self, batch: ForwardBatch):
-        """Naive speculation: (the target's logits at the batch's rows, the draft's hidden
-        states over the same tokens, and the target's feed)."""
-        hidden, feed = self.target_layers(batch)
+    def fused_layers(self, batch: ForwardBatch, received: torch.Tensor | None = None):
+        """Naive speculation, on the last stage: (the target's logits at the batch's rows, the
+        draft's hidden states over the same tokens, and the target's feed)."""
+        hidden, feed = self.target_layers(batch, received)
         return (*self._fused_tail(batch, hidden, feed), feed)
 
     def _fused_tail(self, batch: ForwardBatch, hidden, feed):
@@ -421,17 +420,20 @@ class ModelRunner:
         draft_batch = replace(batch, input_ids=ids, fused_draft=None)
         return logits, self.draft(draft_batch, feed, self.draft_backend)
 
-    def run_model(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_model(self, batch: ForwardBatch, received: torch.Tensor | None = None):
         """One eager pass of the target (or, with `hidden_rows`, the draft): its logits at the
-        batch's rows (then the fused draft's), and the hidden states a draft pass reads next."""
+        batch's rows (then the fused draft's), and the hidden states a draft pass reads next; on
+        a stage before the last, (what the next stage receives, None). `received`: `forward`'s."""
         batch = replace(batch, input_ids=self.read_pending(batch.input_ids))
         if batch.hidden_rows is not None:  # a draft pass reads the last pass's hidden states
             hidden = self.draft_layers(batch, self.last_hidden[batch.hidden_rows])
             return self.draft.compute_logits(hidden[batch.logits_rows]), hidden
         if batch.fused_draft is None:
-            hidden, feed = self.target_layers(batch)
+            hidden, feed = self.target_layers(batch, received)
+            if not self.ctx.stage.last:
+                return hidden, None
             return self.model.compute_logits(hidden[batch.logits_rows]), feed
-        logits, draft_hidden, feed = self.fused_layers(batch)
+        logits, draft_hidden, feed = self.fused_layers(batch, received)
         draft = self.draft.compute_logits(draft_hidden[batch.fused_draft.logits_rows])
         return torch.cat([logits, draft]), feed
 

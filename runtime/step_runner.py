@@ -219,7 +219,7 @@ class StepRunner:
             hidden = torch.empty(tokens, width, dtype=dtype, device=runner.device)
             if tokens:
                 dist.recv(hidden, src=stage.prev_rank)
-        out = runner.stage_forward(batch, shapes, hidden)
+        out = runner.forward(batch, shapes, hidden)
         if not stage.last and tokens:
             out = out.contiguous()
             pending.sends.append((dist.isend(out, dst=stage.next_rank), out))

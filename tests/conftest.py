@@ -137,6 +137,20 @@ def count_calls(obj, name: str) -> list:
     return calls
 
 
+def static_passes_per_step(engine) -> list[list[int]]:
+    """Wrap `engine`'s collect: per step the static passes each DP group's answering rank ran
+    (appended as the steps' results come in)."""
+    passes, collect = [], engine.executor.collect
+
+    def counted():
+        results = collect()
+        passes.append([r.static_passes for r in results])
+        return results
+
+    engine.executor.collect = counted
+    return passes
+
+
 def made_once(tmp_path_factory, name: str, make) -> tuple[str, dict]:
     """(directory, info) of `make(directory) -> info` (JSON), run once per test session: under
     pytest-xdist the first worker to ask makes it in the session's directory while the others

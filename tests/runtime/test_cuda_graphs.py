@@ -9,7 +9,7 @@ import torch
 
 from dserve.runtime import cuda_graphs
 from dserve.runtime.cuda_graphs import context_buckets, token_buckets
-from tests.conftest import count_calls, random_prompts
+from tests.conftest import count_calls, random_prompts, static_passes_per_step
 from tests.reference import hf_greedy
 
 pytest.importorskip("triton")
@@ -43,7 +43,7 @@ def test_sparse_attention_steps_run_statically_by_context_width(tiny_dir, make_e
     (static,) = engine.executor.runner.statics
     assert static.contexts[:3] == [16, 64, 256]
     used, run = [], static.run
-    static.run = lambda batch, bucket: used.append(bucket) or run(batch, bucket)
+    static.run = lambda batch, bucket, *rest: used.append(bucket) or run(batch, bucket, *rest)
     prompt = random_prompts(1, 512, [9], seed=5)[0]
     params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
     (result,) = engine.generate(input_ids=[prompt], sampling_params=params)
@@ -88,9 +88,9 @@ def test_backends_hear_each_static_pass_before_it_runs(tiny_dir, make_engine):
     def tell(tokens, ctx_lens):
         told.append((tokens, ctx_lens.tolist()))
 
-    def counted(batch, bucket):
+    def counted(batch, bucket, *rest):
         passes.append((bucket[0], batch.token_ctx_lens.tolist()))
-        return run(batch, bucket)
+        return run(batch, bucket, *rest)
 
     runner.backend.prepare_static, static.run = tell, counted
     prompts = random_prompts(3, 512, [5, 40, 13], seed=2)
@@ -147,6 +147,49 @@ def test_graph_replay_has_no_host_sync(tiny_dir):
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"], ids=["mla", "mha"])
+def test_pipeline_stages_replay_their_eager_passes(arch, tiny_dir):
+    """Two pipeline stages (three layers as 2 + 1) in one process, each with its own pool: a
+    decode pass from static buffers (a replayed CUDA graph on a GPU) gives what the eager pass
+    gives on each stage: the first stage what it sends (a tensor of its own: the next pass
+    writes the static output while a send may still read it), the last its logits from what it
+    received (copied into its static input)."""
+    from dserve.models.parallel import ParallelContext, Stage, split_layers
+    from dserve.runtime.config import EngineConfig
+    from dserve.runtime.model_runner import ModelRunner
+    from dserve.scheduler.kv_manager import KVCacheManager
+    from tests.kernel_cases import step_batch
+
+    path = tiny_dir(arch, layers=3)
+    layers = split_layers(3, 2, [2, 1])
+
+    def runner(stage: int, static: bool) -> ModelRunner:
+        kw = dict(cuda_graph_max_bs=8) if static else dict(disable_cuda_graph=True)
+        config = EngineConfig(path, load_progress=False, attention_backend="triton", **EXACT, **kw)
+        return ModelRunner(config, ParallelContext(stage=Stage(stage, 2, layers[stage])))
+
+    first, last = [runner(0, s) for s in (False, True)], [runner(1, s) for s in (False, True)]
+    kv = KVCacheManager(first[1].num_pages, 4, False)
+    for eager, graphed in (first, last):  # the same random context in both pools
+        context = torch.randn(eager.pool.pages.shape, generator=torch.Generator().manual_seed(0))
+        eager.pool.pages.copy_(context)
+        graphed.pool.pages[: graphed.num_pages].copy_(context)
+    batch, other = step_batch(kv, 5, 30, 1), step_batch(kv, 3, 30, 1)
+    sent = [runner.forward(batch) for runner in first]
+    kept = sent[1].clone()
+    first[1].forward(other)  # the next pass: the same static output buffer
+    logits = [runner.forward(batch, received=sent[0]) for runner in last]
+    assert [r.static_passes for r in first + last] == [0, 2, 0, 1]
+    assert sent[1].shape == sent[0].shape == (5, first[0].stage_output_width())
+    assert torch.equal(sent[1], kept)
+    # GEMMs of 8 padded rows may round differently
+    assert torch.allclose(sent[1], sent[0], atol=1e-4, rtol=1e-4)
+    assert logits[1].shape == logits[0].shape == (5, last[0].model_config.vocab_size)
+    assert torch.allclose(logits[1], logits[0], atol=1e-4, rtol=1e-4)
+    if DEVICE == "cuda":
+        assert all(r.statics[0].graphs for r in (first[1], last[1]))
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton interpreter, on the CPU")
 def test_static_passes_on_parallel_ranks(tiny_dir, make_engine):
@@ -161,14 +204,7 @@ def test_static_passes_on_parallel_ranks(tiny_dir, make_engine):
     want = make_engine(path, **cpu).generate(input_ids=prompts, sampling_params=params)
     ranks = dict(tp_size=2, dp_size=2, ep_size=2, attention_backend="triton", cuda_graph_max_bs=2)
     engine = make_engine(path, speculative_algorithm="mtp", **ranks, **cpu)
-    collect, static = engine.executor.collect, []
-
-    def counted():
-        results = collect()
-        static.append([r.static_passes for r in results])
-        return results
-
-    engine.executor.collect = counted
+    static = static_passes_per_step(engine)
     got = engine.generate(input_ids=prompts, sampling_params=params)
     assert [g.output_ids for g in got] == [w.output_ids for w in want]
     assert any(all(n >= 2 for n in step) for step in static)  # the verify and the catch-up

@@ -8,7 +8,9 @@ same tokens as one stage and keeps the target's distribution; colocated and disa
 from __future__ import annotations
 
 import pytest
+import torch
 
+from tests.conftest import static_passes_per_step
 from tests.reference import hf_greedy
 from tests.spec.test_acceptance import chi_square_same_distribution, sampled_tokens
 from tests.spec.test_pd_spec import check_pair, trained_draft
@@ -124,3 +126,24 @@ def test_disaggregated_decode_with_stages_and_speculation(
         make_engine=make_engine,
         min_accept_length=1.3,
     )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton interpreter, on the CPU")
+def test_stages_run_static_passes(trained_eagle3, make_engine):
+    """pp 2 on the triton backend (gloo): each stage runs its decode steps, chain verifies and
+    the last stage's draft passes from static buffers (CUDA graphs on a GPU), EAGLE-3's aux
+    states crossing from the first stage to the last in them; the greedy tokens are the torch
+    backend's on one rank, and every verify accepts the same drafts."""
+    path, info, spec = trained_draft("eagle3", "deepseek_v3", None, trained_eagle3)
+    ids = info["prompts"][:3]
+    params = {**GREEDY, "max_new_tokens": 12}
+    one = make_engine(path, **spec, **CHAIN).generate(input_ids=ids, sampling_params=params)
+    static = dict(attention_backend="triton", cuda_graph_max_bs=4)
+    engine = make_engine(path, **spec, **CHAIN, **PP2, **static)
+    passes = static_passes_per_step(engine)
+    got = engine.generate(input_ids=ids, sampling_params=params)
+    for mine, theirs in zip(got, one):
+        assert mine.output_ids == theirs.output_ids
+        assert mine.meta["spec_accepted_per_step"] == theirs.meta["spec_accepted_per_step"]
+    assert any(n >= 2 for (n,) in passes)  # the verify and the draft's passes
+    assert_engine_pages_free(engine)
