@@ -175,10 +175,10 @@ def test_pipeline_stages_replay_their_eager_passes(arch, tiny_dir):
         eager.pool.pages.copy_(context)
         graphed.pool.pages[: graphed.num_pages].copy_(context)
     batch, other = step_batch(kv, 5, 30, 1), step_batch(kv, 3, 30, 1)
-    sent = [runner.forward(batch) for runner in first]
+    sent = [stage.forward(batch) for stage in first]
     kept = sent[1].clone()
     first[1].forward(other)  # the next pass: the same static output buffer
-    logits = [runner.forward(batch, received=sent[0]) for runner in last]
+    logits = [stage.forward(batch, received=sent[0]) for stage in last]
     assert [r.static_passes for r in first + last] == [0, 2, 0, 1]
     assert sent[1].shape == sent[0].shape == (5, first[0].stage_output_width())
     assert torch.equal(sent[1], kept)
