@@ -173,8 +173,8 @@ class StaticSteps:
         self.buckets = token_buckets(max_tokens)
         sparse = runner.index_pool is not None
         self.contexts = context_buckets(self.max_context, sparse)
-        self.fused = runner.config.speculative_naive and hidden_width is None
-        self.fused = self.fused and runner.draft is not None  # the last stage's
+        naive = runner.config.speculative_naive and runner.draft is not None  # the last stage
+        self.fused = naive and hidden_width is None
         if hidden_width is not None:
             self.backends = [runner.draft_backend]
         else:
@@ -196,7 +196,7 @@ class StaticSteps:
         dtype = runner.config.torch_dtype
         if hidden_width is not None:  # the draft's input states, gathered before each replay
             self.hidden = torch.zeros(most, hidden_width, dtype=dtype, device=self.device)
-        self.received = None  # a later stage: what the previous one sent, copied in
+        self.received = None  # a later stage: what the previous one sent
         width = received_width(runner, hidden_width)
         if width is not None:
             self.received = torch.zeros(most, width, dtype=dtype, device=self.device)
@@ -328,8 +328,9 @@ class StaticSteps:
         if self.hidden_width is not None and batch.num_tokens:  # padding only: nothing to read
             rows = self.ints[ROW["hidden_rows"], :n]
             torch.index_select(self.runner.last_hidden, 0, rows, out=self.hidden[:n])
-        if self.received is not None and batch.num_tokens:
-            self.received[: batch.num_tokens].copy_(received)
+        inbox = self.received
+        if inbox is not None and batch.num_tokens and received.data_ptr() != inbox.data_ptr():
+            inbox[: batch.num_tokens].copy_(received)  # not received in place
         if bucket in self.graphs:
             self.graphs[bucket].replay()
         else:  # the CPU: the same buffers, run eagerly

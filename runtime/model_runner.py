@@ -289,7 +289,7 @@ class ModelRunner:
         from dserve.transfer.descriptor import TransferPool
 
         cfg = self.model_config
-        layers = self.ctx.stage.layer_range(cfg.num_hidden_layers)
+        layers = self._layers()
         pools = [
             TransferPool(
                 "target", self.pool, cfg.num_key_value_heads, layers, cfg.num_hidden_layers
@@ -330,14 +330,10 @@ class ModelRunner:
         group's parts of this pass (default: this batch alone): all ranks run the pass statically
         or all eagerly, each group padded to the same bucket."""
         shapes = shapes or [PassShape.of(batch)]
-        draft_pass = batch.hidden_rows is not None
-        for steps in self.statics:
-            if steps.fused == (batch.fused_draft is not None) and self._reads(steps, draft_pass):
-                bucket = steps.bucket_for(shapes)
-                if bucket is not None:
-                    out, feed = steps.run(batch, bucket, received)
-                    self.static_passes += 1
-                    break
+        steps, bucket = self._static_set(batch, shapes)
+        if steps is not None:
+            out, feed = steps.run(batch, bucket, received)
+            self.static_passes += 1
         else:
             if self.ctx.dp.size > 1:
                 batch.dp_num_tokens = [shape.tokens for shape in shapes]
@@ -345,6 +341,26 @@ class ModelRunner:
         if self.draft is not None:
             self.last_hidden = feed
         return out
+
+    def _static_set(self, batch: ForwardBatch, shapes: list[PassShape]):
+        """(the static set that runs this pass, its bucket), or (None, None): eagerly."""
+        draft_pass = batch.hidden_rows is not None
+        for steps in self.statics:
+            if steps.fused == (batch.fused_draft is not None) and self._reads(steps, draft_pass):
+                bucket = steps.bucket_for(shapes)
+                if bucket is not None:
+                    return steps, bucket
+        return None, None
+
+    def stage_input(self, batch: ForwardBatch, shapes: list[PassShape], tokens: int):
+        """Where a stage after the first receives the pass's `tokens` rows from the one
+        before: the static input of the set that will run it (no copy before the replay), else
+        a new tensor."""
+        steps, _ = self._static_set(batch, shapes)
+        if steps is not None and steps.received is not None:
+            return steps.received[:tokens]
+        width, dtype = self.stage_input_width(), self.config.torch_dtype
+        return torch.empty(tokens, width, dtype=dtype, device=self.device)
 
     def stage_input_width(self) -> int:
         """The width of what this stage receives: hidden states and the aux layers' outputs
@@ -354,16 +370,20 @@ class ModelRunner:
     def stage_output_width(self) -> int:
         """The width of what a stage before the last sends: hidden states and the aux layers'
         outputs computed on it and the stages before it."""
-        stop = self.ctx.stage.layer_range(self.model_config.num_hidden_layers).stop
-        sent = [i for i in self.aux_layers if i < stop]
+        sent = self._aux_before(self._layers().stop)
         return self.model_config.hidden_size * (1 + len(sent))
 
     def _carried_ids(self) -> list[int]:
         """The aux layers the stages before this one computed (in `aux_layers` order)."""
-        if self.ctx.stage.first:
-            return []
-        first = self.ctx.stage.layer_range(self.model_config.num_hidden_layers).start
-        return [i for i in self.aux_layers if i < first]
+        return self._aux_before(self._layers().start)
+
+    def _aux_before(self, layer: int) -> list[int]:
+        """The aux layers numbered below `layer`, in `aux_layers` order."""
+        return [i for i in self.aux_layers if i < layer]
+
+    def _layers(self) -> range:
+        """This stage's layers of the target."""
+        return self.ctx.stage.layer_range(self.model_config.num_hidden_layers)
 
     def _unpack(self, received):
         if received is None:

@@ -215,8 +215,7 @@ class StepRunner:
         tokens = shapes[self.group].tokens  # the same group's rank in each stage
         hidden = None
         if not stage.first:
-            width, dtype = runner.stage_input_width(), runner.config.torch_dtype
-            hidden = torch.empty(tokens, width, dtype=dtype, device=runner.device)
+            hidden = runner.stage_input(batch, shapes, tokens)
             if tokens:
                 dist.recv(hidden, src=stage.prev_rank)
         out = runner.forward(batch, shapes, hidden)

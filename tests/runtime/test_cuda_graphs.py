@@ -15,6 +15,7 @@ from tests.reference import hf_greedy
 pytest.importorskip("triton")
 # the interpreter runs the kernels on a CPU host
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.gpu  # on the GPU where there is one: part of `-m gpu`
 EXACT = dict(page_size=4, dtype="float32", device=DEVICE, max_total_tokens=4096)
 LENGTHS = [4, 8, 13]  # requests end at different steps: batches of 3, 2 and 1 sequences
 
@@ -111,7 +112,6 @@ def test_disabled_static_steps_run_eagerly(tiny_dir, make_engine):
     assert off.groups[0].kv.num_pages == off.executor.runner.pool.num_pages == 4096 // 4
 
 
-@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_graph_replay_has_no_host_sync(tiny_dir):
     """A replayed decode step raises nothing under torch's sync detector set to error, and its
@@ -153,7 +153,8 @@ def test_pipeline_stages_replay_their_eager_passes(arch, tiny_dir):
     decode pass from static buffers (a replayed CUDA graph on a GPU) gives what the eager pass
     gives on each stage: the first stage what it sends (a tensor of its own: the next pass
     writes the static output while a send may still read it), the last its logits from what it
-    received (copied into its static input)."""
+    received (copied into its static input, or received there in place)."""
+    from dserve.attention.backend import PassShape
     from dserve.models.parallel import ParallelContext, Stage, split_layers
     from dserve.runtime.config import EngineConfig
     from dserve.runtime.model_runner import ModelRunner
@@ -186,6 +187,13 @@ def test_pipeline_stages_replay_their_eager_passes(arch, tiny_dir):
     assert torch.allclose(sent[1], sent[0], atol=1e-4, rtol=1e-4)
     assert logits[1].shape == logits[0].shape == (5, last[0].model_config.vocab_size)
     assert torch.allclose(logits[1], logits[0], atol=1e-4, rtol=1e-4)
+    # what a stage receives in place: the static pass's own input, or a tensor of its own
+    shapes = [PassShape.of(batch)]
+    inboxes = [stage.stage_input(batch, shapes, 5) for stage in last]
+    assert inboxes[1].data_ptr() == last[1].statics[0].received.data_ptr()
+    assert inboxes[0].shape == inboxes[1].shape == sent[0].shape
+    inboxes[1].copy_(sent[0])
+    assert torch.equal(last[1].forward(batch, received=inboxes[1]), logits[1])
     if DEVICE == "cuda":
         assert all(r.statics[0].graphs for r in (first[1], last[1]))
 
