@@ -19,6 +19,7 @@ from tests.conftest import random_prompts  # noqa: E402
 from tests.reference import hf_greedy  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.gpu  # on the GPU where there is one: part of `-m gpu`
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["keys", "fp8-keys"])
@@ -83,7 +84,6 @@ def test_mla_decode_over_selected_positions_matches_torch(launch):
         torch.testing.assert_close(got[b], want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GLM-5's shapes run on a GPU")
 @pytest.mark.parametrize("rows", [3, 12])
 def test_glm5_sparse_mla_matches_torch(rows):

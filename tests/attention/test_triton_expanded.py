@@ -17,6 +17,7 @@ from dserve.attention.triton_backend import TritonBackend  # noqa: E402
 from tests.kernel_cases import mla_expanded_case  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.gpu  # on the GPU where there is one: part of `-m gpu`
 # (new tokens, context after the step, no tree): a prompt, an extend over a prefix, a decode
 # token, a prompt of one token, a few tokens over a context past a block of keys
 SPANS = [(37, 37, None), (20, 70, None), (1, 9, None), (1, 1, None), (5, 133, None)]
@@ -120,7 +121,6 @@ def test_kv_weight_is_a_view_of_kv_b_proj():
     assert torch.equal(copied, joined)
 
 
-@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real shapes run on a GPU")
 @pytest.mark.parametrize(
     "spans",

@@ -14,6 +14,7 @@ from dserve.attention.triton_backend import TritonBackend  # noqa: E402
 from tests import kernel_cases  # noqa: E402  (the random pools and batches, shared with the GPU check)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.gpu  # on the GPU where there is one: part of `-m gpu`
 # (new tokens, context after the step, tree tail or None): a prompt, an extend over a prefix in
 # pages, a decode token, a draft tree of 4 tokens over the last 5 positions, a prompt of one token
 SPANS = [(37, 37, None), (20, 70, None), (1, 9, None), (4, 12, 5), (1, 1, None)]
@@ -77,7 +78,6 @@ def test_empty_step_returns_no_rows():
 GPU_SPANS = [(700, 700, None), (300, 1500, None), (1, 90, None), (8, 200, 9)]
 
 
-@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real shapes run on a GPU")
 def test_deepseek_v3_shapes_match_the_reference():
     """128 heads, kv_lora_rank 512, rope 64, page size 64, bf16: within bf16 tolerance."""
@@ -87,7 +87,6 @@ def test_deepseek_v3_shapes_match_the_reference():
     assert (ours - ref).abs().max() / ref.abs().max() < 2e-2
 
 
-@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real shapes run on a GPU")
 def test_glm45_shapes_match_the_reference():
     """GLM-4.5: 96 query heads over 8 KV heads of 128, page size 64, bf16."""

@@ -13,6 +13,7 @@ from dserve.attention.triton_mha import mha_decode  # noqa: E402
 from dserve.memory.kv_pool import KVLayout, KVPool  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.gpu  # on the GPU where there is one: part of `-m gpu`
 
 
 def reference(q, keys, values, page_table, row_seqs, seq_lens, scale):
@@ -65,7 +66,6 @@ def test_small_shapes_match_the_reference(heads, kv_heads, head_dim):
     assert torch.allclose(ours, ref, atol=1e-4, rtol=1e-4), (ours - ref).abs().max()
 
 
-@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GLM-4.5 shapes run on a GPU")
 def test_glm45_shapes_match_the_reference():
     """96 query heads over 8 KV heads of 128, page size 64, bf16: within bf16 tolerance."""

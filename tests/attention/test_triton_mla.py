@@ -12,6 +12,9 @@ pytest.importorskip("triton")  # tests/conftest.py sets TRITON_INTERPRET=1 on a 
 from dserve.attention.triton_mla import mla_decode  # noqa: E402
 from dserve.memory.kv_pool import KVLayout, KVPool  # noqa: E402
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.gpu  # on the GPU where there is one: part of `-m gpu`
+
 
 def reference(q_latent, q_rope, cache, page_table, seq_lens, scale):
     """The torch backend's absorbed MLA for one decode token per sequence."""
@@ -65,7 +68,7 @@ def case(heads, rank, rope, page_size, seq_lens, dtype, device, seed=0):
 )
 def test_small_shapes_match_the_reference(num_splits, block_v, tma, both):
     """Also with both halves of the value columns in one program (`both_halves`)."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = DEVICE
     # TMA blocks lie within a page; a GPU's dot takes blocks of 16 or more
     page_size = (16 if device == "cuda" else 4) if tma else 4
     q_latent, q_rope, cache, table, lens = case(
@@ -100,7 +103,7 @@ def test_rows_of_shared_sequences_and_short_contexts():
     """Several query rows read one sequence's page-table row (`row_seqs`: a chain verify's tokens),
     each up to its own context length; with a minimum split longer than most contexts, rows use
     fewer splits than the launch has and the empty ones weigh nothing."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = DEVICE
     q_latent, q_rope, cache, table, _ = case(
         heads=8,
         rank=32,
@@ -132,7 +135,7 @@ def test_a_sparse_row_selecting_nothing_is_zeros_at_any_split_count():
     """A row whose selection is all -1 has no position in any split: the
     merge of its splits gives zeros (not the NaN of 0/0), as one split
     writes them; the other rows are unchanged by the split count."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = DEVICE
     q_latent, q_rope, cache, table, _ = case(
         heads=4,
         rank=32,
@@ -152,7 +155,6 @@ def test_a_sparse_row_selecting_nothing_is_zeros_at_any_split_count():
     assert torch.allclose(outs[0], outs[1], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="DeepSeek-V3 shapes run on a GPU")
 @pytest.mark.parametrize(
     "heads,tune",
@@ -197,7 +199,7 @@ def test_engine_with_the_triton_backend_matches_the_reference(tp, tiny_dir, make
     path = tiny_dir("deepseek_v3")
     prompts = [[5, 17, 99, 3], list(range(40, 77)), [7] * 20]
     params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter runs it on a CPU host
+    device = DEVICE  # the interpreter runs it on a CPU host
     if device == "cuda" and torch.cuda.device_count() < tp:
         pytest.skip(f"tp={tp} needs {tp} GPUs")
     # float32: exact parity
@@ -216,7 +218,7 @@ def test_verify_spans_through_the_kernel(topk, tiny_dir, make_engine):
     path = tiny_dir("deepseek_v3", mtp=True)
     prompts = [[5, 17, 99, 3], list(range(40, 77))]
     params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = DEVICE
     kwargs = dict(page_size=4, dtype="float32", device=device, max_total_tokens=4096)
     expected = make_engine(path, **kwargs).generate(input_ids=prompts, sampling_params=params)
     got = make_engine(

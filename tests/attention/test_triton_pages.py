@@ -17,6 +17,7 @@ from dserve.attention.flashinfer_backend import page_lists  # noqa: E402
 from dserve.attention.triton_pages import gather_pages  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.gpu  # on the GPU where there is one: part of `-m gpu`
 
 
 def masked_pages(table: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -97,7 +98,6 @@ def test_a_static_pass_is_one_request_per_token():
     assert lists["last_page_lens"] == [1, 2, 3, 4, 1]
 
 
-@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_on_a_gpu_at_a_decode_batch_of_long_contexts():
     """128 sequences of up to 2048 pages (128k tokens in pages of 64), int32 as the pool's."""

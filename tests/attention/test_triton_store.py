@@ -12,6 +12,7 @@ from dserve.attention.triton_store import store_tokens  # noqa: E402
 from dserve.memory.kv_pool import KVLayout, KVPool  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.gpu  # on the GPU where there is one: part of `-m gpu`
 
 
 def pools(layout: KVLayout):
@@ -44,7 +45,6 @@ def test_mha_keys_and_values_in_one_launch_match_pool_write():
     assert torch.equal(ours.pages, ref.pages)
 
 
-@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the cast to bf16 is checked on a GPU")
 def test_cast_to_bf16_pool_matches_pool_write():
     layout = KVLayout("mla", 1, 64, torch.bfloat16, latent_dim=576, kv_lora_rank=512)

@@ -18,6 +18,7 @@ from dserve.attention.index_cache import select_top  # noqa: E402
 from dserve.attention.triton_topk import select_top_triton, top_hist  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.gpu  # on the GPU where there is one: part of `-m gpu`
 INF = float("-inf")
 
 
@@ -163,7 +164,6 @@ def test_kept_histograms_serve_calls_of_any_size():
         assert not hist.any()
 
 
-@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GLM-5's shapes run on a GPU")
 @pytest.mark.parametrize("batch", [1, 32, 128])
 @pytest.mark.parametrize("width", [32768, 131072])

@@ -13,6 +13,7 @@ from dserve.kernels.triton_moe import fused_experts  # noqa: E402
 from dserve.models.layers.moe import Experts  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.gpu  # on the GPU where there is one: part of `-m gpu`
 
 
 def reference(x, w13, w2, weights, ids, first):
@@ -44,7 +45,6 @@ def test_matches_the_torch_experts(first, num_local, tokens):
     check(tokens, 2, 8, num_local, first, 32, 24, torch.float32, 1e-4)
 
 
-@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("tokens", [1, 32, 256])
 def test_matches_at_deepseek_v3_shapes(tokens):
@@ -64,7 +64,6 @@ def fp8_experts(num_local, rows, k, scheme, gen):
     return q, s, dequantize(q, s, scheme.block_shape(k)[1])
 
 
-@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("block", [128, 32, 16, None])  # None: per channel
 @pytest.mark.parametrize("tokens", [1, 33])

@@ -12,6 +12,9 @@ pytest.importorskip("triton")  # tests/conftest.py sets TRITON_INTERPRET=1 on a 
 from dserve.kernels.triton_norm import rms_norm  # noqa: E402
 from dserve.models.layers.norm import RMSNorm  # noqa: E402
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.gpu  # on the GPU where there is one: part of `-m gpu`
+
 
 def check(rows: int, hidden: int, dtype: torch.dtype, device: str, residual: bool) -> None:
     gen = torch.Generator().manual_seed(hidden + rows)
@@ -41,10 +44,9 @@ def check(rows: int, hidden: int, dtype: torch.dtype, device: str, residual: boo
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("residual", [False, True])
 def test_matches_torch_small(hidden, dtype, residual):
-    check(5, hidden, dtype, "cuda" if torch.cuda.is_available() else "cpu", residual)
+    check(5, hidden, dtype, DEVICE, residual)
 
 
-@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("rows", [1, 128, 4096])
 @pytest.mark.parametrize("residual", [False, True])
@@ -77,7 +79,7 @@ def test_quantized_output_is_what_the_gemms_would_quantize(rows, hidden, group):
     """The fused quantization writes the norm's rounded output in e4m3 with the scale per
     group a separate quantization would give (all of the row where the group covers it),
     rows padded to a multiple of 4 with zeros, scales token-major."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = DEVICE
     gen = torch.Generator().manual_seed(rows + hidden)
     weight = (torch.rand(hidden, generator=gen) + 0.5).to(device, torch.bfloat16)
     x = (torch.randn(rows, hidden, generator=gen) * 3).to(device, torch.bfloat16)
@@ -107,7 +109,7 @@ def test_norm_output_carries_its_fp8_form_to_the_gemms():
     """A norm with `quant_group` attaches the FP8 form to its output, in its group only."""
     from dserve.kernels.triton_fp8 import quantized_form
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = DEVICE
     norm = RMSNorm(64).to(device=device, dtype=torch.bfloat16)
     norm.use_kernel, norm.quant_group = True, 32
     x = torch.randn(3, 64, device=device, dtype=torch.bfloat16)

@@ -16,6 +16,7 @@ from dserve.models.config import RopeConfig  # noqa: E402
 from dserve.models.layers.rotary import RotaryEmbedding  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.gpu  # on the GPU where there is one: part of `-m gpu`
 
 
 def check(tokens, heads, head_dim, rotary_dim, interleaved, dtype, prefix=0):
@@ -51,7 +52,6 @@ def test_partial_rotary_copies_the_rest():
     check(tokens=5, heads=20, head_dim=24, rotary_dim=8, interleaved=False, dtype=torch.float32)
 
 
-@pytest.mark.gpu
 @pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason="Triton's interpreter rounds float32 -> bf16 casts toward zero; bf16 is checked on a GPU",
@@ -60,7 +60,6 @@ def test_bf16_rounding_equals_torch():
     check(tokens=4, heads=2, head_dim=16, rotary_dim=16, interleaved=True, dtype=torch.bfloat16)
 
 
-@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real shapes run on a GPU")
 @pytest.mark.parametrize(
     "heads,head_dim,rotary_dim,interleaved,prefix",

@@ -16,6 +16,7 @@ from dserve.kernels.triton_routing import capacity, route, sort_pairs  # noqa: E
 from dserve.models.layers import moe  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.gpu  # on the GPU where there is one: part of `-m gpu`
 
 
 def torch_sort(ids, first, num_local, block_m):
@@ -131,7 +132,6 @@ def test_route_matches_the_torch_route(name):
     assert (route(logits, bias, cfg, real)[1][-2:] == -1).all()
 
 
-@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("tokens", [1, 128, 4096])
 def test_at_deepseek_v3_shapes(tokens):

@@ -16,6 +16,7 @@ from dserve.kernels.triton_value_up import takes, value_up_quantized  # noqa: E4
 from tests.kernels.test_triton_norm import quantized_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.gpu  # on the GPU where there is one: part of `-m gpu`
 # the interpreter's bfloat16 dot returns garbage (Triton 3.9): float32 on the CPU
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 
@@ -91,14 +92,12 @@ def test_o_proj_reads_the_attached_form_only_for_its_own_group():
     assert torch.equal(out, reference(o, w_uv))
 
 
-@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("tokens", [1, 64, 200])
 def test_at_deepseek_v3_shapes(tokens):
     check(tokens, 128, 512, 128, 128)
 
 
-@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_an_fp8_o_proj_reads_the_form_it_was_given():
     """Through `models.quant.value_up` and an FP8 o_proj of blocks of 128 (DeepSeek-V3's

@@ -18,6 +18,7 @@ from tests.reference import hf_greedy
 
 PARAMS = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter runs Triton on a CPU
+pytestmark = pytest.mark.gpu  # on the GPU where there is one: part of `-m gpu`
 
 
 def test_expanded_equals_absorbed_attention():
@@ -52,7 +53,6 @@ def test_expanded_under_tensor_parallelism(tiny_dir, make_engine):
     assert result.output_ids == hf_greedy(path, prompt, 6)
 
 
-@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_expanded_on_a_gpu_gives_the_reference_tokens(tiny_dir, make_engine):
     """The Triton kernel on the GPU (float32, the triton backend), every pass expanded."""

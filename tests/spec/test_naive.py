@@ -85,6 +85,7 @@ def test_naive_pair_matches_colocated(
     )
 
 
+@pytest.mark.gpu  # on the GPU where there is one
 @pytest.mark.parametrize("algorithm,arch", [("eagle3", "deepseek_v3"), ("mtp", "glm4_moe")])
 def test_naive_through_static_steps(algorithm, arch, trained_dir, trained_eagle3, make_engine):
     """With the triton backend the fused step runs from the static buffers (a CUDA graph per bucket on

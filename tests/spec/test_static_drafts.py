@@ -10,6 +10,7 @@ from tests.spec.test_pd_spec import trained_draft
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
+@pytest.mark.gpu  # on the GPU where there is one
 @pytest.mark.parametrize("algorithm,arch", [("eagle3", "deepseek_v3"), ("mtp", "glm4_moe")])
 def test_draft_passes_through_static_steps(
     algorithm, arch, trained_dir, trained_eagle3, make_engine
