@@ -43,8 +43,9 @@ import triton.language as tl
 
 from dserve.attention.dependent_launch import dependent_launch, follow
 
-SAMPLE = tl.constexpr(512)  # positions each program's bins come from
-CAP = tl.constexpr(4096)  # candidates a row lists (more: read from the whole row)
+# launch constants (module-wide, read at each launch: a test may set smaller ones)
+SAMPLE = 512  # positions each program's bins come from
+CAP = 4096  # candidates a row lists (more: read from the whole row)
 # up to this many candidates (the usual count: a 256th of a row's span of scores holds a few
 # hundred of 32k-128k) are read once into registers and sorted (a power of two)
 SMALL_TILE = 512
@@ -289,6 +290,8 @@ def _chunk_kernel(
     BLOCK: tl.constexpr,
     LENS: tl.constexpr,
     SPLIT: tl.constexpr,
+    SAMPLE: tl.constexpr,
+    CAP: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Program (row, c) over chunk c of the row: its counts (`Sfx`, and added into `Hist`;
@@ -339,6 +342,7 @@ def _finish_kernel(
     TILE: tl.constexpr,
     SMALL: tl.constexpr,
     LENS: tl.constexpr,
+    CAP: tl.constexpr,
     PDL: tl.constexpr,
 ):
     follow(PDL)
@@ -408,18 +412,18 @@ def select_top_triton(
     hist = top_hist(tokens, device) if hist is None else hist
     assert hist.is_contiguous() and hist.shape[0] >= tokens
     sfx = torch.empty(tokens, chunks, 256, dtype=torch.int32, device=device)
-    spill = torch.empty(tokens, CAP.value, dtype=torch.int32, device=device)
+    spill = torch.empty(tokens, CAP, dtype=torch.int32, device=device)
     bins = torch.empty(tokens, 2, dtype=torch.float32, device=device)  # each row's low, per
     rows = scores if lens is None else lens
     pdl = dependent_launch(device)
-    common = dict(CHUNK=chunk, BLOCK=block, LENS=lens is not None, num_warps=num_warps, **pdl)
+    common = dict(CHUNK=chunk, BLOCK=block, LENS=lens is not None, CAP=CAP, **pdl)
     grid, stride = (tokens, chunks), scores.stride(0)
     args = (scores, rows, out, hist, sfx, spill, bins, stride, width, topk, chunks)
     for split in (False, True):
-        _chunk_kernel[grid](*args, **common, SPLIT=split)
+        _chunk_kernel[grid](*args, **common, SPLIT=split, SAMPLE=SAMPLE, num_warps=num_warps)
     tile = min(2048, chunk)  # one variant per chunk: `compile_every_chunk` compiles them all
     small = SMALL_TILE if device.type == "cuda" else INTERPRETED_SMALL_TILE
-    finish = dict(TILE=tile, SMALL=min(small, tile), LENS=lens is not None, num_warps=8)
+    finish = dict(TILE=tile, SMALL=min(small, tile), LENS=lens is not None, CAP=CAP, num_warps=8)
     finish.update(pdl)
     launch = (scores, rows, out, hist, spill, bins, stride, width, topk)
     _finish_kernel[(tokens,)](*launch, **finish)

@@ -115,7 +115,7 @@ def test_scores_outside_the_sampled_bins_select_exactly(monkeypatch):
     positions are all -inf puts every finite score in one bin."""
     from dserve.attention import triton_topk
 
-    monkeypatch.setattr(triton_topk, "SAMPLE", triton_topk.tl.constexpr(64))
+    monkeypatch.setattr(triton_topk, "SAMPLE", 64)
     gen = torch.Generator().manual_seed(7)
     scores = torch.randn(2, 1000, generator=gen)
     sampled = torch.arange(64) * 1000 // 64
@@ -138,7 +138,7 @@ def test_candidates_past_a_tile_and_past_the_list():
     assert triton_topk.SMALL_TILE < 1500 and triton_topk.INTERPRETED_SMALL_TILE < 1500
     check(scores, 700)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(triton_topk, "CAP", triton_topk.tl.constexpr(8))
+        patch.setattr(triton_topk, "CAP", 8)
         check(scores, 700, chunk=512, block=256)
 
 

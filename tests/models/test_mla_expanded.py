@@ -78,7 +78,7 @@ def test_engine_tokens_through_the_triton_kernel(min_tokens, tiny_dir, make_engi
     path = tiny_dir("deepseek_v3")
     engine = make_engine(
         path, device=DEVICE, dtype="float32", attention_backend="triton", page_size=4,
-        mla_expand_min_tokens=min_tokens, chunked_prefill_size=32,
+        mla_expand_min_tokens=min_tokens, chunked_prefill_size=32, max_total_tokens=4096,
     )  # fmt: skip
     prompts = random_prompts(3, 512, [9, 40, 71], seed=11)
     results = engine.generate(input_ids=prompts, sampling_params=PARAMS)
