@@ -38,8 +38,9 @@ graphs keep beside the KV pool, and `output_bytes` counts them before the pool i
 are captured at start, largest first, into one memory pool: a capture's temporaries die with it and
 the next capture reuses their memory.
 
-A pipeline stage captures its own layers the same way: a stage after the first copies what the
-previous stage sent into a static input before the replay (pad rows keep earlier rows' states:
+A pipeline stage captures its own layers the same way: a stage after the first receives what the
+previous stage sent straight into a static input (`ModelRunner.stage_input`; `run` copies a
+tensor received elsewhere) before the replay (pad rows keep earlier rows' states:
 their tokens write only the scratch page and reach no expert), and a stage before the last sends
 a copy of its static output (the next pass reuses the buffer while the send may still read it).
 The sends and receives stay outside the graphs; the last stage's LM head runs as without stages.
