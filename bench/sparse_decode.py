@@ -22,7 +22,11 @@ whether our top-k chose torch's set in every row (random scores: no ties). The i
 one, within 2x of its roofline. `--flashmla`: FlashMLA's sparse kernels beside our sparse MLA,
 over the same selections (`bench.flashmla`: `fm16` its bf16 kernel on the same cache, `fm8` its
 FP8 decode over DeepSeek-V3.2's 656-byte layout), with the rooflines of the selected rows'
-bytes (`mla roof` bf16, `fp8 roof`). Prints a table and writes JSON.
+bytes (`mla roof` bf16, `fp8 roof`). Beside the copy, each part's read-only floor in the same
+run (`bench.read_floor`): the indexer's keys read (`keys rd`), the scores read once (`top rd`),
+the selected rows gathered through the page table (`gather`), their sum (`floors`) and that
+over the dense step (`f/d`): the step if every part only read its bytes, at the best rate a
+bare read reaches at that size. Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -69,7 +73,9 @@ def index_keys(pages: int, fp8: bool) -> dict:
     keys = torch.randn(pages * PAGE, INDEX_DIM, device="cuda", dtype=torch.bfloat16)
     write_keys(pool, 0, torch.arange(pages * PAGE, device="cuda"), keys)
     buffers = pool.buffers[0]
-    return {"keys": buffers[0], "key_scales": key_scales(buffers[1]) if fp8 else None}
+    scales = key_scales(buffers[1]) if fp8 else None
+    # "key_pages": the pool's pages, whole (the keys and scales are views of them)
+    return {"keys": buffers[0], "key_scales": scales, "key_pages": pool.pages}
 
 
 def decode_kernel(c: dict, sparse: bool):
@@ -216,6 +222,7 @@ def row(batch: int, context: int, repeats: int, copy: float, fp8_keys: bool) -> 
         times.update(peers)
     for name, fn in times.items():
         r[name] = graph_seconds(fn, repeats) * 1e3
+    r.update(part_floors(c, scores, chosen, repeats))
     picked = batch * min(TOPK, context)
     latent_bytes = picked * (RANK + ROPE) * 2
     nbytes = batch * context * key_bytes + latent_bytes
@@ -226,7 +233,21 @@ def row(batch: int, context: int, repeats: int, copy: float, fp8_keys: bool) -> 
     r["sparse_over_dense"] = r["sparse_ms"] / r["dense_ms"]
     r["roofline_ms"] = nbytes / copy * 1e3
     r["sparse_over_roofline"] = r["sparse_ms"] / r["roofline_ms"]
+    r["floors_over_dense"] = r["floors_ms"] / r["dense_ms"]
     return r
+
+
+def part_floors(c: dict, scores: torch.Tensor, chosen: torch.Tensor, repeats: int) -> dict:
+    """ms of each part's read-only floor (`bench.read_floor`) and their sum."""
+    from bench.read_floor import gather_floor_seconds, read_floor_seconds
+
+    floors = {
+        "keys_floor_ms": read_floor_seconds([c["key_pages"]], repeats),
+        "top_floor_ms": read_floor_seconds([scores], repeats),
+        "gather_floor_ms": gather_floor_seconds(c["cache"], c["table"], chosen, repeats),
+    }
+    floors = {name: s * 1e3 for name, s in floors.items()}
+    return {**floors, "floors_ms": sum(floors.values())}
 
 
 COLUMNS = [
@@ -249,6 +270,11 @@ COLUMNS = [
     ("fm16_ms", "fm16", "{:>8.3f}"),
     ("fm8_ms", "fm8", "{:>8.3f}"),
     ("fp8_roof_ms", "fp8 roof", "{:>8.3f}"),
+    ("keys_floor_ms", "keys rd", "{:>8.3f}"),
+    ("top_floor_ms", "top rd", "{:>8.3f}"),
+    ("gather_floor_ms", "gather", "{:>8.3f}"),
+    ("floors_ms", "floors", "{:>8.3f}"),
+    ("floors_over_dense", "f/d", "{:>6.2f}"),
     ("same", "same", "{!s:>5}"),
 ]
 
