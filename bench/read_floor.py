@@ -16,7 +16,10 @@ read those bytes would take here:
 Each program sums what it read into a few float32s (so the reads cannot
 be dropped, and nearly nothing is written); the floor is the fastest of a
 few launch shapes. `gather_sums` and `read_sums` return those sums, which
-the tests check against torch (`tests/bench/test_read_floor.py`).
+the tests check against torch (`tests/bench/test_read_floor.py`). They are
+simple kernels, not proven lower bounds: where a part reads more cleverly
+than they do (the sparse MLA at batch 128 on an H100), it beats its
+floor.
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ def gather_sums(cache, table, selected, shape=(32, 1, 4)) -> torch.Tensor:
     pages a row], `selected` [batch, width] positions, -1 for none)."""
     rows, loops, warps = shape
     batch, width = selected.shape
+    assert cache.is_contiguous() and cache.shape[-1] == ROW
     programs = triton.cdiv(width, rows * loops)
     out = torch.empty(batch, programs, ROW, dtype=torch.float32, device=cache.device)
     _gather_kernel[(batch, programs)](

@@ -25,8 +25,8 @@ FP8 decode over DeepSeek-V3.2's 656-byte layout), with the rooflines of the sele
 bytes (`mla roof` bf16, `fp8 roof`). Beside the copy, each part's read-only floor in the same
 run (`bench.read_floor`): the indexer's keys read (`keys rd`), the scores read once (`top rd`),
 the selected rows gathered through the page table (`gather`), their sum (`floors`) and that
-over the dense step (`f/d`): the step if every part only read its bytes, at the best rate a
-bare read reaches at that size. Prints a table and writes JSON.
+over the dense step (`f/d`): the step if every part only read its bytes, as fast as the best
+of a few simple read-only kernels does at that size. Prints a table and writes JSON.
 """
 
 from __future__ import annotations
