@@ -11,7 +11,7 @@ import torch
 from bench.read_floor import gather_sums, read_sums
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = pytest.mark.gpu
+pytestmark = pytest.mark.gpu  # on the GPU where there is one: part of `-m gpu`
 
 
 @pytest.mark.parametrize("shape", [(16, 1, 4), (8, 3, 4)])
