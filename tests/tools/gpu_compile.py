@@ -12,15 +12,20 @@ out: on the 2-core CI host they take minutes), not run.
 
 Gluon kernels (`attention/gluon_mla.py`; Gluon has no interpreter, so nothing else on a CPU
 host runs them) go through Triton's whole compiler instead, to sm_90 code, with a stand-in driver
-that names an H100 as the target.
+that names an H100 as the target, in a fresh cache so that ptxas runs on each: a variant whose
+wgmma ptxas serializes fails (its C7511 note; session 53's seesaw with loader warps ran 2x
+slower for it, with no spill and no warning).
 
 Must start without TRITON_INTERPRET (the kernels are then `JITFunction`s).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import sys
+import tempfile
 
 import torch
 from triton.backends.compiler import GPUTarget
@@ -92,8 +97,11 @@ class Compiler:
         before = drivers._active  # none on a CPU host: the default would fail to load
         drivers.set_active(H100Driver())
         try:
-            LAUNCH(fn, *args, grid=(1,), warmup=True, **kwargs)
+            log = ptxas_log(lambda: LAUNCH(fn, *args, grid=(1,), warmup=True, **kwargs))
             self.compiled += 1
+            serialized = [line for line in log.splitlines() if "C7511" in line]
+            if serialized:
+                self.failures.append(f"{name}: ptxas serialized its wgmma: {serialized[0]}")
         except Exception as e:  # noqa: BLE001 - reported, then the next variant
             causes = [e]
             while causes[-1].__cause__ is not None:
@@ -102,6 +110,17 @@ class Compiler:
             self.failures.append(f"{name}: {said}")
         finally:
             drivers._active = before
+
+
+def ptxas_log(compile_) -> str:
+    """What ptxas said while `compile_()` ran (Triton prints its log when asked)."""
+    from triton import knobs
+
+    said = io.StringIO()
+    with knobs.nvidia.scope(), contextlib.redirect_stdout(said):
+        knobs.nvidia.dump_ptxas_log = True
+        compile_()
+    return said.getvalue()
 
 
 def front_end(src: ASTSource, options: dict) -> None:
@@ -293,6 +312,8 @@ def _tree(n: int) -> torch.Tensor:
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("start without TRITON_INTERPRET=1: the kernels must be JITFunctions")
+    # a cache of its own: each Gluon variant goes through ptxas, whose notes are checked
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="gpu-compile-")
     compiler = Compiler()
     JITFunction.run = lambda fn, *a, **k: compiler.run(fn, *a, **k)
     extend_launches(torch.Generator().manual_seed(0))

@@ -2,7 +2,8 @@
 (`tests/tools/gpu_compile.py`): the interpreter accepts code an sm_90 compile refuses, such
 as a function returning two shapes (session 23's extend kernels) or a dot narrower than 16.
 The Gluon kernels, which no CPU test can run, compile whole for sm_90 (session 29: an int64
-length the engine passes broke the MLA decode's compile on the GPU only)."""
+length the engine passes broke the MLA decode's compile on the GPU only), and none has its
+wgmma serialized by ptxas (C7511: session 53's seesaw with loader warps, 2x slower for it)."""
 
 from __future__ import annotations
 
