@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import shutil
 import sys
 import tempfile
 
@@ -69,6 +70,8 @@ class Compiler:
         self.seen: set = set()
         self.failures: list[str] = []
         self.compiled = 0
+        self.gluon_kernels: set = set()
+        self.ptxas_seen: set = set()  # Gluon kernels whose ptxas log was read
 
     def run(self, fn: JITFunction, *args, grid, warmup, **kwargs):
         if getattr(fn, "is_gluon", lambda: False)():
@@ -99,6 +102,9 @@ class Compiler:
         try:
             log = ptxas_log(lambda: LAUNCH(fn, *args, grid=(1,), warmup=True, **kwargs))
             self.compiled += 1
+            self.gluon_kernels.add(fn.fn.__name__)
+            if "registers" in log:  # ptxas ran (a variant compiled before is cached)
+                self.ptxas_seen.add(fn.fn.__name__)
             serialized = [line for line in log.splitlines() if "C7511" in line]
             if serialized:
                 self.failures.append(f"{name}: ptxas serialized its wgmma: {serialized[0]}")
@@ -313,13 +319,23 @@ def main() -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("start without TRITON_INTERPRET=1: the kernels must be JITFunctions")
     # a cache of its own: each Gluon variant goes through ptxas, whose notes are checked
-    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="gpu-compile-")
+    cache = tempfile.mkdtemp(prefix="gpu-compile-")
+    os.environ["TRITON_CACHE_DIR"] = cache
+    try:
+        return compile_all()
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def compile_all() -> int:
     compiler = Compiler()
     JITFunction.run = lambda fn, *a, **k: compiler.run(fn, *a, **k)
     extend_launches(torch.Generator().manual_seed(0))
     dsa_and_norm_launches(torch.Generator().manual_seed(1))
     decode_and_gemm_launches(torch.Generator().manual_seed(2))
     gluon_launches(torch.Generator().manual_seed(3))
+    for kernel in sorted(compiler.gluon_kernels - compiler.ptxas_seen):
+        compiler.failures.append(f"{kernel}: no ptxas log read: its C7511 check saw nothing")
     for failure in compiler.failures:
         print("FAILED", failure)
     done, failed = compiler.compiled, len(compiler.failures)
