@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import shutil
 import sys
 import tempfile
 
@@ -319,12 +318,9 @@ def main() -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("start without TRITON_INTERPRET=1: the kernels must be JITFunctions")
     # a cache of its own: each Gluon variant goes through ptxas, whose notes are checked
-    cache = tempfile.mkdtemp(prefix="gpu-compile-")
-    os.environ["TRITON_CACHE_DIR"] = cache
-    try:
+    with tempfile.TemporaryDirectory(prefix="gpu-compile-") as cache:
+        os.environ["TRITON_CACHE_DIR"] = cache
         return compile_all()
-    finally:
-        shutil.rmtree(cache, ignore_errors=True)
 
 
 def compile_all() -> int:
